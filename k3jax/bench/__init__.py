@@ -1,0 +1,1 @@
+"""Benchmarks behind `k3 bench NAME` (one module per benchmark)."""

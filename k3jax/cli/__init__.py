@@ -1,0 +1,1 @@
+"""`k3` command-line entry points (thin wrappers over the library)."""

@@ -1,0 +1,67 @@
+"""`k3 bench NAME [--json]` — benchmarks that measure the figures an issue names, side by side in one run.
+
+Each benchmark module ``k3jax.bench.<name>`` exposes ``add_arguments(parser)`` (optional) and
+``run(args) -> dict``; the dict has at least ``name`` and a ``ratios`` map. With ``--json`` exactly one JSON
+object is printed on stdout (progress goes to stderr).
+
+    k3 bench --list
+    k3 bench kda --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+BENCHES = {
+    "kda": "k3jax.bench.kda",
+    "mxfp4": "k3jax.bench.mxfp4",
+    "moe": "k3jax.bench.moe",
+    "load": "k3jax.bench.load",
+    "train": "k3jax.bench.train",
+}
+
+
+def _available() -> list[str]:
+    out = []
+    for name, mod in BENCHES.items():
+        try:
+            importlib.util.find_spec(mod)
+        except ModuleNotFoundError:
+            continue
+        if importlib.util.find_spec(mod) is not None:
+            out.append(name)
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", nargs="?", help="benchmark name (see --list)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--list", action="store_true", help="list available benchmarks")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="benchmark-specific options")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    avail = _available()
+    if args.list or not args.name:
+        print("\n".join(avail))
+        return 0 if args.list else 2
+    if args.name not in avail:
+        raise ValueError(f"unknown benchmark {args.name!r}; available: {', '.join(avail)}")
+    mod = importlib.import_module(BENCHES[args.name])
+    bp = argparse.ArgumentParser(prog=f"k3 bench {args.name}")
+    if hasattr(mod, "add_arguments"):
+        mod.add_arguments(bp)
+    bargs = bp.parse_args(args.rest)
+    result = mod.run(bargs)
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}", file=sys.stdout)
+    return 0

@@ -1,0 +1,54 @@
+"""`k3` — the k3jax command line.
+
+    k3 run   --preset k3-mini            forward pass + routing summary on a small preset (the main job)
+    k3 plan  --preset kimi-k3 --json     parameters / bytes / per-device memory, without allocating anything
+    k3 bench NAME --json                 benchmarks (k3 bench --list)
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser sets ``func``.
+Errors in user input exit with status 2 and a message naming the field, file or tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module (imported lazily so `k3 --help` stays fast and one broken module does not hide the rest)
+SUBCOMMANDS = {
+    "run": "k3jax.cli.run",
+    "plan": "k3jax.cli.plan",
+    "bench": "k3jax.cli.bench",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="k3", description="k3jax: Kimi K3 in JAX")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, mod in SUBCOMMANDS.items():
+        try:
+            importlib.import_module(mod).add_parser(sub)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+    return p
+
+
+def main(argv=None) -> int:
+    from k3jax.config import ConfigError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""The one frozen model config (``K3Config``), named presets and ``from_hf``.
+
+Only ``k3jax.model.transformer`` reads a ``K3Config``; inner layers get plain arguments (STYLE.md §3.4).
+Family switches (SPEC §13) are fields, not code forks; they double as ablation knobs.
+
+    >>> cfg = get_preset("kimi-k3")
+    >>> cfg.mla_layers[-2:], cfg.num_mla_layers
+    ((91, 92), 24)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Act = Literal["situ", "silu"]
+MoEImpl = Literal["dense", "sorted"]
+KDAImpl = Literal["recurrent", "chunked", "pallas"]
+QATMode = Literal["off", "weights", "weights+acts"]
+
+
+class ConfigError(ValueError):
+    """A malformed or contradictory config; the message names the field."""
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """Hyper-parameters of a K3-family model (Kimi K3, Kimi-Linear, and small K3-shaped presets).
+
+    Layer indices in this object are **0-based**; ``full_attn_layers`` is kept 1-based as in the HF config.
+    """
+
+    name: str = "custom"
+    # -- trunk
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    num_layers: int = 93
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    # 1-based indices of the MLA ("full attention") layers; all others are KDA.
+    full_attn_layers: tuple[int, ...] = ()
+    # -- KDA
+    kda_num_heads: int = 96
+    kda_head_dim: int = 128
+    kda_conv_size: int = 4
+    kda_gate_lower_bound: float | None = -5.0  # None -> Kimi-Linear softplus gate (unbounded)
+    kda_full_rank_gate: bool = True  # False -> low-rank g_a/g_b output gate (rank = kda_head_dim)
+    # -- MLA
+    mla_num_heads: int = 96
+    q_lora_rank: int | None = 1536  # None -> direct q_proj (Kimi-Linear)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_output_gate: bool = True
+    mla_norm_eps: float = 1e-6  # SPEC §2.3: Moonshot/HF use 1e-6; torchtitan uses rms_norm_eps
+    # -- FFN
+    hidden_act: Act = "situ"
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    intermediate_size: int = 33792  # dense layer-0 MLP
+    first_k_dense_replace: int = 1
+    # -- MoE
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 3072
+    routed_expert_hidden_size: int | None = 3584  # None -> standard MoE (experts on full width)
+    latent_moe_use_norm: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True
+    # -- residual
+    attn_res_block_size: int | None = 12  # None -> standard pre-norm residual (Kimi-Linear)
+    # -- checkpoint storage of the routed experts
+    expert_format: Literal["mxfp4", "bf16"] = "mxfp4"
+    # -- runtime choices (not part of the architecture; never read from an HF config)
+    moe_impl: MoEImpl = "sorted"
+    kda_impl: KDAImpl = "recurrent"
+    kda_chunk_size: int = 64
+    mla_block_size: int = 512  # key block of the blockwise causal attention
+    qat: QATMode = "off"
+    qat_weight_rule: str = "even"
+    qat_act_rule: str = "ceil"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        validate(self)
+
+    # ---- derived facts, computed in one place
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        """0-based indices of the gated-MLA layers."""
+        return tuple(sorted(i - 1 for i in self.full_attn_layers))
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        m = set(self.mla_layers)
+        return tuple(l for l in range(self.num_layers) if l not in m)
+
+    @property
+    def num_mla_layers(self) -> int:
+        return len(self.full_attn_layers)
+
+    @property
+    def num_kda_layers(self) -> int:
+        return self.num_layers - self.num_mla_layers
+
+    def is_mla(self, l: int) -> bool:
+        return (l + 1) in self.full_attn_layers
+
+    def is_moe(self, l: int) -> bool:
+        return l >= self.first_k_dense_replace
+
+    @property
+    def uses_attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def is_latent_moe(self) -> bool:
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def moe_width(self) -> int:
+        """Width the routed experts work in: the latent ℓ for LatentMoE, else d."""
+        return self.routed_expert_hidden_size if self.is_latent_moe else self.hidden_size
+
+    @property
+    def shared_hidden(self) -> int:
+        return self.num_shared_experts * self.moe_intermediate_size
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attn_res_boundaries(self) -> tuple[int, ...]:
+        if not self.uses_attn_res:
+            return ()
+        return tuple(l for l in range(self.num_layers) if l % self.attn_res_block_size == 0)
+
+    @property
+    def kda_gate(self) -> Literal["safe", "softplus"]:
+        return "softplus" if self.kda_gate_lower_bound is None else "safe"
+
+    def replace(self, **kw) -> K3Config:
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        d["full_attn_layers"] = list(self.full_attn_layers)
+        return d
+
+
+_CHOICES = {
+    "hidden_act": ("situ", "silu"),
+    "moe_impl": ("dense", "sorted"),
+    "kda_impl": ("recurrent", "chunked", "pallas"),
+    "qat": ("off", "weights", "weights+acts"),
+    "expert_format": ("mxfp4", "bf16"),
+    "qat_weight_rule": ("floor", "ceil", "even"),
+    "qat_act_rule": ("floor", "ceil", "even"),
+    "param_dtype": ("float32", "bfloat16", "float64"),
+    "compute_dtype": ("float32", "bfloat16", "float64"),
+}
+
+
+def validate(c: K3Config) -> None:
+    """Raise ConfigError naming the field for any malformed or contradictory value."""
+
+    def need(cond: bool, fld: str, msg: str):
+        if not cond:
+            raise ConfigError(f"config field {fld!r}: {msg} (got {getattr(c, fld, None)!r})")
+
+    for fld, opts in _CHOICES.items():
+        need(getattr(c, fld) in opts, fld, f"must be one of {opts}")
+    for fld in ("vocab_size", "hidden_size", "num_layers", "kda_num_heads", "kda_head_dim", "kda_conv_size",
+                "mla_num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
+                "num_experts", "num_experts_per_token", "moe_intermediate_size", "kda_chunk_size",
+                "mla_block_size"):
+        v = getattr(c, fld)
+        need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld, "must be a positive integer")
+    need(isinstance(c.qk_rope_head_dim, int) and c.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
+    need(c.num_shared_experts >= 0, "num_shared_experts", "must be >= 0")
+    need(c.q_lora_rank is None or c.q_lora_rank > 0, "q_lora_rank", "must be a positive integer or null")
+    need(c.routed_expert_hidden_size is None or c.routed_expert_hidden_size > 0, "routed_expert_hidden_size",
+         "must be a positive integer or null")
+    need(c.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
+    need(c.mla_norm_eps > 0, "mla_norm_eps", "must be > 0")
+    need(c.situ_beta > 0 and c.situ_linear_beta > 0, "situ_beta", "SiTU betas must be > 0")
+    need(c.kda_gate_lower_bound is None or c.kda_gate_lower_bound < 0, "kda_gate_lower_bound", "must be < 0")
+    need(c.num_experts_per_token <= c.num_experts, "num_experts_per_token",
+         f"top-k cannot exceed num_experts={c.num_experts}")
+    need(0 <= c.first_k_dense_replace <= c.num_layers, "first_k_dense_replace", f"must be in [0, {c.num_layers}]")
+    fal = c.full_attn_layers
+    need(all(isinstance(i, int) and 1 <= i <= c.num_layers for i in fal), "full_attn_layers",
+         f"1-based layer indices must lie in [1, {c.num_layers}]")
+    need(len(set(fal)) == len(fal), "full_attn_layers", "duplicate layer index")
+    need(c.attn_res_block_size is None or c.attn_res_block_size > 0, "attn_res_block_size", "must be > 0 or null")
+    need(c.latent_moe_use_norm is False or c.is_latent_moe, "latent_moe_use_norm",
+         "a latent norm needs routed_expert_hidden_size")
+    need(c.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
+    need(c.kda_chunk_size % 16 == 0, "kda_chunk_size", "must be a multiple of the 16-token sub-chunk")
+
+
+# --------------------------------------------------------------------------------------------------------- from_hf
+
+# Serialized transformers.PretrainedConfig boilerplate that carries no model hyper-parameter (SPEC §1.1).
+_HF_BOILERPLATE = frozenset("""
+_name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens bos_token_id
+chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
+torch_dtype early_stopping encoder_no_repeat_ngram_size eos_token_id exponential_decay_length_penalty finetuning_task
+forced_bos_token_id forced_eos_token_id id2label label2id is_decoder is_encoder_decoder length_penalty max_length
+min_length no_repeat_ngram_size num_beam_groups num_beams num_return_sequences output_attentions output_hidden_states
+output_scores pad_token_id prefix problem_type pruned_heads remove_invalid_values repetition_penalty return_dict
+return_dict_in_generate sep_token_id suppress_tokens task_specific_params temperature tf_legacy_loss
+tie_encoder_decoder tokenizer_class top_k top_p torchscript transformers_version typical_p use_bfloat16 use_cache
+initializer_range max_position_embeddings model_type ignore_index media_placeholder_token_id image_placeholder
+head_dim rope_theta rope_scaling attention_dropout attention_bias mlp_bias use_return_dict
+""".split())
+
+# Known model fields: value = how we consume them. "check:<expected>" fields must have that value (features
+# k3jax does not implement are refused loudly rather than silently ignored).
+_HF_FIELDS = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "linear_attn_config",
+    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate", "hidden_act", "activation_situ_beta",
+    "activation_situ_linear_beta", "intermediate_size", "first_k_dense_replace", "moe_layer_freq", "num_experts",
+    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
+    "latent_moe_use_norm", "routed_scaling_factor", "moe_renormalize", "moe_router_activation_func", "topk_method",
+    "use_grouped_topk", "num_expert_group", "topk_group", "attn_res_block_size", "num_nextn_predict_layers",
+    "quantization_config", "kv_lora_rank",
+}
+_LINEAR_ATTN_FIELDS = {"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size",
+                       "gate_lower_bound", "use_full_rank_gate"}
+
+
+def _load_json(path_or_dict) -> tuple[dict, str]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, "<dict>"
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p, encoding="utf-8") as f:
+            return json.load(f), p
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+
+
+def from_hf(path_or_dict, **overrides) -> K3Config:
+    """Parse an official K3 ``config.json`` (``kimi_k3`` wrapping ``text_config``) or a flat Kimi-Linear one.
+
+    Unknown fields and contradictions raise ``ConfigError`` (a ``ValueError``) naming the field.
+    ``overrides`` set runtime fields (``moe_impl``, ``param_dtype``, ...) on the result.
+    """
+    raw, src = _load_json(path_or_dict)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: top level must be a JSON object")
+    top_type = raw.get("model_type")
+    if top_type == "kimi_k3":
+        if not isinstance(raw.get("text_config"), dict):
+            raise ConfigError(f"{src}: field 'text_config' must be an object for model_type 'kimi_k3'")
+        tc = raw["text_config"]
+        where = "text_config."
+        if tc.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ConfigError(f"{src}: field 'text_config.model_type' must be 'kimi_linear', got {tc['model_type']!r}")
+    elif top_type == "kimi_linear":
+        tc, where = raw, ""
+    else:
+        raise ConfigError(f"{src}: field 'model_type' must be 'kimi_k3' or 'kimi_linear', got {top_type!r}")
+
+    def err(fld, msg):
+        return ConfigError(f"{src}: field '{where}{fld}': {msg}")
+
+    for k in tc:
+        if k not in _HF_FIELDS and k not in _HF_BOILERPLATE:
+            raise err(k, "unknown field")
+
+    def get(k, default=..., typ=None):
+        if k not in tc:
+            if default is ...:
+                raise err(k, "required field is missing")
+            return default
+        v = tc[k]
+        if typ is not None and v is not None and not isinstance(v, typ) or isinstance(v, bool) and typ in (int, float):
+            raise err(k, f"expected {getattr(typ, '__name__', typ)}, got {v!r}")
+        return v
+
+    lac = get("linear_attn_config", typ=dict)
+    for k in lac:
+        if k not in _LINEAR_ATTN_FIELDS:
+            raise err(f"linear_attn_config.{k}", "unknown field")
+    L = get("num_hidden_layers", typ=int)
+    fal = lac.get("full_attn_layers")
+    kdl = lac.get("kda_layers")
+    if not isinstance(fal, list) or not all(isinstance(i, int) for i in fal):
+        raise err("linear_attn_config.full_attn_layers", "must be a list of 1-based layer indices")
+    if kdl is not None:
+        if not isinstance(kdl, list) or not all(isinstance(i, int) for i in kdl):
+            raise err("linear_attn_config.kda_layers", "must be a list of 1-based layer indices")
+        if set(fal) & set(kdl):
+            raise err("linear_attn_config.kda_layers", f"overlaps full_attn_layers at {sorted(set(fal) & set(kdl))}")
+        if sorted(set(fal) | set(kdl)) != list(range(1, L + 1)):
+            raise err("linear_attn_config.kda_layers", f"together with full_attn_layers must cover 1..{L} exactly")
+
+    heads = get("num_attention_heads", typ=int)
+    if get("num_key_value_heads", heads) not in (None, heads):
+        raise err("num_key_value_heads", f"MLA needs num_key_value_heads == num_attention_heads ({heads})")
+    if get("mla_use_nope", False) is not True:
+        raise err("mla_use_nope", "only NoPE MLA (true) is supported; K3 and Kimi-Linear apply no RoPE")
+    if get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise err("moe_router_activation_func", "only 'sigmoid' routing is supported")
+    if get("topk_method", "noaux_tc") != "noaux_tc":
+        raise err("topk_method", "only 'noaux_tc' is supported")
+    if get("num_expert_group", 1) != 1 or get("topk_group", 1) != 1:
+        raise err("num_expert_group", "group-limited routing (num_expert_group/topk_group != 1) is not supported")
+    if get("moe_layer_freq", 1) != 1:
+        raise err("moe_layer_freq", "only 1 (every layer after first_k_dense_replace is MoE) is supported")
+    if get("num_nextn_predict_layers", 0) not in (0, None):
+        raise err("num_nextn_predict_layers", "MTP layers are not part of the release and not supported")
+    act = get("hidden_act", typ=str)
+    if act not in ("situ", "silu"):
+        raise err("hidden_act", f"must be 'situ' or 'silu', got {act!r}")
+
+    qc = get("quantization_config", None, typ=dict) or raw.get("quantization_config")
+    expert_format = "bf16"
+    if qc:
+        fmt = qc.get("format") or (qc.get("config_groups", {}).get("group_0", {}) or {}).get("format")
+        if fmt == "mxfp4-pack-quantized":
+            expert_format = "mxfp4"
+        else:
+            raise err("quantization_config.format", f"unsupported format {fmt!r} (only mxfp4-pack-quantized)")
+
+    kw = dict(
+        vocab_size=get("vocab_size", typ=int),
+        hidden_size=get("hidden_size", typ=int),
+        num_layers=L,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
+        full_attn_layers=tuple(fal),
+        kda_num_heads=lac.get("num_heads", heads),
+        kda_head_dim=lac.get("head_dim", 128),
+        kda_conv_size=lac.get("short_conv_kernel_size", 4),
+        kda_gate_lower_bound=lac.get("gate_lower_bound"),
+        kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
+        mla_num_heads=heads,
+        q_lora_rank=get("q_lora_rank", None),
+        kv_lora_rank=get("kv_lora_rank", typ=int),
+        qk_nope_head_dim=get("qk_nope_head_dim", typ=int),
+        qk_rope_head_dim=get("qk_rope_head_dim", typ=int),
+        v_head_dim=get("v_head_dim", typ=int),
+        mla_output_gate=bool(get("mla_use_output_gate", False)),
+        hidden_act=act,
+        situ_beta=float(get("activation_situ_beta", 4.0)),
+        situ_linear_beta=float(get("activation_situ_linear_beta", 25.0)),
+        intermediate_size=get("intermediate_size", typ=int),
+        first_k_dense_replace=get("first_k_dense_replace", 1, typ=int),
+        num_experts=get("num_experts", typ=int),
+        num_experts_per_token=get("num_experts_per_token", typ=int),
+        num_shared_experts=get("num_shared_experts", 0, typ=int),
+        moe_intermediate_size=get("moe_intermediate_size", typ=int),
+        routed_expert_hidden_size=get("routed_expert_hidden_size", None),
+        latent_moe_use_norm=bool(get("latent_moe_use_norm", False)),
+        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
+        moe_renormalize=bool(get("moe_renormalize", True)),
+        attn_res_block_size=get("attn_res_block_size", None),
+        expert_format=expert_format,
+        name=overrides.pop("name", "kimi-k3" if top_type == "kimi_k3" else "kimi-linear"),
+    )
+    if act == "situ" and ("activation_situ_beta" not in tc or "activation_situ_linear_beta" not in tc):
+        raise err("activation_situ_beta", "hidden_act 'situ' needs activation_situ_beta and activation_situ_linear_beta")
+    kw.update(overrides)
+    try:
+        return K3Config(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"{src}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------------------- presets
+
+def _k3_full_attn(L: int) -> tuple[int, ...]:
+    """K3's schedule rule: 1-based MLA layers at every 4th layer plus the last one."""
+    return tuple(sorted({i for i in range(4, L + 1, 4)} | {L}))
+
+
+def _kimi_k3() -> K3Config:
+    here = os.path.dirname(__file__)
+    return from_hf(os.path.join(here, "presets", "kimi-k3.config.json"), name="kimi-k3")
+
+
+def _kimi_linear_48b() -> K3Config:
+    here = os.path.dirname(__file__)
+    return from_hf(os.path.join(here, "presets", "kimi-linear-48b.config.json"), name="kimi-linear-48b")
+
+
+def _k3_mini() -> K3Config:
+    # ~30M parameters, CPU-trainable, K3's structure: 9 layers, MLA at 0-based {3, 7, 8} (every 4th + the last two),
+    # dense layer 0, latent = hidden/2, 2 shared experts, 32 routed experts top-4 (1/8), AttnRes blocks of 4
+    # (boundaries 0, 4, 8: two full blocks plus a tail).
+    return K3Config(
+        name="k3-mini", vocab_size=256, hidden_size=384, num_layers=9, full_attn_layers=_k3_full_attn(9),
+        kda_num_heads=6, kda_head_dim=64, mla_num_heads=6, q_lora_rank=192, kv_lora_rank=128,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024,
+        num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=160,
+        routed_expert_hidden_size=192, attn_res_block_size=4, mla_block_size=128,
+    )
+
+
+def _k3_tiny() -> K3Config:
+    # For unit tests: 5 layers (KDA 0-2, MLA 3-4), AttnRes blocks of 2 (boundaries 0, 2, 4), odd vocab.
+    return K3Config(
+        name="k3-tiny", vocab_size=97, hidden_size=64, num_layers=5, full_attn_layers=_k3_full_attn(5),
+        kda_num_heads=2, kda_head_dim=32, mla_num_heads=2, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=24,
+        routed_expert_hidden_size=32, attn_res_block_size=2, mla_block_size=8, kda_chunk_size=16,
+    )
+
+
+PRESETS = {
+    "kimi-k3": _kimi_k3,
+    "kimi-linear-48b": _kimi_linear_48b,
+    "k3-mini": _k3_mini,
+    "k3-tiny": _k3_tiny,
+}
+
+
+def get_preset(name: str, **overrides) -> K3Config:
+    """A named preset; unknown names raise ConfigError listing the known ones."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    cfg = PRESETS[name]()
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def param_count_estimate(cfg: K3Config) -> int:
+    """Closed-form total parameter count (used as a cross-check of the eval_shape planner)."""
+    d, H, D = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+    kda = 3 * d * H * D + 3 * H * D * cfg.kda_conv_size + d * D + D * H * D + H * D + H + d * H + D + H * D * d
+    kda += d * H * D if cfg.kda_full_rank_gate else d * D + D * H * D
+    Hm = cfg.mla_num_heads
+    q = (d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * Hm * cfg.qk_head_dim) if cfg.q_lora_rank \
+        else d * Hm * cfg.qk_head_dim
+    mla = q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    mla += cfg.kv_lora_rank * Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim) + Hm * cfg.v_head_dim * d
+    mla += d * Hm * cfg.v_head_dim if cfg.mla_output_gate else 0
+    w = cfg.moe_width
+    moe = cfg.num_experts * 3 * w * cfg.moe_intermediate_size + d * cfg.num_experts + cfg.num_experts
+    moe += 3 * d * cfg.shared_hidden
+    if cfg.is_latent_moe:
+        moe += 2 * d * w + (w if cfg.latent_moe_use_norm else 0)
+    norms = 2 * d + (4 * d if cfg.uses_attn_res else 0)
+    total = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + d + (2 * d if cfg.uses_attn_res else 0)
+    for l in range(cfg.num_layers):
+        total += (mla if cfg.is_mla(l) else kda) + norms
+        total += moe if cfg.is_moe(l) else 3 * d * cfg.intermediate_size
+    return total
+
+
+__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate", "param_count_estimate",
+           "math"]

@@ -1,0 +1,46 @@
+"""Test helpers: relative-RMS comparison (SPEC §15.1), tolerance table, tiny inputs.
+
+rel_rms(x, ref) = ||x - ref||_2 / ||ref||_2, computed in float64 on host. A comparison passes if
+max|x - ref| <= atol_floor or rel_rms <= ratio; both numbers are reported on failure. NaN/Inf always fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Tolerances by comparison; change only in review (STYLE.md §3.3).
+TOL = {
+    "fp32_vs_fp64": 1e-5,
+    "fp64_vs_fp64": 1e-12,
+    "fp32_grad": 1e-4,
+    "bf16": 1e-2,
+    "situ": 1e-6,
+    "attn_res": 1e-6,
+}
+
+
+def rel_rms(x, ref) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(ref.ravel())
+    num = np.linalg.norm((x - ref).ravel())
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return float(num / den)
+
+
+def assert_close(x, ref, ratio: float, *, atol_floor: float = 0.0, name: str = "value") -> float:
+    """Assert rel_rms(x, ref) <= ratio (or max-abs <= atol_floor). Returns the rel_rms."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {x.shape} != reference shape {ref.shape}")
+    if not np.all(np.isfinite(x)):
+        raise AssertionError(f"{name}: {np.sum(~np.isfinite(x))} non-finite entries")
+    if not np.all(np.isfinite(ref)):
+        raise AssertionError(f"{name}: reference has {np.sum(~np.isfinite(ref))} non-finite entries")
+    err = rel_rms(x, ref)
+    max_abs = float(np.max(np.abs(x - ref))) if x.size else 0.0
+    if not (err <= ratio or max_abs <= atol_floor):
+        raise AssertionError(f"{name}: rel_rms {err:.3e} > {ratio:.1e} (max-abs {max_abs:.3e}, floor {atol_floor:.1e})")
+    return err

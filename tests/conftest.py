@@ -1,0 +1,34 @@
+"""Test setup: 8 simulated CPU devices, float64 available on demand, Hypothesis profile."""
+
+import os
+
+# Must be set before the jax backend initializes.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")
+
+
+@pytest.fixture
+def x64():
+    """Enable float64 inside one test (restored afterwards)."""
+    prev = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", prev)
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = any(d.platform == "gpu" for d in jax.devices())
+    skip_gpu = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
