@@ -1,0 +1,429 @@
+"""The one table mapping k3jax parameter leaves to official HF tensors (SPEC §2.1, §11, §13).
+
+Two layouts, picked by ``default_layout(cfg)`` (or passed explicitly):
+
+- ``"k3"``: the official Kimi K3 release — ``language_model.`` prefix, routed experts as compressed-tensors MXFP4
+  (``weight_packed`` U8 [out, in/2] + ``weight_scale`` U8 [out, in/32]), ``A_log`` F32 zero-padded to a multiple of
+  128, KDA convs / ``o_norm`` F32. Shard k = 1..L holds layer k-1, shard L+1 the five model-level tensors; the full
+  K3 config adds the two vision shards (96 files in all).
+- ``"kimi-linear"``: HF Kimi-Linear (``model.layers.*``, ``lm_head.weight``), ``A_log`` F32 [1, 1, H, 1], BF16
+  convs and ``o_norm``, BF16 experts ``experts.{e}.w{1,2,3}.weight``. Its official shard split is not known here;
+  ``shard_of`` uses the K3 rule (one layer per shard) as the k3jax writer convention.
+
+The expert storage follows ``cfg.expert_format`` ("mxfp4" or "bf16") in either layout.
+
+``hf_tensors(cfg)`` lists every checkpoint tensor as a ``TensorSpec`` in on-disk order (per shard: F32, BF16, U8,
+byte order of names within a dtype). ``from_hf`` / ``to_hf`` are the numpy transforms per tensor.
+
+    >>> from k3jax.config import get_preset
+    >>> specs = hf_tensors(get_preset("k3-mini"))
+    >>> s = next(s for s in specs if s.path == ("layers", 0, "kda", "wq"))
+    >>> s.name, s.dtype, s.shape, s.transform
+    ('language_model.model.layers.0.self_attn.q_proj.weight', 'BF16', (384, 384), 'linear')
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from k3jax.checkpoint.safetensors_layout import order_key, shard_file_name
+from k3jax.config import K3Config
+
+Path = tuple  # a path into the params tree, e.g. ("layers", 3, "kda", "wq")
+
+A_LOG_PAD = 128  # the release pads A_log to a multiple of this (96 real heads + 32 zeros)
+MX_GROUP = 32  # MXFP4 block size along the input axis
+VISION_SHARDS = 2  # shards 95 (mm_projector) and 96 (vision_tower) of the full K3 release
+
+
+class TensorSpec(NamedTuple):
+    """One checkpoint tensor and the k3jax leaf it belongs to.
+
+    transform (leaf ← HF):
+      copy       same shape
+      linear     leaf [*in, *out] ← torch [prod(out), prod(in)]; ``in_axes`` leading leaf axes are the input
+      row        leaf [d] ← [1, d]
+      conv       leaf [C, W] ← [C, 1, W]
+      flat       leaf [N, K] ← [N*K]
+      a_log_pad  leaf [H] ← [ceil(H/128)*128], tail must be exactly 0
+      a_log_4d   leaf [H] ← [1, 1, H, 1]
+      expert     leaf[e] [in, out] ← torch [out, in] (BF16 ``.weight``)
+      mxfp4      leaf[e] [in, out] ← ``weight_packed`` [out, in/2] + ``weight_scale`` [out, in/32] (``part``)
+    """
+
+    name: str
+    dtype: str  # "F32" | "BF16" | "U8"
+    shape: tuple[int, ...]  # HF shape
+    path: Path  # k3jax leaf
+    transform: str
+    layer: int | None = None  # 0-based decoder layer, None for model-level tensors
+    in_axes: int = 1  # for "linear"
+    expert: int | None = None  # routed expert id for expert / mxfp4
+    part: str | None = None  # "packed" | "scale" for mxfp4
+
+    @property
+    def nbytes(self) -> int:
+        from k3jax.checkpoint.safetensors_layout import nbytes
+
+        return nbytes(self.dtype, self.shape)
+
+    @property
+    def num_params(self) -> int:
+        """Weights stored in this tensor: packed U8 holds 2 per byte, E8M0 scales count 0, A_log pad counts."""
+        n = math.prod(self.shape)
+        return 2 * n if self.part == "packed" else 0 if self.part == "scale" else n
+
+
+# --------------------------------------------------------------------------------------------------- the table
+
+class Rule(NamedTuple):
+    leaf: tuple[str, ...]  # path inside the block
+    hf: str  # HF suffix inside the block
+    transform: str
+    dtype: str  # "BF16" | "F32" | "F32k3" (F32 in the K3 layout, BF16 in Kimi-Linear) | "A_log"
+    when: Callable[[K3Config], bool] = lambda c: True
+    in_axes: int = 1
+
+
+def _lin(leaf, hf, when=lambda c: True, in_axes=1):
+    return Rule(leaf, hf, "linear", "BF16", when, in_axes)
+
+
+def _vec(leaf, hf, when=lambda c: True, dtype="BF16"):
+    return Rule(leaf, hf, "copy", dtype, when)
+
+
+_res = lambda c: c.uses_attn_res  # noqa: E731
+
+LAYER_RULES = (  # suffix after "<prefix>model.layers.{l}."
+    _vec(("input_norm",), "input_layernorm.weight"),
+    _vec(("post_norm",), "post_attention_layernorm.weight"),
+    _vec(("attn_res", "gain"), "self_attention_res_norm.weight", _res),
+    Rule(("attn_res", "query"), "self_attention_res_proj.weight", "row", "BF16", _res),
+    _vec(("mlp_res", "gain"), "mlp_res_norm.weight", _res),
+    Rule(("mlp_res", "query"), "mlp_res_proj.weight", "row", "BF16", _res),
+)
+KDA_RULES = (  # under layer["kda"], HF "self_attn."
+    _lin(("wq",), "q_proj.weight"),
+    _lin(("wk",), "k_proj.weight"),
+    _lin(("wv",), "v_proj.weight"),
+    Rule(("conv_q",), "q_conv1d.weight", "conv", "F32k3"),
+    Rule(("conv_k",), "k_conv1d.weight", "conv", "F32k3"),
+    Rule(("conv_v",), "v_conv1d.weight", "conv", "F32k3"),
+    _lin(("f_a",), "f_a_proj.weight"),
+    _lin(("f_b",), "f_b_proj.weight"),
+    Rule(("dt_bias",), "dt_bias", "flat", "F32"),
+    Rule(("A_log",), "A_log", "A_log", "F32"),
+    _lin(("w_beta",), "b_proj.weight"),
+    _lin(("w_gate",), "g_proj.weight", lambda c: c.kda_full_rank_gate),
+    _lin(("g_a",), "g_a_proj.weight", lambda c: not c.kda_full_rank_gate),
+    _lin(("g_b",), "g_b_proj.weight", lambda c: not c.kda_full_rank_gate),
+    _vec(("o_norm",), "o_norm.weight", dtype="F32k3"),
+    _lin(("wo",), "o_proj.weight", in_axes=2),
+)
+_qlora = lambda c: bool(c.q_lora_rank)  # noqa: E731
+MLA_RULES = (  # under layer["mla"], HF "self_attn."
+    _lin(("q_a",), "q_a_proj.weight", _qlora),
+    _vec(("q_a_norm",), "q_a_layernorm.weight", _qlora),
+    _lin(("q_b",), "q_b_proj.weight", _qlora),
+    _lin(("wq",), "q_proj.weight", lambda c: not c.q_lora_rank),
+    _lin(("kv_a",), "kv_a_proj_with_mqa.weight"),
+    _vec(("kv_a_norm",), "kv_a_layernorm.weight"),
+    _lin(("kv_b",), "kv_b_proj.weight"),
+    _lin(("w_gate",), "g_proj.weight", lambda c: c.mla_output_gate),
+    _lin(("wo",), "o_proj.weight", in_axes=2),
+)
+MLP_RULES = (  # under layer["mlp"], HF "mlp."
+    _lin(("w_gate",), "gate_proj.weight"),
+    _lin(("w_up",), "up_proj.weight"),
+    _lin(("w_down",), "down_proj.weight"),
+)
+_shared = lambda c: c.num_shared_experts > 0  # noqa: E731
+MOE_RULES = (  # under layer["moe"], HF "block_sparse_moe."
+    _lin(("router",), "gate.weight"),
+    _vec(("bias",), "gate.e_score_correction_bias", dtype="F32"),
+    _lin(("down",), "routed_expert_down_proj.weight", lambda c: c.is_latent_moe),
+    _lin(("up",), "routed_expert_up_proj.weight", lambda c: c.is_latent_moe),
+    _vec(("latent_norm",), "routed_expert_norm.weight", lambda c: c.is_latent_moe and c.latent_moe_use_norm),
+    _lin(("shared", "w_gate"), "shared_experts.gate_proj.weight", _shared),
+    _lin(("shared", "w_up"), "shared_experts.up_proj.weight", _shared),
+    _lin(("shared", "w_down"), "shared_experts.down_proj.weight", _shared),
+)
+EXPERT_LEAVES = ("w1", "w2", "w3")  # layer["moe"]["experts"][w] [E, in, out] ↔ "experts.{e}.{w}.*"
+GLOBAL_RULES = (  # after the layout prefix
+    _vec(("embed",), "model.embed_tokens.weight"),
+    _lin(("lm_head",), "lm_head.weight", lambda c: not c.tie_word_embeddings),
+    _vec(("final_norm",), "model.norm.weight"),
+    _vec(("out_res", "gain"), "model.output_attn_res_norm.weight", _res),
+    Rule(("out_res", "query"), "model.output_attn_res_proj.weight", "row", "BF16", _res),
+)
+BLOCKS = (  # (layer sub-dict, HF infix, rules, applies to layer l)
+    ("kda", "self_attn.", KDA_RULES, lambda c, l: not c.is_mla(l)),
+    ("mla", "self_attn.", MLA_RULES, lambda c, l: c.is_mla(l)),
+    ("mlp", "mlp.", MLP_RULES, lambda c, l: not c.is_moe(l)),
+    ("moe", "block_sparse_moe.", MOE_RULES, lambda c, l: c.is_moe(l)),
+)
+LAYOUTS = {
+    # prefix, A_log transform, dtype of the "F32k3" leaves
+    "k3": ("language_model.", "a_log_pad", "F32"),
+    "kimi-linear": ("", "a_log_4d", "BF16"),
+}
+
+
+def default_layout(cfg: K3Config) -> str:
+    """K3-shaped configs (AttnRes) use the official K3 layout; the rest the HF Kimi-Linear one."""
+    return "k3" if cfg.uses_attn_res else "kimi-linear"
+
+
+# ------------------------------------------------------------------------------------------------ shape helpers
+
+def hf_shape(transform: str, leaf_shape: Sequence[int], in_axes: int = 1) -> tuple[int, ...]:
+    s = tuple(int(x) for x in leaf_shape)
+    if transform == "copy":
+        return s
+    if transform == "linear":
+        return (math.prod(s[in_axes:]), math.prod(s[:in_axes]))
+    if transform == "row":
+        return (1, *s)
+    if transform == "conv":
+        return (s[0], 1, s[1])
+    if transform == "flat":
+        return (math.prod(s),)
+    if transform == "a_log_pad":
+        return (-(-s[0] // A_LOG_PAD) * A_LOG_PAD,)
+    if transform == "a_log_4d":
+        return (1, 1, s[0], 1)
+    raise ValueError(f"unknown transform {transform!r}")
+
+
+def mxfp4_shapes(in_dim: int, out_dim: int, name: str = "expert") -> tuple[tuple[int, int], tuple[int, int]]:
+    """(packed, scale) shapes of one MXFP4 matrix with torch shape [out, in]."""
+    if in_dim % MX_GROUP:
+        raise ValueError(f"{name}: input width {in_dim} is not a multiple of the MXFP4 group {MX_GROUP}; "
+                         "store the experts as bf16 (expert_format='bf16')")
+    return (out_dim, in_dim // 2), (out_dim, in_dim // MX_GROUP)
+
+
+@functools.lru_cache(maxsize=16)
+def _leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
+    import jax
+
+    from k3jax.model import abstract_params
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
+    return {_key_path(kp): tuple(x.shape) for kp, x in flat}
+
+
+def _key_path(kp) -> Path:
+    out = []
+    for k in kp:
+        out.append(k.idx if hasattr(k, "idx") else k.key)
+    return tuple(out)
+
+
+def leaf_paths(cfg: K3Config) -> list[Path]:
+    """Every leaf path of ``abstract_params(cfg)``."""
+    return list(_leaf_shapes(cfg))
+
+
+# ---------------------------------------------------------------------------------------------------- listing
+
+def _spec(cfg, layout, rule: Rule, path: Path, name: str, layer) -> TensorSpec:
+    shapes = _leaf_shapes(cfg)
+    if path not in shapes:
+        raise KeyError(f"name map: leaf {'/'.join(map(str, path))} (for {name}) is missing from the params tree")
+    transform = LAYOUTS[layout][1] if rule.transform == "A_log" else rule.transform
+    dtype = LAYOUTS[layout][2] if rule.dtype == "F32k3" else rule.dtype
+    return TensorSpec(name, dtype, hf_shape(transform, shapes[path], rule.in_axes), path, transform, layer,
+                      rule.in_axes)
+
+
+def layer_tensors(cfg: K3Config, l: int, layout: str | None = None, expert_format: str | None = None
+                  ) -> list[TensorSpec]:
+    """The tensors of decoder layer ``l`` in on-disk order (F32, BF16, U8; byte order of names)."""
+    layout = layout or default_layout(cfg)
+    fmt = expert_format or cfg.expert_format
+    pre = f"{LAYOUTS[layout][0]}model.layers.{l}."
+    out = [_spec(cfg, layout, r, ("layers", l, *r.leaf), pre + r.hf, l) for r in LAYER_RULES if r.when(cfg)]
+    for block, infix, rules, applies in BLOCKS:
+        if applies(cfg, l):
+            out += [_spec(cfg, layout, r, ("layers", l, block, *r.leaf), pre + infix + r.hf, l)
+                    for r in rules if r.when(cfg)]
+    if cfg.is_moe(l):
+        out += _expert_tensors(cfg, l, pre + "block_sparse_moe.experts.", fmt)
+    out.sort(key=lambda s: order_key(s.name, s.dtype))
+    return out
+
+
+def _expert_tensors(cfg: K3Config, l: int, pre: str, fmt: str) -> list[TensorSpec]:
+    shapes = _leaf_shapes(cfg)
+    out = []
+    for w in EXPERT_LEAVES:
+        path = ("layers", l, "moe", "experts", w)
+        if path not in shapes:
+            raise KeyError(f"name map: leaf {'/'.join(map(str, path))} is missing from the params tree")
+        E, din, dout = shapes[path]
+        if fmt == "mxfp4":
+            pshape, sshape = mxfp4_shapes(din, dout, f"layer {l} experts.{w}")
+            for e in range(E):
+                out.append(TensorSpec(f"{pre}{e}.{w}.weight_packed", "U8", pshape, path, "mxfp4", l, 1, e, "packed"))
+                out.append(TensorSpec(f"{pre}{e}.{w}.weight_scale", "U8", sshape, path, "mxfp4", l, 1, e, "scale"))
+        elif fmt == "bf16":
+            out += [TensorSpec(f"{pre}{e}.{w}.weight", "BF16", (dout, din), path, "expert", l, 1, e)
+                    for e in range(E)]
+        else:
+            raise ValueError(f"unknown expert_format {fmt!r}; known: mxfp4, bf16")
+    return out
+
+
+def global_tensors(cfg: K3Config, layout: str | None = None) -> list[TensorSpec]:
+    """The model-level tensors (one shard after the layers), in on-disk order."""
+    layout = layout or default_layout(cfg)
+    pre = LAYOUTS[layout][0]
+    out = [_spec(cfg, layout, r, r.leaf, pre + r.hf, None) for r in GLOBAL_RULES if r.when(cfg)]
+    out.sort(key=lambda s: order_key(s.name, s.dtype))
+    return out
+
+
+def hf_tensors(cfg: K3Config, layout: str | None = None, expert_format: str | None = None) -> list[TensorSpec]:
+    """Every text tensor of the checkpoint in official on-disk order: layers' shards 1..L, then the globals."""
+    out = []
+    for l in range(cfg.num_layers):
+        out += layer_tensors(cfg, l, layout, expert_format)
+    return out + global_tensors(cfg, layout)
+
+
+def shard_tensors(cfg: K3Config, layout: str | None = None, expert_format: str | None = None
+                  ) -> list[tuple[str, list[TensorSpec]]]:
+    """``[(file name, tensors in header order)]`` for the text shards 1..L+1."""
+    total = num_shards(cfg, layout)
+    out = [(shard_file_name(l + 1, total), layer_tensors(cfg, l, layout, expert_format))
+           for l in range(cfg.num_layers)]
+    out.append((shard_file_name(cfg.num_layers + 1, total), global_tensors(cfg, layout)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- shards
+
+def has_vision_shards(cfg: K3Config, layout: str | None = None) -> bool:
+    """The full-size K3 release carries two vision shards after the text ones (96 files in all)."""
+    return (layout or default_layout(cfg)) == "k3" and (cfg.hidden_size, cfg.num_layers) == (7168, 93)
+
+
+def num_shards(cfg: K3Config, layout: str | None = None) -> int:
+    return cfg.num_layers + 1 + (VISION_SHARDS if has_vision_shards(cfg, layout) else 0)
+
+
+_LAYER_RE = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.")
+
+
+def shard_of(name: str, cfg: K3Config, layout: str | None = None) -> int:
+    """1-based shard number of an HF tensor name: layer l → l + 1, model-level → L + 1, vision → L + 2 / L + 3."""
+    layout = layout or default_layout(cfg)
+    m = _LAYER_RE.match(name)
+    if m and name.startswith(LAYOUTS[layout][0]):
+        l = int(m.group(1))
+        if l >= cfg.num_layers:
+            raise ValueError(f"tensor {name!r}: layer {l} does not exist ({cfg.num_layers} layers)")
+        return l + 1
+    if has_vision_shards(cfg, layout):
+        if name.startswith("mm_projector."):
+            return cfg.num_layers + 2
+        if name.startswith("vision_tower."):
+            return cfg.num_layers + 3
+    if name in {s.name for s in global_tensors(cfg, layout)}:
+        return cfg.num_layers + 1
+    raise ValueError(f"tensor {name!r} is not a {layout}-layout tensor of this config")
+
+
+def shard_file_of(name: str, cfg: K3Config, layout: str | None = None) -> str:
+    return shard_file_name(shard_of(name, cfg, layout), num_shards(cfg, layout))
+
+
+# ------------------------------------------------------------------------------------------------ conversions
+
+_NP_DTYPES = {"F32": np.float32, "U8": np.uint8}
+
+
+def np_dtype(hf_dtype: str):
+    if hf_dtype == "BF16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return _NP_DTYPES[hf_dtype]
+
+
+def leaf_shape(spec: TensorSpec, cfg: K3Config) -> tuple[int, ...]:
+    """Shape of the k3jax leaf ``spec`` belongs to (the whole [E, in, out] stack for experts)."""
+    return _leaf_shapes(cfg)[spec.path]
+
+
+def from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
+    """HF tensor → k3jax leaf value (numpy, HF dtype kept). ``shape`` is the leaf shape; for a BF16 expert it is
+    the one-expert [in, out] slice. MXFP4 pairs go through ``expert_from_hf``."""
+    a = np.asarray(array)
+    if tuple(a.shape) != spec.shape:
+        raise ValueError(f"{spec.name}: checkpoint shape {tuple(a.shape)} != expected {spec.shape}")
+    t = spec.transform
+    if t == "mxfp4":
+        raise ValueError(f"{spec.name}: MXFP4 tensors come in pairs; use expert_from_hf(packed, scale, ...)")
+    if t in ("linear", "expert"):
+        return a.T.reshape(shape)
+    if t == "a_log_pad":
+        H = shape[0]
+        if np.any(a[H:] != 0):
+            raise ValueError(f"{spec.name}: A_log padding [{H}:] must be exactly 0 (got non-zero entries)")
+        return a[:H].copy()
+    return a.reshape(shape)  # copy, row, conv, flat, a_log_4d
+
+
+def to_hf(value, spec: TensorSpec) -> np.ndarray:
+    """k3jax leaf value → HF tensor in the checkpoint dtype. For a BF16 expert pass the whole [E, in, out] stack
+    (or one [in, out] slice); MXFP4 pairs go through ``expert_to_hf``."""
+    x = np.asarray(value)
+    t = spec.transform
+    if t == "mxfp4":
+        raise ValueError(f"{spec.name}: MXFP4 tensors come in pairs; use expert_to_hf(stack, spec, ...)")
+    if t == "linear":
+        out = x.reshape(math.prod(x.shape[:spec.in_axes]), -1).T
+    elif t == "expert":
+        out = (x[spec.expert] if x.ndim == 3 else x).T
+    elif t == "a_log_pad":
+        out = np.zeros(spec.shape, x.dtype)
+        out[: x.shape[0]] = x
+    else:
+        out = x.reshape(spec.shape)
+    if tuple(out.shape) != spec.shape:
+        raise ValueError(f"{spec.name}: leaf of shape {tuple(x.shape)} gives {tuple(out.shape)}, expected {spec.shape}")
+    return np.ascontiguousarray(out.astype(np_dtype(spec.dtype)))
+
+
+def expert_from_hf(packed, scale, spec: TensorSpec) -> np.ndarray:
+    """One MXFP4 expert matrix → dense [in, out] float32 (needs ``k3jax.quant.mxfp4_unpack(packed, scale)``
+    returning the torch-oriented [out, in] values)."""
+    from k3jax.quant import mxfp4_unpack  # written elsewhere; imported lazily
+
+    return np.asarray(mxfp4_unpack(np.asarray(packed), np.asarray(scale)), np.float32).T
+
+
+def expert_to_hf(weight, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
+    """One dense [in, out] expert matrix (or the [E, in, out] stack, sliced at ``spec.expert``) → (packed, scale)
+    U8 via ``k3jax.quant.mxfp4_pack`` on the torch-oriented [out, in] matrix."""
+    from k3jax.quant import mxfp4_pack  # written elsewhere; imported lazily
+
+    w = np.asarray(weight)
+    w = w[spec.expert] if w.ndim == 3 else w
+    packed, scale = mxfp4_pack(w.T)
+    return np.asarray(packed, np.uint8), np.asarray(scale, np.uint8)
+
+
+__all__ = ["TensorSpec", "Rule", "LAYOUTS", "default_layout", "hf_tensors", "layer_tensors", "global_tensors",
+           "shard_tensors", "shard_of", "shard_file_of", "num_shards", "has_vision_shards", "hf_shape",
+           "mxfp4_shapes", "leaf_paths", "leaf_shape", "from_hf", "to_hf", "expert_from_hf", "expert_to_hf",
+           "np_dtype"]
