@@ -235,7 +235,7 @@ _HF_FIELDS = {
     "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
     "latent_moe_use_norm", "routed_scaling_factor", "moe_renormalize", "moe_router_activation_func", "topk_method",
     "use_grouped_topk", "num_expert_group", "topk_group", "attn_res_block_size", "num_nextn_predict_layers",
-    "quantization_config", "kv_lora_rank",
+    "quantization_config",
 }
 _LINEAR_ATTN_FIELDS = {"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size",
                        "gate_lower_bound", "use_full_rank_gate"}
@@ -377,7 +377,8 @@ def from_hf(path_or_dict, **overrides) -> K3Config:
         name=overrides.pop("name", "kimi-k3" if top_type == "kimi_k3" else "kimi-linear"),
     )
     if act == "situ" and ("activation_situ_beta" not in tc or "activation_situ_linear_beta" not in tc):
-        raise err("activation_situ_beta", "hidden_act 'situ' needs activation_situ_beta and activation_situ_linear_beta")
+        raise err("activation_situ_beta",
+                  "hidden_act 'situ' needs activation_situ_beta and activation_situ_linear_beta")
     kw.update(overrides)
     try:
         return K3Config(**kw)

@@ -25,7 +25,7 @@ SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="k3jax: Kimi K3 in JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    for name, mod in SUBCOMMANDS.items():
+    for mod in SUBCOMMANDS.values():
         try:
             importlib.import_module(mod).add_parser(sub)
         except ModuleNotFoundError as e:

@@ -21,7 +21,8 @@ dicts) so checkpoints and host memory peaks scale with one layer, never with the
            dt_bias: [N, K]; A_log: [N]; w_beta: [D, N]; w_gate: [D, N, K] (full rank) or g_a: [D, K], g_b: [K, N, K];
            o_norm: [K]; wo: [N, K, D]}
     mla = {q_a: [D, Rq], q_a_norm: [Rq], q_b: [Rq, N, Hqk]  (q-LoRA)  or  wq: [D, N, Hqk];
-           kv_a: [D, Rkv + Hr]; kv_a_norm: [Rkv]; kv_b: [Rkv, N, Hn + V]; w_gate: [D, N, V] (output gate); wo: [N, V, D]}
+           kv_a: [D, Rkv + Hr]; kv_a_norm: [Rkv]; kv_b: [Rkv, N, Hn + V];
+           w_gate: [D, N, V] (output gate); wo: [N, V, D]}
     mlp = {w_gate: [D, I], w_up: [D, I], w_down: [I, D]}
     moe = {router: [D, E]; bias: [E] (QB buffer, float32, not trained);
            experts: {w1: [E, P, F], w3: [E, P, F], w2: [E, F, P]};

@@ -1,1 +1,2 @@
-"""k3jax.reference"""
+"""Float64 NumPy transcriptions of SPEC.md (simple loops): the definitional oracles every fast path is tested
+against. Nothing here is fast and nothing here imports jax numerics."""

@@ -1,0 +1,37 @@
+"""SiTU-GLU and SwiGLU (SPEC §6), element-wise math in at-least-fp32.
+
+SiTU(a; β1) = β1·tanh(a/β1)·σ(a)   (gate branch, bounded Swish)
+SiTU-GLU(a, b) = SiTU(a; β1) ⊙ β2·tanh(b/β2)   |·| < β1·β2 = 100 for K3
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.norms import acc_dtype
+
+
+def situ(a, beta: float):
+    af = a.astype(acc_dtype(a.dtype))
+    return beta * jnp.tanh(af / beta) * jax.nn.sigmoid(af)
+
+
+def situ_glu(a, b, beta1: float, beta2: float):
+    """SiTU-GLU hidden activation from gate pre-activation ``a`` and up pre-activation ``b``."""
+    bf = b.astype(acc_dtype(b.dtype))
+    return situ(a, beta1) * (beta2 * jnp.tanh(bf / beta2))
+
+
+def swiglu(a, b):
+    """Kimi-Linear's SiLU-GLU: silu(a) ⊙ b."""
+    acc = acc_dtype(a.dtype)
+    return jax.nn.silu(a.astype(acc)) * b.astype(acc)
+
+
+def glu_activation(a, b, *, act: str, beta1: float = 4.0, beta2: float = 25.0):
+    if act == "situ":
+        return situ_glu(a, b, beta1, beta2)
+    if act == "silu":
+        return swiglu(a, b)
+    raise ValueError(f"unknown GLU activation {act!r} (expected 'situ' or 'silu')")

@@ -1,0 +1,114 @@
+"""Causal softmax attention computed blockwise over keys (flash-attention style), with a custom VJP.
+
+Memory is O(T · block) in both directions: the forward pass keeps a running max / sum / accumulator per query
+(online softmax) while scanning key blocks; the backward pass recomputes each block's probabilities from the saved
+log-sum-exp instead of storing a [T, S] matrix. Scores, softmax and the output accumulate in at-least-fp32.
+
+Shapes (notation.py): q [B, T, N, H], k [B, S, N, H], v [B, S, N, V] → o [B, T, N, V].
+Queries are the LAST T of the S key positions (T == S for prefill): query t attends keys τ ≤ t + (S − T).
+Also returns the per-(batch, head) maximum causal logit (QK-Clip statistic, SPEC §9.6); it carries no gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3jax.ops.norms import acc_dtype
+
+
+def _blocks(x, block: int):
+    """[B, S, N, X] → [nb, B, block, N, X], zero-padded on S."""
+    B, S, N, X = x.shape
+    nb = -(-S // block)
+    x = jnp.pad(x, ((0, 0), (0, nb * block - S), (0, 0), (0, 0)))
+    return x.reshape(B, nb, block, N, X).transpose(1, 0, 2, 3, 4)
+
+
+def _mask(j, block, T, S):
+    """[T, block] bool: key position (j·block + c) is visible to query t and is not padding."""
+    kpos = j * block + jnp.arange(block)
+    qpos = jnp.arange(T) + (S - T)
+    return (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < S)
+
+
+def _fwd_scan(q, k, v, scale, block):
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    acc = acc_dtype(q.dtype)
+    kb, vb = _blocks(k, block), _blocks(v, block)
+    neg = jnp.finfo(acc).min
+
+    def step(carry, inp):
+        m, l, o = carry
+        j, k_j, v_j = inp
+        s = jnp.einsum("btnh,bcnh->bntc", q, k_j, preferred_element_type=acc) * scale
+        s = jnp.where(_mask(j, block, T, S)[None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(-1)
+        o = o * corr[..., None] + jnp.einsum("bntc,bcnv->bntv", p, v_j.astype(acc))
+        return (m_new, l, o), None
+
+    init = (jnp.full((B, N, T), neg, acc), jnp.zeros((B, N, T), acc), jnp.zeros((B, N, T, v.shape[-1]), acc))
+    (m, l, o), _ = lax.scan(step, init, (jnp.arange(kb.shape[0]), kb, vb))
+    o = o / l[..., None]
+    lse = m + jnp.log(l)
+    return o, lse, m
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attention(q, k, v, scale, block):
+    o, _, m = _fwd_scan(q, k, v, scale, block)
+    return o.transpose(0, 2, 1, 3).astype(q.dtype), m.max(-1)
+
+
+def _attention_fwd(q, k, v, scale, block):
+    o, lse, m = _fwd_scan(q, k, v, scale, block)
+    out = o.transpose(0, 2, 1, 3).astype(q.dtype)
+    return (out, m.max(-1)), (q, k, v, out, lse)
+
+
+def _attention_bwd(scale, block, res, cts):
+    q, k, v, out, lse = res
+    d_out, _ = cts  # the max-logit output carries no gradient
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    acc = acc_dtype(q.dtype)
+    do = d_out.astype(acc)
+    delta = jnp.einsum("btnv,btnv->bnt", do, out.astype(acc))
+    kb, vb = _blocks(k, block), _blocks(v, block)
+
+    def step(dq, inp):
+        j, k_j, v_j = inp
+        s = jnp.einsum("btnh,bcnh->bntc", q, k_j, preferred_element_type=acc) * scale
+        p = jnp.where(_mask(j, block, T, S)[None, None], jnp.exp(s - lse[..., None]), 0.0)
+        dv_j = jnp.einsum("bntc,btnv->bcnv", p, do)
+        dp = jnp.einsum("btnv,bcnv->bntc", do, v_j.astype(acc))
+        ds = p * (dp - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bntc,bcnh->btnh", ds, k_j.astype(acc))
+        dk_j = jnp.einsum("bntc,btnh->bcnh", ds, q.astype(acc))
+        return dq, (dk_j, dv_j)
+
+    dq, (dkb, dvb) = lax.scan(step, jnp.zeros(q.shape, acc), (jnp.arange(kb.shape[0]), kb, vb))
+    unblock = lambda xb: xb.transpose(1, 0, 2, 3, 4).reshape(B, -1, N, xb.shape[-1])[:, :S]  # noqa: E731
+    return dq.astype(q.dtype), unblock(dkb).astype(k.dtype), unblock(dvb).astype(v.dtype)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def causal_attention(q, k, v, *, scale: float, block_size: int = 512):
+    """Blockwise causal attention. Returns (o [B, T, N, V], max_logit [B, N])."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"causal_attention: q, k, v must be [B, T, N, H]; got {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"causal_attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[1] > k.shape[1]:
+        raise ValueError(f"causal_attention: more queries ({q.shape[1]}) than keys ({k.shape[1]})")
+    block = int(min(block_size, k.shape[1]))
+    return _attention(q, k, v, float(scale), block)

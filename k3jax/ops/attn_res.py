@@ -1,0 +1,34 @@
+"""Attention Residuals operator (SPEC §3.1): a per-token softmax over depth of RMS-normalized sources.
+
+    κ_i = v_i · (mean_c v_i[c]² + eps)^(-1/2)
+    z_i = Σ_c κ_i[c] · γ[c] · w[c]          (no temperature)
+    AR  = Σ_i softmax_i(z)_i · v_i          (mixes the RAW sources)
+
+Computed in at-least-fp32; returns that dtype (sources and partial sums stay fp32, SPEC §2.2).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3jax.ops.norms import acc_dtype
+
+
+def attn_res(sources, query, gain, eps: float):
+    """sources: sequence of N arrays [..., D] (or one stacked [N, ..., D]); query, gain: [D] → [..., D]."""
+    if not isinstance(sources, jax.Array | jnp.ndarray) or getattr(sources, "ndim", 0) == 0:
+        sources = list(sources)
+        if len(sources) == 1:
+            return sources[0].astype(acc_dtype(sources[0].dtype))
+        v = jnp.stack(sources)
+    else:
+        v = sources
+    acc = acc_dtype(v.dtype)
+    v = v.astype(acc)
+    kappa = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    gw = gain.astype(acc) * query.astype(acc)
+    z = jnp.einsum("n...d,d->n...", kappa, gw)
+    alpha = jax.nn.softmax(z, axis=0)
+    return jnp.einsum("n...,n...d->...d", alpha, v)
