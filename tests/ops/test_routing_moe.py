@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from k3jax.layers.moe import moe_layer
@@ -61,8 +61,12 @@ def _experts(seed, E=6, P=16, F=12):
 ACT = lambda a, b: glu_activation(a, b, act="situ")  # noqa: E731
 
 
+@settings(max_examples=8)  # each example recompiles forward + backward of both paths
 @given(st.integers(1, 40), st.integers(1, 6), st.sampled_from(["balanced", "one_expert", "empty_experts"]),
        st.integers(0, 10**6))
+@example(1, 1, "one_expert", 0)
+@example(37, 6, "balanced", 1)  # top_k == num_experts
+@example(23, 3, "empty_experts", 2)
 def test_dense_and_sorted_dispatch_agree(M, A, pattern, seed):
     E = 6
     rng = np.random.default_rng(seed)

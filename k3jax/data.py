@@ -1,0 +1,35 @@
+"""Byte-level token data from a corpus that exists on every machine: the Python standard library's own sources.
+
+    tokens = stdlib_bytes(max_bytes=1 << 20)   # uint8 array, deterministic file order
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests"))
+        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+    if not out:
+        raise FileNotFoundError(f"no .py files under the standard library at {root}")
+    return out
+
+
+def stdlib_bytes(max_bytes: int = 1 << 20) -> np.ndarray:
+    """The first ``max_bytes`` bytes of the concatenated stdlib sources (sorted paths) as uint8 tokens."""
+    chunks, n = [], 0
+    for path in stdlib_files():
+        with open(path, "rb") as f:
+            b = f.read()
+        chunks.append(b)
+        n += len(b)
+        if n >= max_bytes:
+            break
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8).copy()
