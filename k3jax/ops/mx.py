@@ -1,0 +1,365 @@
+"""Microscaling (MX) formats: MXFP4 (E2M1) and MXFP8 (E4M3, E5M2) quantize / dequantize, STE fake-quant (SPEC §10).
+
+A block is 32 consecutive elements along one axis (the contraction axis); each block shares one E8M0 scale byte b,
+meaning 2^(b-127) (0xFF = NaN). Three scale rules are named explicitly (SPEC §10.2), with a = max|x| over the block
+as float32 and e_max the largest element exponent (2 for E2M1, 8 for E4M3, 15 for E5M2):
+
+    floor (OCP)                 b = E(a) - e_max + 127                           a/scale in [4, 8): may clip
+    ceil  (round-up)            b = ((bits(fp32(a / max_elem)) + 0x7FFFFF) >> 23) & 0xFF   never clips
+    even  (compressed-tensors)  b = (((bits(a) + 0x200000) >> 23) & 0xFF) - e_max  reproduces the K3 checkpoint bytes
+
+All three clamp b to [0, 254]; an all-zero block gets b = 0 (scale 2^-127), as compressed-tensors writes it.
+
+Exponents come from the float32 bits and scales are built from bit patterns, never from log2 / exp2 (SPEC §10.6:
+both are inexact on XLA:CPU). XLA:CPU also flushes float32 subnormals to zero in arithmetic, so:
+  * dequantization assembles the float32 result's bits directly, which is exact even where the result is subnormal
+    (scale bytes 0..2); bfloat16 results are rounded from those bits (RNE);
+  * quantization reads inputs as float32 and treats float32 subnormal inputs (|x| < 2^-126) as signed zero on every
+    platform (a defined choice, mirrored by the float64 oracle in k3jax/reference/mx.py). float64 inputs are
+    quantized as fp32(x).
+
+Other defined behaviour:
+  * the sign of an element is its sign bit: a negative value (or -0.0) that rounds to zero is E2M1 code 0x8 (-0);
+  * a block holding a NaN or +-Inf gets scale byte 0xFF and all-zero element codes, so it dequantizes to NaN in all
+    32 positions (NaN propagates through fake-quant instead of being hidden);
+  * dequantized values beyond the float32 range (only at scale bytes >= 253) become +-Inf.
+
+The STE fake-quant functions (``fake_quant_mxfp4``, ``fake_quant_mxfp8``) return qdq(x) exactly in the forward pass
+and pass the cotangent through unchanged (identity, saturation included) via ``jax.custom_jvp``; this is
+``x + stop_gradient(qdq(x) - x)`` without its rounding (that sum is not exactly qdq(x) in bf16, and turns -0 into +0).
+They accept a last block shorter than 32 along ``axis`` (padded with zeros, which never change a block max); the
+packed storage in k3jax.quant requires whole blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BLOCK_SIZE = 32
+SCALE_RULES = ("floor", "ceil", "even")
+SCALE_NAN = 0xFF
+
+# E2M1 code -> value; bit 3 = sign, bits 2-1 = exponent (bias 1), bit 0 = mantissa. Code 8 is -0.
+E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    emax: int  # largest unbiased element exponent
+    max_value: float  # largest finite magnitude
+    dtype: object  # ml_dtypes element dtype
+
+
+FORMATS = {
+    "e2m1": ElementFormat("e2m1", 2, 6.0, jnp.float4_e2m1fn),
+    "e4m3": ElementFormat("e4m3", 8, 448.0, jnp.float8_e4m3fn),
+    "e5m2": ElementFormat("e5m2", 15, 57344.0, jnp.float8_e5m2),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bit helpers
+
+
+def f32_bits(x: jax.Array) -> jax.Array:
+    """The float32 bit pattern of ``x`` as int32 (x is cast to float32 first)."""
+    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+
+def _from_bits(bits_i32: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits_i32.astype(jnp.int32), jnp.float32)
+
+
+def pow2_f32(e: jax.Array) -> jax.Array:
+    """2^e as float32 for integer e in [-126, 127], built from the bit pattern (exact; never exp2)."""
+    return _from_bits((e.astype(jnp.int32) + 127) << 23)
+
+
+def flush_subnormals(x: jax.Array) -> jax.Array:
+    """float32 ``x`` with subnormals replaced by signed zero (what XLA:CPU arithmetic does implicitly)."""
+    bits = f32_bits(x)
+    return jnp.where((bits & 0x7F800000) == 0, _from_bits(bits & jnp.int32(-0x80000000)), x.astype(jnp.float32))
+
+
+def _scale_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
+    """x * 2^e for float32 x and integer e in [-254, 254] as two normal factors (no subnormal operand to flush)."""
+    e1 = e // 2
+    return x * pow2_f32(e1) * pow2_f32(e - e1)
+
+
+def scale_bytes(amax: jax.Array, *, fmt: str = "e2m1", rule: str = "even") -> jax.Array:
+    """E8M0 scale byte per block from its float32 max-abs ``amax`` (>= 0) (SPEC §10.2).
+
+    Returns uint8 of amax's shape: 0 for an all-zero block, 0xFF where amax is NaN or Inf, else in [0, 254].
+    """
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r}; expected one of {SCALE_RULES}")
+    f = FORMATS[fmt]
+    amax = flush_subnormals(amax.astype(jnp.float32))
+    bits = f32_bits(amax)
+    if rule == "floor":
+        b = ((bits >> 23) & 0xFF) - f.emax
+    elif rule == "even":
+        b = (((bits + 0x00200000) >> 23) & 0xFF) - f.emax
+    else:  # ceil: the power of two at or above fp32(a / max_elem)
+        # Divide by a float32 constant so the quotient is rounded exactly as the rule says (float32 division).
+        q_bits = f32_bits(amax / jnp.float32(f.max_value))
+        b = ((q_bits + 0x7FFFFF) >> 23) & 0xFF
+        # A subnormal quotient rounds up to 2^-126 (b = 1); computed without it, since XLA:CPU flushes it to zero.
+        b = jnp.where(amax < jnp.float32(f.max_value * 2.0**-126), 1, b)
+    b = jnp.where(amax == 0, 0, jnp.clip(b, 0, 254))
+    b = jnp.where(jnp.isfinite(amax), b, SCALE_NAN)
+    return b.astype(jnp.uint8)
+
+
+def e8m0_to_float(scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Scale byte(s) -> 2^(b-127) exactly (b = 0 gives the subnormal 2^-127, 0xFF gives NaN)."""
+    b = scale.astype(jnp.int32)
+    bits = jnp.where(b == 0, 0x00400000, b << 23)
+    bits = jnp.where(b == SCALE_NAN, 0x7FC00000, bits)
+    return _f32_bits_to(bits, dtype)
+
+
+def count_scale_bytes(scale) -> dict:
+    """Counts of the special E8M0 bytes: ``{"zero": #0x00 (2^-127), "nan": #0xFF, "total": size}`` (host ints)."""
+    s = np.asarray(scale)
+    if s.dtype != np.uint8:
+        raise ValueError(f"scale must be uint8 E8M0 bytes, got {s.dtype}")
+    return {"zero": int(np.sum(s == 0)), "nan": int(np.sum(s == SCALE_NAN)), "total": int(s.size)}
+
+
+def _f32_bits_to(bits: jax.Array, dtype) -> jax.Array:
+    """float32 bit pattern -> ``dtype``; bfloat16 is rounded from the bits (RNE) so subnormals survive XLA:CPU."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return _from_bits(bits)
+    if dtype == jnp.bfloat16:
+        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        hi = jnp.where(is_nan, 0x7FC0, rounded & 0xFFFF)
+        return lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.bfloat16)
+    return _from_bits(bits).astype(dtype)
+
+
+def _assemble_f32(sign: jax.Array, sig: jax.Array, e: jax.Array) -> jax.Array:
+    """Bits of the float32 (-1)^sign * sig * 2^e for int sig in [0, 16) and e >= -149: exact, subnormal or not.
+
+    Results above the float32 range become +-Inf.
+    """
+    msb = jnp.where(sig >= 8, 3, jnp.where(sig >= 4, 2, jnp.where(sig >= 2, 1, 0)))
+    top = msb + e  # unbiased exponent of the value
+    normal = ((top + 127) << 23) | ((sig << (23 - msb)) & 0x7FFFFF)
+    subnormal = sig << jnp.clip(e + 149, 0, 31)
+    mag = jnp.where(top >= -126, normal, subnormal)
+    mag = jnp.where(top > 127, 0x7F800000, mag)
+    mag = jnp.where(sig == 0, 0, mag)
+    return mag | (sign.astype(jnp.int32) << 31)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# E2M1 element codes
+
+
+def e2m1_round_codes(v: jax.Array) -> jax.Array:
+    """Round float32 ``v`` (already divided by the block scale) to E2M1 codes: RNE, saturating at +-6.
+
+    The sign bit of ``v`` becomes bit 3, so a negative value that rounds to zero is code 0x8. Returns uint8.
+    """
+    v = v.astype(jnp.float32)
+    m = jnp.minimum(jnp.abs(v), 6.0)
+    # Grid spacing is 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; round half to even within each binade.
+    q_lo = jnp.round(m * 2.0)  # 0..4, in halves
+    q_mid = jnp.round(m)  # 2..4
+    q_hi = jnp.round(m * 0.5)  # 2..3, in twos
+    idx = jnp.where(m < 2.0, q_lo, jnp.where(m < 4.0, q_mid + 2.0, q_hi + 4.0))
+    # A value in [1.75, 2) rounds to 2 through q_lo = 4 -> idx 4 (= value 2); [3.5, 4) -> q_mid 4 -> idx 6 (= 4).
+    code = idx.astype(jnp.int32)
+    sign = (f32_bits(v) >> 31) & 1
+    return (code | (sign << 3)).astype(jnp.uint8)
+
+
+def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """E2M1 codes (uint8, low 4 bits used) -> values, by arithmetic (no table, so it also runs inside kernels)."""
+    c = codes.astype(jnp.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0)))
+    return jnp.where((c & 8) != 0, -mag, mag).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# blocking along an axis
+
+
+def _to_blocks(x: jax.Array, axis: int, *, pad: bool, name: str = "x") -> tuple[jax.Array, int]:
+    """Move ``axis`` last and split it into [..., G, 32]. Returns the blocks and the original length."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    if n % BLOCK_SIZE:
+        if not pad:
+            raise ValueError(f"{name}: axis length {n} (shape {x.shape}) is not a multiple of {BLOCK_SIZE}")
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % BLOCK_SIZE)])
+    return x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE), n
+
+
+def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
+    x = xb.reshape(*xb.shape[:-2], -1)[..., :n]
+    return jnp.moveaxis(x, -1, axis)
+
+
+def _quantize_blocks(xb: jax.Array, fmt: str, rule: str):
+    """[..., G, 32] float -> (elements [..., G, 32], scale bytes [..., G]); E2M1 elements are uint8 codes."""
+    f = FORMATS[fmt]
+    x = flush_subnormals(xb.astype(jnp.float32))
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    b = scale_bytes(amax, fmt=fmt, rule=rule)
+    finite = (b != SCALE_NAN)[..., None]
+    x = jnp.where(finite, x, 0.0)
+    v = _scale_by_pow2(x, 127 - jnp.where(finite, b[..., None].astype(jnp.int32), 127))
+    if fmt == "e2m1":
+        return e2m1_round_codes(v), b
+    # Clip first: the float8 casts are not saturating (480 -> NaN for E4M3, SPEC §10.6). The cast keeps the sign,
+    # so a negative value that underflows is -0.
+    v = jnp.clip(v, -f.max_value, f.max_value)
+    return v.astype(f.dtype), b
+
+
+def _dequantize_blocks(elems: jax.Array, b: jax.Array, fmt: str, dtype) -> jax.Array:
+    """Exact dequantization of [..., G, 32] elements with [..., G] scale bytes (bits assembled directly)."""
+    dtype = jnp.dtype(dtype)
+    bi = b.astype(jnp.int32)[..., None]
+    if fmt == "e2m1":
+        c = elems.astype(jnp.int32)
+        sign, e, m = (c >> 3) & 1, (c >> 1) & 3, c & 1
+        # value = (2 + m) * 2^(e - 2) for e > 0, m * 2^-1 for e == 0
+        sig = jnp.where(e == 0, m, 2 + m)
+        ex = jnp.where(e == 0, -1, e - 2)
+    else:
+        f = FORMATS[fmt]
+        mant_bits = 3 if fmt == "e4m3" else 2
+        bias = 7 if fmt == "e4m3" else 15
+        raw = lax.bitcast_convert_type(elems.astype(f.dtype), jnp.uint8).astype(jnp.int32)
+        sign = (raw >> 7) & 1
+        e = (raw >> mant_bits) & ((1 << (7 - mant_bits)) - 1)
+        m = raw & ((1 << mant_bits) - 1)
+        sig = jnp.where(e == 0, m, m + (1 << mant_bits))
+        ex = jnp.where(e == 0, 1, e) - bias - mant_bits
+    if dtype == jnp.float64:
+        # float64 holds every value as a normal number: sig * 2^e with the power of two built from its bits.
+        p2 = lax.bitcast_convert_type((ex + bi - 127 + 1023).astype(jnp.int64) << 52, jnp.float64)
+        out = jnp.where(sign == 1, -1.0, 1.0) * sig.astype(jnp.float64) * p2
+        out = jnp.where(bi == SCALE_NAN, jnp.nan, out)
+    else:
+        bits = _assemble_f32(sign, sig, ex + bi - 127)
+        bits = jnp.where(bi == SCALE_NAN, 0x7FC00000, bits)
+        out = _f32_bits_to(bits, dtype)
+    if fmt != "e2m1":
+        out = jnp.where(jnp.isnan(elems.astype(jnp.float32)), jnp.nan, out).astype(dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# public quantize / dequantize
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in SCALE_RULES:
+        raise ValueError(f"unknown scale rule {rule!r}; expected one of {SCALE_RULES}")
+
+
+def mxfp4_quantize(x: jax.Array, *, axis: int = -1, rule: str = "even") -> tuple[jax.Array, jax.Array]:
+    """MXFP4-quantize ``x`` in blocks of 32 along ``axis`` (length must be a multiple of 32).
+
+    Returns (codes, scale): codes uint8 E2M1 codes (0..15), same shape as x; scale uint8 E8M0 bytes, x's shape with
+    ``axis`` divided by 32.
+    """
+    _check_rule(rule)
+    xb, n = _to_blocks(x, axis, pad=False)
+    codes, b = _quantize_blocks(xb, "e2m1", rule)
+    return _from_blocks(codes, axis, n), jnp.moveaxis(b, -1, axis)
+
+
+def mxfp4_dequantize(codes: jax.Array, scale: jax.Array, *, axis: int = -1, dtype=jnp.float32) -> jax.Array:
+    """Inverse of ``mxfp4_quantize`` (exact in float32/float64; bfloat16 exact unless below 2^-126)."""
+    cb, n = _to_blocks(codes, axis, pad=False, name="codes")
+    out = _dequantize_blocks(cb, jnp.moveaxis(scale, axis, -1), "e2m1", dtype)
+    return _from_blocks(out, axis, n)
+
+
+def mxfp8_quantize(x: jax.Array, *, axis: int = -1, rule: str = "ceil", fmt: str = "e4m3"):
+    """MXFP8-quantize ``x`` (E4M3 by default, or E5M2) in blocks of 32 along ``axis``.
+
+    Returns (elements, scale): elements in the ml_dtypes float8 dtype, same shape as x; scale uint8 E8M0 bytes.
+    Scaled values are clipped to +-max before the (non-saturating) float8 cast.
+    """
+    _check_rule(rule)
+    if fmt not in ("e4m3", "e5m2"):
+        raise ValueError(f"MXFP8 element format must be 'e4m3' or 'e5m2', got {fmt!r}")
+    xb, n = _to_blocks(x, axis, pad=False)
+    elems, b = _quantize_blocks(xb, fmt, rule)
+    return _from_blocks(elems, axis, n), jnp.moveaxis(b, -1, axis)
+
+
+def mxfp8_dequantize(elems: jax.Array, scale: jax.Array, *, axis: int = -1, dtype=jnp.float32) -> jax.Array:
+    """Inverse of ``mxfp8_quantize``; the element format is read from ``elems.dtype``."""
+    fmt = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2"}.get(jnp.dtype(elems.dtype))
+    if fmt is None:
+        raise ValueError(f"elems must be float8_e4m3fn or float8_e5m2, got {elems.dtype}")
+    eb, n = _to_blocks(elems, axis, pad=False, name="elems")
+    out = _dequantize_blocks(eb, jnp.moveaxis(scale, axis, -1), fmt, dtype)
+    return _from_blocks(out, axis, n)
+
+
+def qdq(x: jax.Array, *, axis: int, fmt: str, rule: str) -> jax.Array:
+    """Quantize-dequantize in blocks of 32 along ``axis`` (a short last block is allowed). Same shape and dtype."""
+    _check_rule(rule)
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown element format {fmt!r}; expected one of {tuple(FORMATS)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"qdq needs a floating input, got {x.dtype}")
+    axis = axis % x.ndim
+    xb, n = _to_blocks(x, axis, pad=True)
+    elems, b = _quantize_blocks(xb, fmt, rule)
+    return _from_blocks(_dequantize_blocks(elems, b, fmt, x.dtype), axis, n)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _fake_quant(x, axis, fmt, rule):
+    return qdq(x, axis=axis, fmt=fmt, rule=rule)
+
+
+@_fake_quant.defjvp
+def _fake_quant_jvp(axis, fmt, rule, primals, tangents):
+    (x,), (t,) = primals, tangents
+    # Straight-through: the forward is qdq(x), the derivative is taken as the identity (saturation included).
+    return _fake_quant(x, axis, fmt, rule), t
+
+
+def fake_quant_mxfp4(w: jax.Array, *, axis: int, rule: str = "even") -> jax.Array:
+    """MXFP4 (E2M1) STE fake-quant: forward qdq(w) in blocks of 32 along ``axis``, gradient identity.
+
+    Args:
+      w: any float array (float32, bfloat16, float64); for the expert stacks [E, in, out] use axis=1 (``in``).
+      axis: the block (contraction) axis; a last block shorter than 32 is allowed.
+      rule: scale rule, "even" (compressed-tensors, default for weights), "floor" or "ceil".
+    Returns: same shape and dtype as w.
+    """
+    return _fake_quant(w, axis % w.ndim, "e2m1", rule)
+
+
+def fake_quant_mxfp8(x: jax.Array, *, axis: int = -1, rule: str = "ceil") -> jax.Array:
+    """MXFP8 (E4M3) STE fake-quant of activations: forward qdq(x) (clipped to +-448 before the cast), gradient identity.
+
+    Args:
+      x: any float array; blocks of 32 along ``axis`` (the contraction axis of the GEMM it feeds).
+      rule: scale rule, "ceil" by default (never clips).
+    Returns: same shape and dtype as x.
+    """
+    return _fake_quant(x, axis % x.ndim, "e4m3", rule)
