@@ -1,0 +1,151 @@
+"""The full network: float64 NumPy parity (SPEC §15.2), causality, dispatch equivalence, AttnRes bookkeeping,
+Kimi-Linear switches, full-size shapes via eval_shape, k3-mini forward + gradient."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax.model.transformer as tr
+from k3jax.config import get_preset
+from k3jax.model import abstract_params, forward, init_params, lm_loss
+from k3jax.reference.model import ref_forward
+from k3jax.testing import assert_close
+
+
+def spread(params, scale=8.0):
+    """Random-init weights are tiny (std 0.02); scale matrices up so every branch matters in parity tests."""
+    def f(path, a):
+        name = jax.tree_util.keystr(path)
+        if a.ndim >= 2 and "embed" not in name:
+            return a * scale
+        if name.endswith("['query']"):
+            return a + 0.3 * jax.random.normal(jax.random.key(len(name)), a.shape, a.dtype)
+        return a
+    return jax.tree_util.tree_map_with_path(f, params)
+
+
+def tiny_linear():
+    """A tiny Kimi-Linear-shaped config: softplus gate, low-rank gate, no q-LoRA, no MLA gate, SwiGLU, standard
+    residual, standard MoE with rsf 2.446 and one shared expert."""
+    return get_preset("k3-tiny").replace(
+        name="kl-tiny", kda_gate_lower_bound=None, kda_full_rank_gate=False, q_lora_rank=None, mla_output_gate=False,
+        hidden_act="silu", attn_res_block_size=None, routed_expert_hidden_size=None, latent_moe_use_norm=False,
+        routed_scaling_factor=2.446, num_shared_experts=1, full_attn_layers=(4, 5), expert_format="bf16")
+
+
+CFGS = {"k3": lambda: get_preset("k3-tiny"), "kimi-linear": tiny_linear}
+
+
+@pytest.mark.parametrize("family", sorted(CFGS))
+def test_fp64_and_fp32_match_numpy_reference(family, x64):
+    cfg64 = CFGS[family]().replace(param_dtype="float64", compute_dtype="float64")
+    params = spread(init_params(cfg64, jax.random.key(1)))
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg64.vocab_size, (2, 13)), jnp.int32)
+    want = ref_forward(params, toks, cfg64)
+    got64 = forward(params, toks, cfg64)
+    assert got64.dtype == jnp.float64
+    assert_close(got64, want, 1e-12, name="float64 logits")
+    cfg32 = cfg64.replace(param_dtype="float32", compute_dtype="float32")
+    got32 = forward(jax.tree.map(lambda a: a.astype(jnp.float32), params), toks, cfg32)
+    assert_close(got32, want, 1e-5, name="float32 logits")
+
+
+def test_causality():
+    cfg = get_preset("k3-tiny")
+    params = spread(init_params(cfg, jax.random.key(2)))
+    toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 21)), jnp.int32)
+    f = jax.jit(lambda t: forward(params, t, cfg))
+    base = np.asarray(f(toks))
+    for t in (0, 7, 20):
+        changed = np.asarray(f(toks.at[0, t].set((toks[0, t] + 1) % cfg.vocab_size)))
+        np.testing.assert_array_equal(changed[:, :t], base[:, :t])
+        assert not np.array_equal(changed[:, t], base[:, t])
+
+
+def test_dense_and_sorted_dispatch_agree_in_the_model():
+    cfg = get_preset("k3-tiny")
+    params = spread(init_params(cfg, jax.random.key(3)))
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
+    a = forward(params, toks, cfg, dispatch="sorted")
+    b = forward(params, toks, cfg, dispatch="dense")
+    assert_close(a, b, 1e-6)
+    ga = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="sorted"))(params)
+    gb = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="dense"))(params)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
+        assert_close(x, y, 1e-5, atol_floor=1e-9, name=jax.tree_util.keystr(path))
+
+
+def _record_attn_res(monkeypatch):
+    counts = []
+    real = tr.attn_res
+
+    def spy(srcs, q, g, eps):
+        counts.append(len(srcs))
+        return real(srcs, q, g, eps)
+
+    monkeypatch.setattr(tr, "attn_res", spy)
+    return counts
+
+
+@pytest.mark.parametrize("L,S", [(5, 2), (25, 12), (93, 12)])
+def test_attn_res_source_counts(monkeypatch, L, S):
+    # SPEC §3.2: attention AR at l >= 1 has ceil(l/S)+1 sources, MLP AR floor(l/S)+2, output = blocks + 1.
+    cfg = get_preset("k3-tiny").replace(num_layers=L, attn_res_block_size=S,
+                                        full_attn_layers=tuple(sorted(set(range(4, L + 1, 4)) | {L})))
+    counts = _record_attn_res(monkeypatch)
+    jax.eval_shape(lambda p, t: forward(p, t, cfg), abstract_params(cfg), jax.ShapeDtypeStruct((1, 4), jnp.int32))
+    want = []
+    for l in range(L):
+        if l >= 1:
+            want.append(-(-l // S) + 1)
+        want.append(l // S + 2)
+    want.append(len(cfg.attn_res_boundaries) + 1)
+    assert counts == want
+    if L == 93:
+        assert max(counts) == 9 and counts[-1] == 9 and counts[:2] == [2, 2]
+
+
+def test_layer0_input_is_embedding_and_zero_queries_average(monkeypatch):
+    cfg = get_preset("k3-tiny")
+    params = init_params(cfg, jax.random.key(4))
+    seen = {}
+    real = tr.rms_norm
+
+    def spy(x, w, eps, **kw):
+        seen.setdefault("first", x)
+        return real(x, w, eps, **kw)
+
+    monkeypatch.setattr(tr, "rms_norm", spy)
+    toks = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+    forward(params, toks, cfg)
+    np.testing.assert_array_equal(np.asarray(seen["first"]), np.asarray(params["embed"][toks]))
+
+
+def test_full_size_kimi_k3_shapes_without_memory():
+    cfg = get_preset("kimi-k3")
+    out = jax.eval_shape(lambda p, t: forward(p, t, cfg), abstract_params(cfg),
+                         jax.ShapeDtypeStruct((1, 16), jnp.int32))
+    assert out.shape == (1, 16, 163840) and out.dtype == jnp.float32
+
+
+def test_k3_mini_forward_and_grad_finite():
+    cfg = get_preset("k3-mini")
+    params = init_params(cfg, jax.random.key(0))
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 33)), jnp.int32)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(p, toks[:, :-1], toks[:, 1:], cfg)))(params)
+    assert np.isfinite(float(loss)) and abs(float(loss) - np.log(256)) < 0.5
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for _, g in flat)
+    zero = {jax.tree_util.keystr(p) for p, g in flat if float(jnp.sum(jnp.abs(g))) == 0.0}
+    # Only the QB bias buffers (selection only) and layer 0's attention AttnRes (one source: identity) get none.
+    expected = {f"['layers'][{l}]['moe']['bias']" for l in range(1, cfg.num_layers)}
+    expected |= {"['layers'][0]['attn_res']['gain']", "['layers'][0]['attn_res']['query']"}
+    assert zero == expected
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        get_preset("k3-tiny").hidden_size = 3
