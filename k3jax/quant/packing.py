@@ -81,7 +81,7 @@ def mxfp8_unpack(data: jax.Array, scale: jax.Array, dtype=jnp.float32, *, fmt: s
 
 
 def experts_to_packed(w_eio: jax.Array, *, rule: str = "even", name: str = "experts") -> tuple[jax.Array, jax.Array]:
-    """Dense expert stack [E, in, out] -> checkpoint layout (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32])."""
+    """Dense expert stack [E, in, out] -> (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32]) (checkpoint)."""
     if w_eio.ndim != 3:
         raise ValueError(f"{name}: expected an expert stack [E, in, out], got shape {w_eio.shape}")
     if w_eio.shape[1] % mx.BLOCK_SIZE:
