@@ -227,9 +227,9 @@ def _key_path(kp) -> Path:
     return tuple(out)
 
 
-def leaf_paths(cfg: K3Config) -> list[Path]:
-    """Every leaf path of ``abstract_params(cfg)``."""
-    return list(_leaf_shapes(cfg))
+def leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
+    """``{leaf path: shape}`` for every leaf of ``abstract_params(cfg)`` (cached; allocates nothing)."""
+    return dict(_leaf_shapes(cfg))
 
 
 # ---------------------------------------------------------------------------------------------------- listing
@@ -425,5 +425,5 @@ def expert_to_hf(weight, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
 
 __all__ = ["TensorSpec", "Rule", "LAYOUTS", "default_layout", "hf_tensors", "layer_tensors", "global_tensors",
            "shard_tensors", "shard_of", "shard_file_of", "num_shards", "has_vision_shards", "hf_shape",
-           "mxfp4_shapes", "leaf_paths", "leaf_shape", "from_hf", "to_hf", "expert_from_hf", "expert_to_hf",
+           "mxfp4_shapes", "leaf_shapes", "leaf_shape", "from_hf", "to_hf", "expert_from_hf", "expert_to_hf",
            "np_dtype"]

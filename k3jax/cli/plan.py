@@ -1,0 +1,288 @@
+"""`k3 plan` — parameters, checkpoint bytes and per-device memory of a preset, without allocating any weights.
+
+    k3 plan --preset kimi-k3                      summary + per-layer table
+    k3 plan --preset kimi-k3 --json               the same as one JSON object
+    k3 plan --preset kimi-k3 --mesh 8xB300 --mesh 64xH200 --context 131072 --batch 4
+    k3 plan --preset kimi-k3 --tensors            name<TAB>dtype<TAB>shape of every text tensor (as tensors.tsv)
+    k3 plan --preset kimi-k3 --shards --json      file, bytes, header_len, header_sha256 per text shard
+
+Counts: ``total_params`` counts the k3jax parameter tree (A_log as [H]: 96 per KDA layer for K3);
+``checkpoint_params`` counts the stored tensors (A_log padded to 128, packed U8 = 2 weights per byte, E8M0 scales
+not counted). ``active_params`` is what one token touches, excluding the input embedding: top-k of the routed
+experts, everything else in full including ``lm_head``; the router bias is not a multiply and is left out.
+
+Memory per device (``--mesh``): weights in the checkpoint format (routed experts as stored — MXFP4 packed + scales
+for K3 — all else BF16/F32 as stored), routed experts of every MoE layer split evenly over the devices (ceil), all
+other tensors replicated; plus per-sequence caches (KDA fp32 state [H, K, V] and fp32 conv windows per KDA layer;
+MLA absorbed latent cache kv_lora + rope values per token per MLA layer in bf16), with the batch's sequences divided
+over the devices (data-parallel attention, ceil). Activations, workspace and framework overhead are not included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections import defaultdict
+
+# GPU kind -> memory in bytes (decimal GB, as vendors state it)
+GPU_BYTES = {"B300": 288 * 10**9, "B200": 192 * 10**9, "H200": 141 * 10**9, "H100": 80 * 10**9}
+KNOWN_MESHES = ("8xB300", "16xB200", "8xB200", "64xH200", "32xH200", "16xH200", "8xH200", "8xH100")
+DEFAULT_MESHES = ("8xB300", "16xB200", "64xH200")
+DEFAULT_CONTEXT = 131072
+
+ASSUMPTIONS = (
+    "weights in checkpoint format: routed experts as stored (MXFP4 packed + E8M0 scales for K3), others BF16/F32",
+    "routed experts of each MoE layer split evenly over all devices (ceil(E / devices) per device); "
+    "every other tensor replicated on every device",
+    "KDA: fp32 recurrent state [H, K, V] + fp32 conv windows [3, W-1, H*K] per KDA layer per sequence",
+    "MLA: absorbed latent cache (kv_lora_rank + qk_rope_head_dim) bf16 values per token per MLA layer",
+    "sequences divided over devices (data-parallel attention): ceil(batch / devices) sequences per device",
+    "activations, workspace, allocator and framework overhead are not included; GB = 10^9 bytes",
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="parameters, checkpoint bytes and per-device memory (allocates nothing)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", required=True, help="preset name (kimi-k3, kimi-linear-48b, k3-mini, k3-tiny)")
+    p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    p.add_argument("--tensors", action="store_true", help="list every text tensor of the official layout, in order")
+    p.add_argument("--shards", action="store_true", help="list the text shards: file size, header length, sha256")
+    p.add_argument("--mesh", action="append", default=None, metavar="NAME",
+                   help=f"device mesh like 8xB300 (repeatable; default {' '.join(DEFAULT_MESHES)}); "
+                        f"known GPUs: {', '.join(GPU_BYTES)}")
+    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per sequence for the caches")
+    p.add_argument("--batch", type=int, default=1, help="sequences for the caches (default 1)")
+    p.set_defaults(func=_main)
+
+
+# --------------------------------------------------------------------------------------------------- planning
+
+def parse_mesh(name: str) -> tuple[int, str, int]:
+    """``"8xB300"`` → (8, "B300", bytes per device)."""
+    m = re.fullmatch(r"(\d+)x([A-Za-z0-9]+)", name)
+    if not m or int(m.group(1)) < 1 or m.group(2).upper() not in GPU_BYTES:
+        raise ValueError(f"unknown mesh {name!r}; known meshes: {', '.join(KNOWN_MESHES)} "
+                         f"(any <N>x<GPU> with GPU in {', '.join(GPU_BYTES)})")
+    gpu = m.group(2).upper()
+    return int(m.group(1)), gpu, GPU_BYTES[gpu]
+
+
+def _component(path: tuple) -> str:
+    if path[0] != "layers":
+        return {"embed": "embed", "lm_head": "lm_head"}.get(path[0], "norms_and_attn_res")
+    kind = path[2]
+    if kind in ("kda", "mla"):
+        return f"{kind}_attention"
+    if kind == "mlp":
+        return "dense_mlp"
+    if kind == "moe":
+        return {"experts": "routed_experts", "shared": "shared_experts", "router": "router",
+                "bias": "router_bias", "down": "latent_proj", "up": "latent_proj",
+                "latent_norm": "latent_proj"}[path[3]]
+    return "norms_and_attn_res"
+
+
+def _active(cfg, comp: str, n: int) -> int:
+    if comp == "routed_experts":
+        return n * cfg.num_experts_per_token // cfg.num_experts
+    if comp == "router_bias" or (comp == "embed" and not cfg.tie_word_embeddings):
+        return 0
+    return n
+
+
+def _expert_specs_ok(cfg):
+    """Name-map tensors, falling back to bf16 experts when the widths do not fit MXFP4 groups (noted)."""
+    from k3jax.checkpoint.name_map import hf_tensors
+
+    try:
+        return hf_tensors(cfg), cfg.expert_format, None
+    except ValueError as e:
+        if cfg.expert_format != "mxfp4":
+            raise
+        return hf_tensors(cfg, expert_format="bf16"), "bf16", f"experts listed as bf16: {e}"
+
+
+def build_plan(cfg, meshes=DEFAULT_MESHES, context: int = DEFAULT_CONTEXT, batch: int = 1) -> dict:
+    from k3jax.checkpoint.name_map import default_layout, leaf_shapes
+    from k3jax.model import abstract_params, count_params
+
+    if context < 0 or batch < 1:
+        raise ValueError(f"--context must be >= 0 and --batch >= 1 (got {context}, {batch})")
+    mesh_info = [(m, *parse_mesh(m)) for m in meshes]
+    params = abstract_params(cfg)
+    specs, fmt, note = _expert_specs_ok(cfg)
+
+    comp_params, comp_active = defaultdict(int), defaultdict(int)
+    layer_params, layer_active = defaultdict(int), defaultdict(int)
+    for path, shape in leaf_shapes(cfg).items():
+        n = math.prod(shape)
+        comp = _component(path)
+        comp_params[comp] += n
+        comp_active[comp] += _active(cfg, comp, n)
+        key = path[1] if path[0] == "layers" else "model"
+        layer_params[key] += n
+        layer_active[key] += _active(cfg, comp, n)
+    total = count_params(params)
+    assert total == sum(comp_params.values())
+
+    layer_bytes, expert_bytes, dtype_bytes, dtype_count = defaultdict(int), defaultdict(int), defaultdict(int), \
+        defaultdict(int)
+    for s in specs:
+        b = s.nbytes
+        layer_bytes["model" if s.layer is None else s.layer] += b
+        dtype_bytes[s.dtype] += b
+        dtype_count[s.dtype] += 1
+        if s.expert is not None:
+            expert_bytes[s.layer] += b
+    ckpt_bytes = sum(dtype_bytes.values())
+
+    layers = []
+    for l in range(cfg.num_layers):
+        layers.append({"layer": l, "attention": "mla" if cfg.is_mla(l) else "kda",
+                       "ffn": "moe" if cfg.is_moe(l) else "dense", "params": layer_params[l],
+                       "active": layer_active[l], "bytes": layer_bytes[l]})
+
+    # ---- memory per device
+    routed_total = sum(expert_bytes.values())
+    replicated = ckpt_bytes - routed_total
+    H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
+    kda_state_seq = cfg.num_kda_layers * H * K * K * 4
+    kda_conv_seq = cfg.num_kda_layers * 3 * (W - 1) * H * K * 4
+    mla_token = cfg.num_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    mesh_out = []
+    for name, n, gpu, cap in mesh_info:
+        per_dev_experts = -(-cfg.num_experts // n)
+        weights = replicated + sum(b // cfg.num_experts * per_dev_experts for b in expert_bytes.values())
+        seqs = -(-batch // n)
+        kda = seqs * (kda_state_seq + kda_conv_seq)
+        mla = seqs * context * mla_token
+        used = weights + kda + mla
+        mesh_out.append({"mesh": name, "devices": n, "gpu": gpu, "device_bytes": cap,
+                         "experts_per_device_per_layer": per_dev_experts, "sequences_per_device": seqs,
+                         "weights_bytes": weights, "weights_bytes_fully_sharded": -(-ckpt_bytes // n),
+                         "kda_state_bytes": kda, "mla_cache_bytes": mla,
+                         "total_bytes": used, "free_bytes": cap - used, "fits": used <= cap})
+
+    out = {
+        "preset": cfg.name,
+        "layout": default_layout(cfg),
+        "expert_format": fmt,
+        "total_params": total,
+        "total_params_note": "k3jax parameter tree; A_log counted as [H] (unpadded)",
+        "checkpoint_params": sum(s.num_params for s in specs),
+        "checkpoint_params_note": "stored tensors: A_log padding included, packed U8 = 2 weights/byte, "
+                                  "E8M0 scales not counted",
+        "active_params": sum(comp_active.values()),
+        "active_params_note": "per token, excluding the input embedding: top-k routed experts, the rest in full "
+                              "(incl. lm_head); router bias excluded",
+        "active_params_with_embedding": sum(comp_active.values()) + (
+            0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size),
+        "checkpoint_bytes": ckpt_bytes,
+        "checkpoint_tensors": len(specs),
+        "routed_expert_bytes": routed_total,
+        "bytes_by_dtype": dict(sorted(dtype_bytes.items())),
+        "tensors_by_dtype": dict(sorted(dtype_count.items())),
+        "components": {k: {"params": comp_params[k], "active": comp_active[k]} for k in sorted(comp_params)},
+        "model_level": {"params": layer_params["model"], "active": layer_active["model"],
+                        "bytes": layer_bytes["model"]},
+        "layers": layers,
+        "memory": {"context": context, "batch": batch, "kda_state_bytes_per_sequence": kda_state_seq,
+                   "kda_conv_bytes_per_sequence": kda_conv_seq, "mla_cache_bytes_per_token": mla_token,
+                   "replicated_weight_bytes": replicated, "assumptions": list(ASSUMPTIONS), "meshes": mesh_out},
+    }
+    if note:
+        out["notes"] = [note]
+    return out
+
+
+def shard_rows(cfg) -> list[dict]:
+    """One row per text shard: file, file size, header length N, header sha256 (from the name map alone)."""
+    from k3jax.checkpoint.name_map import shard_tensors
+    from k3jax.checkpoint.safetensors_layout import shard_layout
+
+    _, fmt, _ = _expert_specs_ok(cfg)
+    rows = []
+    for f, specs in shard_tensors(cfg, expert_format=fmt):
+        lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
+        rows.append({"file": f, "bytes": lay.file_bytes, "header_len": lay.header_len,
+                     "header_sha256": lay.header_sha256, "tensors": len(specs)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------------ output
+
+def _g(n: int) -> str:
+    return f"{n / 1e9:,.3f} B" if n >= 1e8 else f"{n / 1e6:,.3f} M"
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB"
+
+
+def _print_plan(p: dict, out) -> None:
+    w = out.write
+    w(f"preset {p['preset']}  layout {p['layout']}  experts {p['expert_format']}\n")
+    w(f"total params       {p['total_params']:>22,}  ({_g(p['total_params'])}; {p['total_params_note']})\n")
+    w(f"checkpoint params  {p['checkpoint_params']:>22,}  ({p['checkpoint_params_note']})\n")
+    w(f"active params      {p['active_params']:>22,}  ({_g(p['active_params'])}; {p['active_params_note']})\n")
+    w(f"checkpoint bytes   {p['checkpoint_bytes']:>22,}  ({p['checkpoint_bytes'] / 2**30:,.2f} GiB, "
+      f"{p['checkpoint_tensors']:,} text tensors)\n")
+    for k, v in p["bytes_by_dtype"].items():
+        w(f"  {k:<5} {p['tensors_by_dtype'][k]:>9,} tensors {v:>22,} bytes\n")
+    w("components (params / active):\n")
+    for k, v in p["components"].items():
+        w(f"  {k:<20} {v['params']:>22,} {v['active']:>22,}\n")
+    for n in p.get("notes", []):
+        w(f"note: {n}\n")
+    w(f"\n{'layer':>5} {'attn':>4} {'ffn':>5} {'params':>18} {'active':>18} {'bytes':>18}\n")
+    for r in p["layers"]:
+        w(f"{r['layer']:>5} {r['attention']:>4} {r['ffn']:>5} {r['params']:>18,} {r['active']:>18,} "
+          f"{r['bytes']:>18,}\n")
+    m = p["model_level"]
+    w(f"{'model':>5} {'':>4} {'':>5} {m['params']:>18,} {m['active']:>18,} {m['bytes']:>18,}\n")
+    mem = p["memory"]
+    w(f"\nmemory per device at context {mem['context']:,}, batch {mem['batch']}:\n")
+    for a in mem["assumptions"]:
+        w(f"  assumption: {a}\n")
+    w(f"  {'mesh':<9} {'weights':>12} {'kda state':>12} {'mla cache':>12} {'total':>12} {'device':>10} fits\n")
+    for r in mem["meshes"]:
+        w(f"  {r['mesh']:<9} {_gb(r['weights_bytes']):>12} {_gb(r['kda_state_bytes']):>12} "
+          f"{_gb(r['mla_cache_bytes']):>12} {_gb(r['total_bytes']):>12} {_gb(r['device_bytes']):>10} "
+          f"{'yes' if r['fits'] else 'NO'}\n")
+
+
+def _main(args) -> int:
+    from k3jax.config import get_preset
+
+    cfg = get_preset(args.preset)
+    out = sys.stdout
+    if args.tensors:
+        specs, _, _ = _expert_specs_ok(cfg)
+        if args.json:
+            json.dump([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs], out)
+            out.write("\n")
+        else:
+            out.write("name\tdtype\tshape\n")
+            out.writelines(f"{s.name}\t{s.dtype}\t{','.join(map(str, s.shape))}\n" for s in specs)
+        return 0
+    if args.shards:
+        rows = shard_rows(cfg)
+        if args.json:
+            json.dump(rows, out, indent=1)
+            out.write("\n")
+        else:
+            out.write("file\tbytes\theader_len\theader_sha256\ttensors\n")
+            out.writelines(f"{r['file']}\t{r['bytes']}\t{r['header_len']}\t{r['header_sha256']}\t{r['tensors']}\n"
+                           for r in rows)
+        return 0
+    plan = build_plan(cfg, tuple(args.mesh or DEFAULT_MESHES), args.context, args.batch)
+    if args.json:
+        json.dump(plan, out, indent=1)
+        out.write("\n")
+    else:
+        _print_plan(plan, out)
+    return 0
