@@ -1,0 +1,261 @@
+"""Write k3jax params back in the official K3 checkpoint layout, byte-exactly (SPEC §11.5–11.7, §11.9).
+
+    save(params, cfg, "out/")          # model-00001-of-000010.safetensors ... + index + config.json
+
+- One decoder layer per shard (shard k = layer k-1), the model-level tensors in shard L+1; file names
+  ``model-{k:05d}-of-{total:06d}.safetensors`` (six-digit total). For the full K3 config the total is 96 and the two
+  vision shards are copied byte for byte from ``vision_from`` when given.
+- Headers come from ``safetensors_layout.shard_layout``: compact JSON, dtype rank then byte order of names, space
+  padding to 8 bytes, no ``__metadata__``; data contiguous in header order.
+- Routed experts are written as compressed-tensors MXFP4 (``weight_packed`` + ``weight_scale``, "even" scale rule)
+  when ``expert_format == "mxfp4"``; already-packed leaves (``w1_packed`` / ``w1_scale``, as returned by
+  ``load(..., keep_experts_packed=True)``) are written as they are.
+- ``model.safetensors.index.json``: indent 2, no trailing newline, ``metadata.total_size`` = payload bytes, keys in
+  byte order. ``config.json``: indent 2, sorted keys, no trailing newline (the release's format).
+- Everything is written into a temporary sibling directory that is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.errors import CheckpointError
+from k3jax.checkpoint.reader import INDEX_NAME, read_header
+from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
+from k3jax.config import K3Config
+
+MANIFEST_NAME = "SHA256SUMS"  # `sha256sum -c` format: "<hex>  <file>"
+# K3Config fields that are runtime choices, never part of an HF config.
+RUNTIME_FIELDS = ("name", "moe_impl", "kda_impl", "kda_chunk_size", "mla_block_size", "qat", "qat_weight_rule",
+                  "qat_act_rule", "param_dtype", "compute_dtype", "mla_norm_eps")
+
+
+# ------------------------------------------------------------------------------------------------- config.json
+
+def architecture(cfg: K3Config) -> dict:
+    """The fields of ``cfg`` an HF config carries (runtime choices dropped)."""
+    d = cfg.to_dict()
+    for k in RUNTIME_FIELDS:
+        d.pop(k, None)
+    return d
+
+
+def _preset_json(name: str) -> str:
+    return os.path.join(os.path.dirname(os.path.dirname(__file__)), "presets", f"{name}.config.json")
+
+
+def config_json(cfg: K3Config) -> bytes:
+    """HF ``config.json`` bytes that ``k3jax.config.from_hf`` parses back to ``cfg``'s architecture.
+
+    For the kimi-k3 / kimi-linear-48b architectures the shipped preset files are returned byte for byte (the
+    release's config); otherwise a ``kimi_k3`` wrapper (AttnRes configs) or a flat ``kimi_linear`` config is built.
+    """
+    from k3jax.config import from_hf
+
+    for preset in ("kimi-k3", "kimi-linear-48b"):
+        p = _preset_json(preset)
+        if os.path.exists(p) and architecture(from_hf(p)) == architecture(cfg):
+            with open(p, "rb") as f:
+                return f.read()
+    L = cfg.num_layers
+    lac = {"full_attn_layers": list(cfg.full_attn_layers),
+           "kda_layers": [i for i in range(1, L + 1) if i not in set(cfg.full_attn_layers)],
+           "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim,
+           "short_conv_kernel_size": cfg.kda_conv_size, "use_full_rank_gate": cfg.kda_full_rank_gate}
+    if cfg.kda_gate_lower_bound is not None:
+        lac["gate_lower_bound"] = cfg.kda_gate_lower_bound
+    tc = {
+        "model_type": "kimi_linear", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": L, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "linear_attn_config": lac, "num_attention_heads": cfg.mla_num_heads,
+        "num_key_value_heads": cfg.mla_num_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "mla_use_nope": True, "mla_use_output_gate": cfg.mla_output_gate,
+        "hidden_act": cfg.hidden_act, "activation_situ_beta": cfg.situ_beta,
+        "activation_situ_linear_beta": cfg.situ_linear_beta, "intermediate_size": cfg.intermediate_size,
+        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": 1, "num_experts": cfg.num_experts,
+        "num_experts_per_token": cfg.num_experts_per_token, "num_shared_experts": cfg.num_shared_experts,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_expert_hidden_size": cfg.routed_expert_hidden_size, "latent_moe_use_norm": cfg.latent_moe_use_norm,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "moe_renormalize": cfg.moe_renormalize,
+        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
+        "attn_res_block_size": cfg.attn_res_block_size,
+    }
+    if cfg.expert_format == "mxfp4":
+        with open(_preset_json("kimi-k3"), encoding="utf-8") as f:
+            tc["quantization_config"] = json.load(f)["text_config"]["quantization_config"]
+    out = {"model_type": "kimi_k3", "text_config": tc, "tie_word_embeddings": cfg.tie_word_embeddings} \
+        if cfg.uses_attn_res else tc
+    return json.dumps(out, indent=2, sort_keys=True).encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------ values
+
+def _leaf(params, path):
+    x = params
+    for k in path:
+        x = x[k]
+    return x
+
+
+def _host(x) -> np.ndarray:
+    if hasattr(x, "is_fully_addressable") and not x.is_fully_addressable:
+        raise CheckpointError("save() needs fully addressable arrays (gather them first; multi-host export is "
+                              "not supported)")
+    return np.asarray(x)
+
+
+def pack_experts(w_eio: np.ndarray, name: str = "experts") -> tuple[np.ndarray, np.ndarray]:
+    """Dense stack [E, in, out] → (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32]), compressed-tensors
+    "even" rule (SPEC §10.2–10.3)."""
+    import jax.numpy as jnp
+
+    try:
+        from k3jax.quant import experts_to_packed
+    except ImportError:  # NOTE: k3jax.quant is being written concurrently; the same math from k3jax.ops.mx
+        experts_to_packed = None
+    w = jnp.asarray(w_eio)
+    if experts_to_packed is not None:
+        p, s = experts_to_packed(w, rule="even", name=name)
+    else:
+        from k3jax.ops import mx
+
+        codes, s = mx.mxfp4_quantize(jnp.swapaxes(w, 1, 2), axis=-1, rule="even")
+        c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+        p = c[..., 0] | (c[..., 1] << 4)
+    return np.asarray(p, np.uint8), np.asarray(s, np.uint8)
+
+
+class _ShardValues:
+    """Per-shard conversion k3jax leaf → HF tensor bytes; each expert stack is packed once per shard."""
+
+    def __init__(self, params):
+        self.params = params
+        self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def get(self, spec: nm.TensorSpec) -> np.ndarray:
+        if spec.transform == "mxfp4":
+            path = spec.path
+            if path not in self._packed:
+                experts = _leaf(self.params, path[:-1])
+                w = path[-1]
+                if f"{w}_packed" in experts:
+                    self._packed[path] = (_host(experts[f"{w}_packed"]).astype(np.uint8, copy=False),
+                                          _host(experts[f"{w}_scale"]).astype(np.uint8, copy=False))
+                else:
+                    self._packed[path] = pack_experts(_host(experts[w]), spec.name)
+            p, s = self._packed[path]
+            return p[spec.expert] if spec.part == "packed" else s[spec.expert]
+        value = _host(_leaf(self.params, spec.path))
+        try:
+            return nm.to_hf(value, spec)
+        except ValueError as e:
+            raise CheckpointError(f"cannot convert leaf {'/'.join(map(str, spec.path))}: {e}",
+                                  tensor=spec.name) from None
+
+
+# -------------------------------------------------------------------------------------------------------- save
+
+def _write_shard(path: str, specs: list, values: _ShardValues) -> int:
+    lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
+    by_name = {s.name: s for s in specs}
+    with open(path, "wb") as f:
+        f.write(lay.prefix())
+        for name in lay.names:
+            s = by_name[name]
+            a = np.ascontiguousarray(values.get(s))
+            if a.dtype != nm.np_dtype(s.dtype) or tuple(a.shape) != tuple(s.shape):
+                raise CheckpointError(f"value {a.dtype}{list(a.shape)} does not match {s.dtype}{list(s.shape)}",
+                                      tensor=name)
+            f.write(a.view(np.uint8).reshape(-1).data)
+    if os.path.getsize(path) != lay.file_bytes:
+        raise CheckpointError(f"wrote {os.path.getsize(path)} bytes, expected {lay.file_bytes}", file=path)
+    return lay.payload_bytes
+
+
+def sha256_file(path: str, chunk: int = 16 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
+    """The release's index format: indent 2, no trailing newline, metadata = {total_size}, keys in byte order."""
+    wm = {k: weight_map[k] for k in sorted(weight_map, key=lambda n: n.encode("utf-8"))}
+    return json.dumps({"metadata": {"total_size": int(total_size)}, "weight_map": wm}, indent=2).encode("utf-8")
+
+
+def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_format: str | None = None,
+         vision_from: str | None = None, overwrite: bool = False, manifest: bool = False,
+         progress: bool = False) -> dict:
+    """Write ``params`` (the k3jax tree for ``cfg``) as an official-layout checkpoint at ``out_dir``.
+
+    Args:
+      params: nested dict of arrays (jax or numpy, fully addressable), as from ``init_params`` or ``load``.
+      cfg: its config; ``expert_format`` defaults to ``cfg.expert_format``.
+      out_dir: created atomically (temp dir + rename). An existing one is replaced only with ``overwrite=True``.
+      vision_from: for the full K3 config, a release directory whose vision shards are copied byte for byte.
+      manifest: also write ``SHA256SUMS`` (checked by ``load(..., verify=True)``).
+    Returns: {"files": [...], "total_size": payload bytes, "dir": out_dir}.
+    """
+    layout = layout or nm.default_layout(cfg)
+    fmt = expert_format or cfg.expert_format
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise CheckpointError("output directory exists and is not empty (pass overwrite=True)", file=out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        shards = nm.shard_tensors(cfg, layout, fmt)
+        total = nm.num_shards(cfg, layout)
+        weight_map: dict[str, str] = {}
+        total_size = 0
+        files = []
+        it = shards
+        if progress:
+            from tqdm import tqdm
+            it = tqdm(shards, desc="save", unit="shard")
+        for fname, specs in it:
+            total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params))
+            weight_map.update((s.name, fname) for s in specs)
+            files.append(fname)
+        if nm.has_vision_shards(cfg, layout) and vision_from is not None:
+            for k in range(cfg.num_layers + 2, total + 1):
+                fname = shard_file_name(k, total)
+                src = os.path.join(os.fspath(vision_from), fname)
+                h = read_header(src, fname)
+                shutil.copyfile(src, os.path.join(tmp, fname))
+                total_size += sum(e.nbytes for e in h.entries.values())
+                weight_map.update((n, fname) for n in h.entries)
+                files.append(fname)
+        with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
+            f.write(index_json(weight_map, total_size))
+        with open(os.path.join(tmp, "config.json"), "wb") as f:
+            f.write(config_json(cfg.replace(expert_format=fmt)))
+        if manifest:
+            with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
+                f.writelines(f"{sha256_file(os.path.join(tmp, n))}  {n}\n" for n in files)
+        if os.path.exists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "d"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"dir": out_dir, "files": files, "total_size": total_size}
+
+
+__all__ = ["MANIFEST_NAME", "architecture", "config_json", "index_json", "pack_experts", "save", "sha256_file"]
