@@ -1,0 +1,208 @@
+"""Expert-parallel MoE dispatch / combine with ``jax.shard_map`` (SPEC §7.2, §14.2).
+
+    ep = ExpertParallel(mesh, "ep")                          # an experts_fn for the MoE layer
+    logits = forward(params, tokens, cfg, dispatch=ep)       # tokens sharded over (data, fsdp, expert)
+    y, dropped = ep.dispatch(z, ids, w, w1, w3, w2, act)     # the same, returning the dropped-assignment count
+
+Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = top-k, rows = m·A):
+    1. route locally: the (token, slot) rows and their expert ids come in already routed
+    2. sort rows by global expert id (⇒ by destination shard d = id // El); per-destination counts
+    3. exchange: CPU — fixed buckets [X, C, P] + int bucket of local ids (pad = El), ``lax.all_to_all(tiled)``;
+                 GPU/TPU — ``lax.ragged_all_to_all`` of the sorted rows (sizes exchanged with a tiny all_to_all)
+    4. local experts: ``experts_sorted`` (sort by local id, ``lax.ragged_dot`` w1/w3 → GLU → w2); pad rows (id El)
+       fall outside every group and come out zero; with tensor-sharded expert_mlp, psum over ``tensor``
+    5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
+
+The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
+``impl="bucketed" | "ragged"``. XLA:CPU cannot run ragged_all_to_all, so only the bucketed path is tested on CPU.
+
+Bucket size C (rows one source shard may send one destination shard):
+    worst case  C_max = m · min(A, El)     a token's A experts are distinct, so at most min(A, El) of its rows
+                                           go to one shard; the receive buffer is X·C_max = min(X, E/A) × the
+                                           balanced size m·A (SPEC §7.2: up to 56× for K3)
+    capacity_factor = cf > 0: C = min(C_max, ceil(cf · m·A / X)); rows beyond C in a bucket are DROPPED (their
+                                           expert output is 0) and counted.
+    capacity_factor = -1 (default): C = C_max, dropless.
+``dispatch`` returns the dropped-assignment count (summed over all devices); ``__call__`` (the experts_fn the MoE
+layer calls) records it host-side in ``self.dropped`` through ``jax.debug.callback`` whenever drops are possible,
+and with ``on_drop="raise"`` raises on the host when a step dropped anything. The ragged path is always dropless
+(its receive buffer is sized for the worst case).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.grouped_matmul import experts_sorted
+from k3jax.ops.norms import acc_dtype
+from k3jax.sharding.mesh import axis_sizes
+from k3jax.sharding.rules import mesh_axes_of
+
+
+def bucket_capacity(m_local: int, top_k: int, local_experts: int, n_shards: int, capacity_factor: float) -> int:
+    """Rows per (source, destination) bucket; see the module docstring. ``capacity_factor=-1`` = worst case."""
+    worst = m_local * min(top_k, local_experts)
+    if capacity_factor == -1 or capacity_factor is None:
+        return max(worst, 1)
+    if capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be > 0 or -1 (worst case), got {capacity_factor}")
+    return max(1, min(worst, math.ceil(capacity_factor * m_local * top_k / n_shards)))
+
+
+def _excl_cumsum(x):
+    return jnp.cumsum(x) - x
+
+
+def _sort_rows(ids_ma, local_experts: int, n_shards: int):
+    """Flattened rows sorted by global expert id: (flat ids, order, inverse, dest per row, per-dest counts)."""
+    flat = ids_ma.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    dest = flat // local_experts
+    counts = jnp.bincount(dest, length=n_shards).astype(jnp.int32)
+    return flat, order, inverse, dest, counts
+
+
+def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes):
+    """Run the local experts on received rows x [R, P] with local ids [R] (pad id = El → zero output)."""
+    ones = jnp.ones((x.shape[0], 1), acc_dtype(x.dtype))
+    out = experts_sorted(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant)
+    return lax.psum(out, tensor_axes) if tensor_axes else out
+
+
+def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
+    """CPU path: fixed-size buckets + all_to_all. Returns (y [m, P] acc, dropped int32 local count)."""
+    m, A = ids.shape
+    El = w1.shape[0]
+    X, C = n_shards, capacity
+    flat, order, inverse, dest, counts = _sort_rows(ids, El, X)
+    starts = _excl_cumsum(counts)
+    # slot (x, c) of the send buffer holds sorted row starts[x] + c when c < counts[x]
+    c = jnp.arange(C, dtype=jnp.int32)
+    valid = c[None, :] < counts[:, None]  # [X, C]
+    row = order[jnp.where(valid, starts[:, None] + c[None, :], 0)]  # flat (token, slot) row per bucket slot
+    send_x = jnp.where(valid[..., None], z[row // A], jnp.zeros((), z.dtype))  # [X, C, P]
+    send_id = jnp.where(valid, flat[row] % El, El).astype(jnp.int32)
+    recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)
+    recv_id = lax.all_to_all(send_id, axis, 0, 0, tiled=True)
+    out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes)
+    back = lax.all_to_all(out.reshape(X, C, -1), axis, 0, 0, tiled=True)  # [X, C, P], slots as sent
+    rank = jnp.arange(m * A, dtype=jnp.int32)[inverse] - starts[dest]  # position of each row in its bucket
+    kept = rank < C
+    y_rows = jnp.where(kept[:, None], back[dest, jnp.minimum(rank, C - 1)], jnp.zeros((), back.dtype))
+    y = jnp.einsum("map,ma->mp", y_rows.reshape(m, A, -1), wts.astype(back.dtype))
+    return y, jnp.sum(~kept).astype(jnp.int32)
+
+
+def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
+    """GPU/TPU path: ragged_all_to_all of the sorted rows, dropless (receive buffer = X · worst-case bucket)."""
+    del capacity
+    m, A = ids.shape
+    El = w1.shape[0]
+    X = n_shards
+    flat, order, inverse, dest, send_sizes = _sort_rows(ids, El, X)
+    rows = z[order // A]  # [m·A, P] sorted by global expert (⇒ by destination)
+    local_ids = (flat[order] % El).astype(jnp.int32)
+    in_off = _excl_cumsum(send_sizes)
+    recv_sizes = lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)  # recv_sizes[s] = rows source s sends me
+    recv_off = _excl_cumsum(recv_sizes)
+    out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my chunk lands in each peer's buffer
+    R = X * m * min(A, El)
+    recv = lax.ragged_all_to_all(rows, jnp.zeros((R, rows.shape[1]), rows.dtype), in_off, send_sizes, out_off,
+                                 recv_sizes, axis_name=axis)
+    recv_id = lax.ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
+                                    recv_sizes, axis_name=axis)
+    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes)
+    back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
+    back = lax.ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
+                                 send_sizes, axis_name=axis)
+    y = jnp.einsum("map,ma->mp", back[inverse].reshape(m, A, -1), wts.astype(back.dtype))
+    return y, jnp.sum(ids[:0]).astype(jnp.int32)  # 0, typed as device-varying like the bucketed count
+
+
+class ExpertParallel:
+    """An ``experts_fn`` for ``moe_layer(dispatch=...)`` that runs the routed experts expert-parallel on ``mesh``.
+
+    Token rows are sharded over the mesh axes that ``rules`` maps "batch" to (minus ``tensor``); expert stacks over
+    the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp".
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
+                 on_drop: str = "record"):
+        if impl not in ("auto", "bucketed", "ragged"):
+            raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
+        if on_drop not in ("record", "raise"):
+            raise ValueError(f"on_drop must be 'record' or 'raise', got {on_drop!r}")
+        self.mesh, self.impl, self.on_drop = mesh, impl, on_drop
+        self.capacity_factor = capacity_factor
+        ex = mesh_axes_of("experts", rules, mesh)
+        if len(ex) > 1:
+            raise ValueError(f"expert parallelism needs 'experts' on one mesh axis, rules give {ex}")
+        self.expert_axis = ex[0] if ex else "expert"
+        self.tensor_axes = mesh_axes_of("expert_mlp", rules, mesh)
+        self.token_axes = tuple(a for a in mesh_axes_of("batch", rules, mesh) if a not in self.tensor_axes)
+        if self.expert_axis in axis_sizes(mesh) and axis_sizes(mesh)[self.expert_axis] > 1 \
+                and self.expert_axis not in self.token_axes:
+            raise ValueError(f"rules must shard 'batch' over the expert axis {self.expert_axis!r} for EP "
+                             f"(batch → {self.token_axes})")
+        self.n_shards = axis_sizes(mesh).get(self.expert_axis, 1)
+        self.n_token_shards = math.prod(axis_sizes(mesh)[a] for a in self.token_axes)
+        self.dropped: list[int] = []
+
+    def _record(self, n):
+        n = int(n)
+        self.dropped.append(n)
+        if n and self.on_drop == "raise":
+            raise RuntimeError(f"expert-parallel dispatch dropped {n} assignments (capacity_factor="
+                               f"{self.capacity_factor}); raise it or use -1 (worst case, dropless)")
+
+    def dispatch(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
+        """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] → (y [M, P] acc dtype, dropped int32)."""
+        M, A = ids.shape
+        E = w1.shape[0]
+        X, T = self.n_shards, self.n_token_shards
+        if E % X:
+            raise ValueError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
+                             f"(size {X})")
+        if M % T:
+            raise ValueError(f"{M} token rows are not divisible by the token mesh axes {self.token_axes} "
+                             f"(product {T})")
+        m, El = M // T, E // X
+        C = bucket_capacity(m, A, El, X, self.capacity_factor)
+        kw = dict(act=act, act_quant=act_quant, axis=self.expert_axis, n_shards=X, capacity=C,
+                  tensor_axes=self.tensor_axes)
+        bucketed, ragged = partial(_bucketed, **kw), partial(_ragged, **kw)
+        reduce_axes = self.token_axes
+
+        def local(z, ids, wts, w1, w3, w2):
+            args = (z, ids, wts, w1, w3, w2)
+            if self.impl == "bucketed":
+                y, d = bucketed(*args)
+            elif self.impl == "ragged":
+                y, d = ragged(*args)
+            else:
+                y, d = lax.platform_dependent(*args, cpu=bucketed, default=ragged)
+            return y, (lax.psum(d, reduce_axes) if reduce_axes else d)
+
+        tok = P(self.token_axes or None, None)
+        t = self.tensor_axes or None
+        wspec_in, wspec_out = P(self.expert_axis, None, t), P(self.expert_axis, t, None)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
+                           out_specs=(tok, P()))
+        return fn(z, ids, weights, w1, w3, w2)
+
+    def __call__(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
+        y, dropped = self.dispatch(z, ids, weights, w1, w3, w2, act, act_quant=act_quant)
+        M, A = ids.shape
+        El = w1.shape[0] // self.n_shards
+        m = M // self.n_token_shards
+        if bucket_capacity(m, A, El, self.n_shards, self.capacity_factor) < m * min(A, El):
+            jax.debug.callback(self._record, dropped)
+        return y

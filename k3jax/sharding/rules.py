@@ -1,0 +1,232 @@
+"""Sharding as data (STYLE.md §3.6): ONE table logical axis → mesh axes (a column per strategy), and ONE table
+parameter path → logical axes. Nothing else in k3jax maps names to mesh axes.
+
+    specs = param_specs(cfg, "ep_tp", mesh)          # PartitionSpec per leaf of abstract_params(cfg)
+    shard = param_shardings(cfg, "ep_tp", mesh)      # NamedSharding per leaf (needs a real Mesh)
+
+Rules of the game:
+- every name of ``notation.LOGICAL_AXES`` has a row in every column; a missing or unknown name is a ValueError;
+- every parameter leaf must match a path pattern of ``PARAM_AXES`` exactly (layer indices dropped); a parameter
+  with no rule is a ValueError — nothing is replicated by default;
+- a mesh axis shards at most one dimension of an array: when two dimensions of one array map to the same mesh axis,
+  the FIRST dimension (left to right) keeps it and the later one is left unsharded (e.g. ``moe.down [embed, latent]``
+  under ``fsdp``: embed → fsdp, latent → replicated). ``param_specs`` never emits a spec naming an axis twice;
+- a dimension that is not divisible by the product of its mesh-axis sizes is a ValueError naming the parameter, the
+  dimension, its logical axis and the mesh axes. Size-1 mesh axes are dropped from specs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.config import K3Config
+from k3jax.notation import LOGICAL_AXES
+from k3jax.sharding.mesh import MESH_AXES, axis_sizes
+
+# --------------------------------------------------------------------------------------------------------------
+# logical axis → mesh axes, one column per strategy. Value: None (replicated), a mesh axis, or a tuple of axes.
+#
+# logical      single   fsdp            ep                         ep_tp                      fsdp_ep_tp
+_TOK = ("data", "fsdp", "expert")  # tokens are sharded over every non-tensor axis (EP: the expert axis doubles as DP)
+_TABLE = {
+    "batch":      (None,   ("data", "fsdp"), _TOK,                      _TOK,                      _TOK),
+    "seq":        (None,   None,            None,                      None,                      None),
+    "embed":      (None,   "fsdp",          None,                      None,                      "fsdp"),
+    "vocab":      (None,   None,            None,                      "tensor",                  "tensor"),
+    "heads":      (None,   None,            None,                      "tensor",                  "tensor"),
+    "head_dim":   (None,   None,            None,                      None,                      None),
+    "q_lora":     (None,   None,            None,                      None,                      None),
+    "kv_lora":    (None,   None,            None,                      None,                      None),
+    "kda_rank":   (None,   None,            None,                      None,                      None),
+    "conv_tap":   (None,   None,            None,                      None,                      None),
+    "mlp":        (None,   None,            None,                      "tensor",                  "tensor"),
+    "experts":    (None,   None,            "expert",                  "expert",                  "expert"),
+    "expert_mlp": (None,   None,            None,                      "tensor",                  "tensor"),
+    "latent":     (None,   "fsdp",          None,                      None,                      "fsdp"),
+    "norm":       (None,   None,            None,                      None,                      None),
+}
+STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp")
+RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
+    s: {name: col[i] for name, col in _TABLE.items()} for i, s in enumerate(STRATEGIES)
+}
+
+# --------------------------------------------------------------------------------------------------------------
+# parameter path (dict keys, list indices dropped) → logical axis per dimension. "@moe_width" is the routed-expert
+# width: "latent" for LatentMoE (K3), "embed" for a standard MoE whose experts act on full-width x (Kimi-Linear).
+_QKV = ("embed", "heads", "head_dim")
+_OUT = ("heads", "head_dim", "embed")
+_NORM = ("norm",)
+PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("embed",): ("vocab", "embed"),
+    ("lm_head",): ("embed", "vocab"),
+    ("final_norm",): _NORM,
+    ("out_res", "gain"): _NORM,
+    ("out_res", "query"): _NORM,
+    ("layers", "input_norm"): _NORM,
+    ("layers", "post_norm"): _NORM,
+    ("layers", "attn_res", "gain"): _NORM,
+    ("layers", "attn_res", "query"): _NORM,
+    ("layers", "mlp_res", "gain"): _NORM,
+    ("layers", "mlp_res", "query"): _NORM,
+    # KDA (SPEC §4.1); conv_* are [N*K, Wc] with the channel dim head-major, so it shards like heads.
+    ("layers", "kda", "wq"): _QKV,
+    ("layers", "kda", "wk"): _QKV,
+    ("layers", "kda", "wv"): _QKV,
+    ("layers", "kda", "w_gate"): _QKV,
+    ("layers", "kda", "conv_q"): ("heads", "conv_tap"),
+    ("layers", "kda", "conv_k"): ("heads", "conv_tap"),
+    ("layers", "kda", "conv_v"): ("heads", "conv_tap"),
+    ("layers", "kda", "f_a"): ("embed", "kda_rank"),
+    ("layers", "kda", "f_b"): ("kda_rank", "heads", "head_dim"),
+    ("layers", "kda", "g_a"): ("embed", "kda_rank"),
+    ("layers", "kda", "g_b"): ("kda_rank", "heads", "head_dim"),
+    ("layers", "kda", "dt_bias"): ("heads", "head_dim"),
+    ("layers", "kda", "A_log"): ("heads",),
+    ("layers", "kda", "w_beta"): ("embed", "heads"),
+    ("layers", "kda", "o_norm"): _NORM,
+    ("layers", "kda", "wo"): _OUT,
+    # gated MLA (SPEC §5.1)
+    ("layers", "mla", "q_a"): ("embed", "q_lora"),
+    ("layers", "mla", "q_a_norm"): _NORM,
+    ("layers", "mla", "q_b"): ("q_lora", "heads", "head_dim"),
+    ("layers", "mla", "wq"): _QKV,
+    ("layers", "mla", "kv_a"): ("embed", "kv_lora"),
+    ("layers", "mla", "kv_a_norm"): _NORM,
+    ("layers", "mla", "kv_b"): ("kv_lora", "heads", "head_dim"),
+    ("layers", "mla", "w_gate"): _QKV,
+    ("layers", "mla", "wo"): _OUT,
+    # dense FFN and shared experts
+    ("layers", "mlp", "w_gate"): ("embed", "mlp"),
+    ("layers", "mlp", "w_up"): ("embed", "mlp"),
+    ("layers", "mlp", "w_down"): ("mlp", "embed"),
+    ("layers", "moe", "shared", "w_gate"): ("embed", "mlp"),
+    ("layers", "moe", "shared", "w_up"): ("embed", "mlp"),
+    ("layers", "moe", "shared", "w_down"): ("mlp", "embed"),
+    # LatentMoE (SPEC §7.1)
+    ("layers", "moe", "router"): ("embed", "experts"),
+    ("layers", "moe", "bias"): ("experts",),
+    ("layers", "moe", "down"): ("embed", "latent"),
+    ("layers", "moe", "up"): ("latent", "embed"),
+    ("layers", "moe", "latent_norm"): _NORM,
+    ("layers", "moe", "experts", "w1"): ("experts", "@moe_width", "expert_mlp"),
+    ("layers", "moe", "experts", "w3"): ("experts", "@moe_width", "expert_mlp"),
+    ("layers", "moe", "experts", "w2"): ("experts", "expert_mlp", "@moe_width"),
+}
+
+
+def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
+    """Validate a rules column (a strategy name or a {logical axis: mesh axes} dict) and normalise each value to a
+    tuple of mesh axes. Missing / unknown logical names and unknown mesh axes raise ValueError."""
+    name = rules if isinstance(rules, str) else "<custom rules>"
+    if isinstance(rules, str):
+        if rules not in RULES:
+            raise ValueError(f"unknown sharding strategy {rules!r}; known: {', '.join(STRATEGIES)}")
+        rules = RULES[rules]
+    missing = [a for a in LOGICAL_AXES if a not in rules]
+    if missing:
+        raise ValueError(f"rule table {name} has no entry for logical axis {missing[0]!r} (missing: {missing})")
+    unknown = [a for a in rules if a not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"rule table {name} names unknown logical axes {unknown}; known: {LOGICAL_AXES}")
+    out = {}
+    for logical, mesh_axes in rules.items():
+        t = () if mesh_axes is None else (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+        bad = [m for m in t if m not in MESH_AXES]
+        if bad:
+            raise ValueError(f"rule table {name}: logical axis {logical!r} maps to unknown mesh axes {bad}")
+        if len(set(t)) != len(t):
+            raise ValueError(f"rule table {name}: logical axis {logical!r} names a mesh axis twice: {t}")
+        out[logical] = t
+    return out
+
+
+def _path_keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+
+
+def path_str(path) -> str:
+    return ".".join(str(k) for k in _path_keys(path))
+
+
+def leaf_logical_axes(path, ndim: int, cfg: K3Config) -> tuple[str, ...]:
+    """Logical axes of the parameter at ``path`` (a jax key path or a tuple of keys)."""
+    keys = _path_keys(path) if path and not isinstance(path[0], (str, int)) else tuple(path)
+    pattern = tuple(k for k in keys if not isinstance(k, int))
+    if pattern not in PARAM_AXES:
+        raise ValueError(f"no sharding rule for parameter {'.'.join(map(str, keys))} (pattern {pattern}); "
+                         "add it to k3jax/sharding/rules.py PARAM_AXES")
+    width = "latent" if cfg.is_latent_moe else "embed"
+    axes = tuple(width if a == "@moe_width" else a for a in PARAM_AXES[pattern])
+    if len(axes) != ndim:
+        raise ValueError(f"sharding rule for {'.'.join(map(str, keys))} has {len(axes)} axes {axes}, "
+                         f"but the parameter has {ndim} dimensions")
+    return axes
+
+
+def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "array") -> PartitionSpec:
+    """PartitionSpec for an array with logical axes ``logical`` (None = replicated dim) of ``shape``.
+
+    First dimension wins a contested mesh axis; size-1 mesh axes are dropped; indivisible dimensions raise."""
+    table = get_rules(rules)
+    sizes = axis_sizes(mesh)
+    used: set[str] = set()
+    out = []
+    for dim, (lax_name, n) in enumerate(zip(logical, shape, strict=True)):
+        if lax_name is None:
+            out.append(None)
+            continue
+        if lax_name not in table:
+            raise ValueError(f"{name}: unknown logical axis {lax_name!r}; known: {LOGICAL_AXES}")
+        axes = tuple(a for a in table[lax_name] if a not in used and sizes.get(a, 1) > 1)
+        for a in table[lax_name]:
+            if a not in sizes:
+                raise ValueError(f"{name}: rules map {lax_name!r} to mesh axis {a!r}, absent from the mesh {sizes}")
+        k = math.prod(sizes[a] for a in axes)
+        if n % k:
+            raise ValueError(f"{name}: dimension {dim} (logical axis {lax_name!r}, size {n}) is not divisible by "
+                             f"mesh axes {axes} (sizes {[sizes[a] for a in axes]}, product {k})")
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def param_logical_axes(cfg: K3Config, params=None):
+    """Tree of logical-axis tuples, one per parameter leaf (default tree: ``abstract_params(cfg)``)."""
+    if params is None:
+        from k3jax.model import abstract_params
+
+        params = abstract_params(cfg)
+    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_logical_axes(p, len(x.shape), cfg), params)
+
+
+def param_specs(cfg: K3Config, rules, mesh, params=None):
+    """PartitionSpec per parameter leaf. ``mesh``: a Mesh, AbstractMesh or {axis: size} dict."""
+    get_rules(rules)  # validate the table once, before any leaf
+    if params is None:
+        from k3jax.model import abstract_params
+
+        params = abstract_params(cfg)
+
+    def one(path, x):
+        logical = leaf_logical_axes(path, len(x.shape), cfg)
+        return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def param_shardings(cfg: K3Config, rules, mesh: jax.sharding.Mesh, params=None):
+    """NamedSharding per parameter leaf on ``mesh``."""
+    specs = param_specs(cfg, rules, mesh, params)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def mesh_axes_of(logical: str, rules, mesh) -> tuple[str, ...]:
+    """Mesh axes (size > 1 ones only) that ``logical`` maps to under ``rules`` on ``mesh``."""
+    sizes = axis_sizes(mesh)
+    return tuple(a for a in get_rules(rules)[logical] if sizes.get(a, 1) > 1)

@@ -1,0 +1,125 @@
+"""Logical-axis rules as data: coverage, no doubled mesh axis, divisibility errors, goldens (STYLE.md §3.6)."""
+
+import functools
+import importlib.util
+import json
+import os
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec
+
+from k3jax.config import get_preset
+from k3jax.model import abstract_params
+from k3jax.notation import LOGICAL_AXES
+from k3jax.sharding.mesh import MESH_AXES, make_mesh
+from k3jax.sharding.rules import RULES, STRATEGIES, get_rules, logical_to_spec, param_shardings, param_specs
+
+GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "golden", "sharding")
+BIG = {"data": 2, "fsdp": 4, "expert": 32, "tensor": 8}
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("make_sharding_golden",
+                                                  os.path.join(GOLDEN_DIR, "make_sharding_golden.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@functools.cache
+def _abstract(preset):
+    return get_preset(preset), abstract_params(get_preset(preset))
+
+
+def _flat_specs(specs):
+    return jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))[0]
+
+
+def test_every_column_covers_every_logical_axis():
+    for s in STRATEGIES:
+        assert set(RULES[s]) == set(LOGICAL_AXES)
+    assert all(v is None for v in RULES["single"].values())
+
+
+@pytest.mark.parametrize("stem", sorted(_load_generator().GOLDENS))
+def test_golden_specs(stem):
+    gen = _load_generator()
+    with open(os.path.join(GOLDEN_DIR, f"{stem}.json")) as f:
+        want = json.load(f)
+    got = gen.golden(stem)
+    assert got["mesh"] == want["mesh"] and got["strategy"] == want["strategy"]
+    assert set(got["specs"]) == set(want["specs"]), set(got["specs"]) ^ set(want["specs"])
+    diff = {k: (got["specs"][k], v) for k, v in want["specs"].items() if got["specs"][k] != v}
+    assert not diff, f"{len(diff)} specs changed, e.g. {list(diff.items())[:5]}; rerun make_sharding_golden.py"
+    # spot checks of intent: experts over the expert axis, expert hidden over tensor
+    assert want["specs"]["layers.3.moe.experts.w1"][0] == "expert"
+    assert want["specs"]["layers.3.moe.experts.w2"][1] == "tensor"
+
+
+@pytest.mark.parametrize("preset", ["kimi-k3", "kimi-linear-48b"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_mesh_axis_twice_and_all_leaves_covered(preset, strategy):
+    cfg, params = _abstract(preset)
+    specs = param_specs(cfg, strategy, BIG, params)
+    flat = _flat_specs(specs)
+    assert len(flat) == len(jax.tree.leaves(params))
+    for path, spec in flat:
+        axes = [a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))]
+        assert len(axes) == len(set(axes)), (path, spec)
+        assert set(axes) <= set(MESH_AXES)
+        if strategy == "single":
+            assert spec == PartitionSpec()
+
+
+def test_contested_axis_goes_to_first_dim():
+    # moe.down [embed, latent] under fsdp: both map to fsdp; the first dim keeps it
+    cfg = get_preset("k3-mini")
+    specs = param_specs(cfg, "fsdp", {"fsdp": 4})
+    assert specs["layers"][1]["moe"]["down"] == PartitionSpec("fsdp")
+    assert specs["layers"][1]["moe"]["up"] == PartitionSpec("fsdp")
+    rules = dict(RULES["ep_tp"], head_dim="tensor")  # heads and head_dim both → tensor
+    assert logical_to_spec(("embed", "heads", "head_dim"), (8, 4, 4), rules, {"tensor": 2}) == \
+        PartitionSpec(None, "tensor")
+
+
+def test_expert_axis_not_dividing_experts_is_an_error():
+    cfg = get_preset("k3-tiny")  # 8 experts
+    with pytest.raises(ValueError, match=r"'experts', size 8\).*'expert'.*3"):
+        param_specs(cfg, "ep", {"data": 1, "expert": 3})
+
+
+def test_rule_table_missing_an_axis_is_an_error():
+    rules = {k: v for k, v in RULES["ep"].items() if k != "latent"}
+    with pytest.raises(ValueError, match=r"custom rules.*'latent'"):
+        get_rules(rules)
+    with pytest.raises(ValueError, match="custom rules.*'latent'"):
+        param_specs(get_preset("k3-tiny"), rules, {"expert": 2})
+    with pytest.raises(ValueError, match="unknown logical axes"):
+        get_rules(dict(RULES["ep"], bogus=None))
+    with pytest.raises(ValueError, match="unknown sharding strategy"):
+        get_rules("nope")
+
+
+def test_parameter_without_rule_is_an_error():
+    cfg = get_preset("k3-tiny")
+    params = abstract_params(cfg)
+    params["layers"][0]["kda"]["mystery"] = jax.ShapeDtypeStruct((4,), "float32")
+    with pytest.raises(ValueError, match="no sharding rule for parameter layers.0.kda.mystery"):
+        param_specs(cfg, "single", {}, params)
+
+
+def test_make_mesh_and_shardings():
+    mesh = make_mesh({"data": 2, "expert": 4})
+    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    assert all(t == jax.sharding.AxisType.Explicit
+               for t in make_mesh({"expert": 2}, axis_types="explicit").axis_types)
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        make_mesh({"pipeline": 2})
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        make_mesh({"data": 4, "expert": 4})
+    cfg = get_preset("k3-tiny")
+    sh = param_shardings(cfg, "ep", mesh)
+    w1 = sh["layers"][1]["moe"]["experts"]["w1"]
+    assert w1.spec == PartitionSpec("expert") and w1.mesh is mesh
