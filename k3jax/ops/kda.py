@@ -1,0 +1,445 @@
+"""Kimi Delta Attention core (SPEC §4.3–§4.6): recurrent, chunked (UT/WY) and one-step decode, in pure jnp.
+
+Ladder (STYLE §3.2): ``k3jax.reference.kda`` (float64 NumPy loops) -> ``kda_recurrent`` (lax.scan over tokens)
+-> ``kda_chunked`` (scan over 64-token chunks, matmul-heavy) -> ``pallas_kernels.kda`` (fused forward kernel).
+
+Shapes (docstring letters, see k3jax/notation.py):
+    q, k  [B, T, H, K]   l2-normalised keys/queries (any float dtype; all three of q, k, v share one dtype)
+    v     [B, T, H, V]
+    g     [B, T, H, K]   log decay per head AND key channel, g <= 0 (fp32 or wider is used internally)
+    beta  [B, T, H]      write strength in [0, 1] (post-sigmoid)
+    state [B, H, K, V]   K-first, rows indexed by key channel, fp32 (or wider)
+
+State layout. k3jax's canonical state is K-first ``S[b, h, k, v]`` (fla's layout). The K3 reference modelling,
+FlashKDA and vLLM store it V-first ``S'[b, h, v, k] = S[b, h, k, v]``: the transpose of the last two axes.
+Convert only at interop boundaries with ``state_k_first_to_v_first`` / ``state_v_first_to_k_first``.
+
+Precision. "fp32" means "at least fp32": the compute dtype is ``promote_types(q.dtype, float32)``, so bf16
+inputs run in fp32 and float64 inputs (jax_enable_x64) stay float64 end to end. Outputs are cast back to q.dtype;
+states are returned in the compute dtype.
+
+Validation. Shapes, ranks and dtypes are always checked (ValueError naming the argument). Value checks (g <= 0,
+beta in [0, 1], g >= gate_lower_bound) need concrete arrays and are skipped under tracing (inside jit/grad/vmap),
+where a host round trip is not possible.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUB_CHUNK = 16  # diagonal sub-block size of SPEC §4.5 (the bounded-gate factorisation needs <= 16 at lb = -5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout helpers and validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def state_k_first_to_v_first(state_bhkv):
+    """[B, H, K, V] (k3jax / fla) -> [B, H, V, K] (K3 reference modelling, FlashKDA, vLLM)."""
+    return jnp.swapaxes(state_bhkv, -1, -2)
+
+
+def state_v_first_to_k_first(state_bhvk):
+    """[B, H, V, K] -> [B, H, K, V]; inverse of ``state_k_first_to_v_first``."""
+    return jnp.swapaxes(state_bhvk, -1, -2)
+
+
+def compute_dtype(dtype):
+    """At least float32 (float64 stays float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_float(name, x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a floating array, got dtype {x.dtype} (shape {tuple(x.shape)})")
+
+
+def validate_inputs(q, k, v, g, beta, initial_state=None, *, has_time: bool = True, gate_lower_bound=None):
+    """Checks ranks, shapes, dtypes and (when concrete) value ranges; raises ValueError naming the argument."""
+    rank = 4 if has_time else 3
+    lead = "[B, T, H, " if has_time else "[B, H, "
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank} ({lead}K or V]), got shape {tuple(x.shape)}")
+    if beta.ndim != rank - 1:
+        raise ValueError(f"beta must have rank {rank - 1} ({lead[:-2]}]), got shape {tuple(beta.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _check_float(name, x)
+    if k.shape != q.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} must equal q shape {tuple(q.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g shape {tuple(g.shape)} must equal q shape {tuple(q.shape)} (one decay per key channel)")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(f"v shape {tuple(v.shape)} must match q shape {tuple(q.shape)} except the last axis")
+    if beta.shape != q.shape[:-1]:
+        raise ValueError(f"beta shape {tuple(beta.shape)} must be q shape without K, {tuple(q.shape[:-1])}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if initial_state is not None:
+        B, H, K, V = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+        if tuple(initial_state.shape) != (B, H, K, V):
+            raise ValueError(f"initial_state shape {tuple(initial_state.shape)} must be K-first [B, H, K, V] = "
+                             f"{(B, H, K, V)} (convert V-first states with state_v_first_to_k_first)")
+        _check_float("initial_state", initial_state)
+        if jnp.finfo(initial_state.dtype).bits < 32:
+            raise ValueError(f"initial_state must be float32 or wider, got {initial_state.dtype}")
+    if _is_concrete(g):
+        g_np = np.asarray(g, dtype=np.float64)
+        if g_np.size and np.nanmax(g_np) > 0:
+            raise ValueError(f"g must be <= 0 (log decay); max is {np.nanmax(g_np):.3g} (shape {tuple(g.shape)})")
+        if gate_lower_bound is not None and g_np.size and np.nanmin(g_np) < gate_lower_bound * (1 + 1e-6):
+            raise ValueError(f"g must be >= gate_lower_bound {gate_lower_bound} on the bounded-gate path; min is "
+                             f"{np.nanmin(g_np):.3g} (use gate_lower_bound=None for unbounded gates)")
+    if _is_concrete(beta):
+        b_np = np.asarray(beta, dtype=np.float64)
+        if b_np.size and (np.nanmin(b_np) < 0 or np.nanmax(b_np) > 1):
+            raise ValueError(f"beta must lie in [0, 1] (post-sigmoid); got range [{np.nanmin(b_np):.3g}, "
+                             f"{np.nanmax(b_np):.3g}] (shape {tuple(beta.shape)})")
+
+
+def _check_bound_and_sub_chunk(gate_lower_bound, sub_chunk):
+    if gate_lower_bound is None:
+        return
+    if gate_lower_bound >= 0:
+        raise ValueError(f"gate_lower_bound must be negative, got {gate_lower_bound}")
+    # SPEC §4.5 item 2: the full diagonal span |lb|*(c-1)/ln 2 must stay below 126 (log2 units) in fp32.
+    span = abs(gate_lower_bound) * (sub_chunk - 1) / np.log(2.0)
+    if span >= 126:
+        raise ValueError(f"gate_lower_bound {gate_lower_bound} with sub-chunk {sub_chunk} spans {span:.0f} log2 units "
+                         ">= 126: the factorised diagonal would overflow in fp32; use gate_lower_bound=None")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Recurrent form and one decode step (SPEC §4.3, §4.6)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _step(S, q, k, v, g, beta, scale):
+    """One token for all (B, H). S [B,H,K,V]; q,k,g [B,H,K]; v [B,H,V]; beta [B,H]. All in the compute dtype."""
+    S = S * jnp.exp(g)[..., :, None]                        # S <- Diag(exp g) S
+    e = v - jnp.einsum("bhkv,bhk->bhv", S, k)                # error on the decayed state
+    S = S + (beta[..., None] * k)[..., :, None] * e[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", S, q * scale)            # read after the write
+    return S, o
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Token-by-token KDA (SPEC §4.3) as one ``lax.scan`` over T; each step updates every (B, H) at once.
+
+    Args: see the module docstring. ``scale`` defaults to K^-0.5.
+    Returns: o [B, T, H, V] in q.dtype, final state [B, H, K, V] in the compute dtype.
+    Memory under autodiff is one state per token (the scan saves them); use ``kda_chunked`` for training.
+    """
+    validate_inputs(q, k, v, g, beta, initial_state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    ct = compute_dtype(q.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    S0 = jnp.zeros((B, H, K, V), ct) if initial_state is None else initial_state.astype(ct)
+    xs = tuple(jnp.moveaxis(a.astype(ct), 1, 0) for a in (q, k, v, g, beta))
+
+    def body(S, x):
+        return _step(S, *x, scale)
+
+    S, o = jax.lax.scan(body, S0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(q.dtype), S
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One decode token (SPEC §4.6): natural-exp decay, delta write, read.
+
+    Shapes: q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] (K-first). A time axis of length 1
+    ([B, 1, H, K], beta [B, 1, H]) is also accepted; the output then keeps it.
+    Returns: o ([B, H, V] or [B, 1, H, V]) in q.dtype, new state in the compute dtype.
+    """
+    has_time = q.ndim == 4
+    if has_time:
+        if q.shape[1] != 1:
+            raise ValueError(f"kda_step takes one token; q has T = {q.shape[1]} (shape {tuple(q.shape)})")
+        validate_inputs(q, k, v, g, beta, state, has_time=True)
+        q, k, v, g, beta = (a[:, 0] for a in (q, k, v, g, beta))
+    else:
+        validate_inputs(q, k, v, g, beta, None, has_time=False)
+        B, H, K = q.shape
+        if tuple(state.shape) != (B, H, K, v.shape[-1]):
+            raise ValueError(f"state shape {tuple(state.shape)} must be K-first [B, H, K, V] = "
+                             f"{(B, H, K, v.shape[-1])}")
+    ct = compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    S, o = _step(state.astype(ct), *(a.astype(ct) for a in (q, k, v, g, beta)), scale)
+    o = o.astype(q.dtype)
+    return (o[:, None] if has_time else o), S
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chunked form (SPEC §4.4, §4.5)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _masks(c: int, n: int, dtype):
+    """0/1 matrices that turn every in-chunk prefix sum into a small matmul (exact: products with 0/1 are exact
+    and only the spanned terms are added, all of one sign, so rounding scales with the result)."""
+    i = np.arange(c)
+    m = np.arange(n)
+    return {
+        "incl": jnp.asarray(i[:, None] >= i[None, :], dtype),                   # [i, t]: t <= i
+        "from_r0": jnp.asarray((i[None, :] > 0) & (i[None, :] <= i[:, None]), dtype),   # [i, t]: 0 < t <= i
+        "rev_excl": jnp.asarray(i[None, :] > i[:, None], dtype),                 # [j, t]: t > j
+        "pairs": jnp.asarray((i[None, :, None] < i[None, None, :]) & (i[None, None, :] <= i[:, None, None]),
+                             dtype),                                              # [i, j, t]: j < t <= i
+        "blk_before": jnp.asarray(m[None, :] < m[:, None], dtype),               # [I, M]: M < I
+        "blk_after": jnp.asarray(m[None, :] > m[:, None], dtype),                # [J, M]: M > J
+        "blk_between": jnp.asarray((m[None, :, None] < m[None, None, :]) & (m[None, None, :] < m[:, None, None]),
+                                   dtype),                                        # [I, J, M]: J < M < I
+    }
+
+
+def _exp_flushed(x):
+    """exp(x), with exponents below a dtype-dependent floor sent to exactly 0 (masked by `where` before exp).
+
+    Products of several decay factors otherwise land in the subnormal range, and XLA:CPU runs subnormal
+    arithmetic (matmuls included) ~100x slower: without this the chunked path ran 10x slower on saturating
+    gates. The floor is exp(-20) = 2e-9 for fp32 (below fp32 rounding of the surviving terms, which are O(1)
+    since every row keeps its own undecayed diagonal) and exp(-200) for float64 (no effect at 1e-12)."""
+    floor = -20.0 if jnp.finfo(x.dtype).bits <= 32 else -200.0
+    return jnp.exp(jnp.where(x < floor, -jnp.inf, x))
+
+
+def _invert_unit_lower(L):
+    """(I + L)^-1 for strictly lower L [..., c, c] by the exact nilpotent product (SPEC §4.4):
+    (I - L)(I + L^2)(I + L^4)(I + L^8)... = sum_{p < c} (-L)^p, since L^c = 0."""
+    c = L.shape[-1]
+    eye = jnp.eye(c, dtype=L.dtype)
+    T = eye - L
+    P = L
+    span = 2
+    while span < c:
+        P = jnp.einsum("...ij,...jk->...ik", P, P)
+        T = jnp.einsum("...ij,...jk->...ik", T, eye + P)
+        span *= 2
+    return T
+
+
+def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUNK):
+    """State-independent per-chunk quantities (SPEC §4.4, §4.5), batched over any leading axes, all as matmuls.
+
+    q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (compute dtype). Returns a dict with
+      G_last [..., K], qg = s (Q ⊙ Γ) [..., C, K], kd = K ⊙ exp(G_last - G) [..., C, K],
+      A_qk [..., C, C], W [..., C, K], U [..., C, V].
+
+    Steps, with c-row sub-chunks I, J (c = 16) and r0(I) the first row of I:
+      1. In-chunk sums of g from 0/1 mask matmuls: inclusive, "after r0", "after j" within each sub-chunk, and
+         per-sub-chunk totals. Every exponent below is a sum of exactly the g_tau it spans, never a difference of
+         two large cumsums (which would lose ~|G| * 6e-8, e.g. 6e-5 relative after a g = -1000 reset).
+      2. Off-diagonal sub-blocks (J < I), anchor r0(I): a_i = exp(G_i - G_r0) <= 1, b_j = exp(G_r0 - G_j) <= 1.
+         Pairs with J >= I get exponent -inf via `where` BEFORE exp (exact zeros).
+      3. Diagonal sub-blocks. Bounded gate: anchor G_r0 + delta, delta = lb (c - 1) / 2, both exponents within
+         +-|delta| for valid pairs, finite for masked ones; masked with `where`. Unbounded gate: exact pairwise
+         decays exp(where(j <= i, G_i - G_j, -inf)), a [c, c, K] tensor per sub-chunk.
+      4. A_kk = beta_i * (k-k products, j < i); A_qk = s * (q-k products, j <= i).
+      5. W, U = (I + A_kk)^-1 [beta K Γ, beta V]: diagonal 16x16 blocks inverted by the nilpotent product, then
+         block forward substitution X_I = T_II (R_I - sum_{M<I} A_IM X_M).
+    Every anchor is a row at or before the rows it serves, so outputs never depend on later tokens (causality).
+    """
+    *lead, C, K = q.shape
+    V = v.shape[-1]
+    c = sub_chunk
+    n = C // c
+    ct = q.dtype
+    msk = _masks(c, n, ct)
+    sub = lambda x: x.reshape(*lead, n, c, x.shape[-1])  # noqa: E731
+    qs, ks, vs, gs = map(sub, (q, k, v, g))
+    bs = beta.reshape(*lead, n, c)
+    mm = functools.partial(jnp.einsum, preferred_element_type=ct)
+    # 1. sums of g.
+    L_incl = mm("it,...ntk->...nik", msk["incl"], gs)              # sum_{r0 <= t <= i}
+    L_r0 = mm("it,...ntk->...nik", msk["from_r0"], gs)             # sum_{r0 < t <= i} = G_i - G_r0
+    R_ex = mm("jt,...ntk->...njk", msk["rev_excl"], gs)            # sum_{j < t < r0 + c}
+    tot = jnp.sum(gs, axis=-2)                                      # [..., n, K]
+    pre = mm("IM,...Mk->...Ik", msk["blk_before"], tot)             # sum over sub-chunks before I
+    suf = mm("JM,...Mk->...Jk", msk["blk_after"], tot)              # sum over sub-chunks after J
+    between = mm("IJM,...Mk->...IJk", msk["blk_between"], tot)      # sum over sub-chunks strictly between J and I
+    G_last = jnp.sum(tot, axis=-2)
+    # 2. off-diagonal factors, split at the end row of the column sub-chunk J (both exponents <= 0):
+    #    G_r0(I) - G_j = [G_end(J) - G_j] + [G_r0(I) - G_end(J)] = R_ex[J, j] + (between[I, J] + g_r0(I)).
+    a = _exp_flushed(L_r0)                                          # exp(G_i - G_r0) <= 1
+    f = _exp_flushed(R_ex)                                          # exp(G_end - G_j) <= 1
+    e_IJ = _exp_flushed(between + gs[..., :, None, 0, :])           # [..., I, J, K]: exp(G_r0(I) - G_end(J))
+    kf = ks * f
+    ii = np.arange(c)
+
+    def products(x_s, strict):
+        """Rows of sub-chunk I against every column, as [..., n, c, C]; x_s [..., n, c, K]."""
+        keep = (ii[:, None] > ii[None, :]) if strict else (ii[:, None] >= ii[None, :])
+        if gate_lower_bound is not None:                            # 3. bounded diagonal
+            delta = gate_lower_bound * (c - 1) / 2.0
+            diag = mm("...nik,...njk->...nij", x_s * jnp.exp(L_r0 - delta), ks * jnp.exp(delta - L_r0))
+        else:                                                       # 3. unbounded diagonal, exact pairs
+            P = mm("ijt,...ntk->...nijk", msk["pairs"], gs)         # sum_{j < t <= i}
+            decay = _exp_flushed(jnp.where(keep[:, :, None], P, -jnp.inf))
+            diag = jnp.einsum("...nik,...njk,...nijk->...nij", x_s, ks, decay)
+        diag = jnp.where(keep, diag, 0.0)
+        xa = x_s * a
+        rows = []
+        for I in range(n):                                          # only the J < I blocks are computed
+            parts = []
+            if I:
+                yfe = (kf[..., :I, :, :] * e_IJ[..., I, :I, None, :]).reshape(*lead, I * c, K)
+                parts.append(mm("...ik,...jk->...ij", xa[..., I, :, :], yfe))
+            parts.append(diag[..., I, :, :])
+            if I < n - 1:
+                parts.append(jnp.zeros((*lead, c, (n - 1 - I) * c), ct))
+            rows.append(jnp.concatenate(parts, axis=-1))
+        return jnp.stack(rows, axis=-3)                             # [..., n, c, C]
+
+    # 4.
+    A_kk = bs[..., None] * products(ks, strict=True)
+    A_qk = scale * products(qs, strict=False)
+    # 5. W, U by blocked forward substitution.
+    gam = _exp_flushed(pre[..., None, :] + L_incl)                  # exp(G_i), G the chunk-inclusive cumsum
+    R = jnp.concatenate([bs[..., None] * ks * gam, bs[..., None] * vs], axis=-1)   # [..., n, c, K + V]
+    A_kk_blocks = A_kk.reshape(*lead, n, c, n, c)
+    T_diag = _invert_unit_lower(jnp.stack([A_kk_blocks[..., I, :, I, :] for I in range(n)], axis=-3))
+    X = []
+    for I in range(n):
+        acc = R[..., I, :, :]
+        if I:
+            acc = acc - mm("...ij,...jk->...ik", A_kk[..., I, :, : I * c], jnp.concatenate(X, axis=-2))
+        X.append(mm("...ij,...jk->...ik", T_diag[..., I, :, :], acc))
+    WU = jnp.concatenate(X, axis=-2)                                # [..., C, K + V]
+    return {
+        "G_last": G_last,
+        "qg": scale * q * gam.reshape(*lead, C, K),
+        "kd": (ks * _exp_flushed(R_ex + suf[..., None, :])).reshape(*lead, C, K),     # K ⊙ exp(G_last - G)
+        "A_qk": A_qk.reshape(*lead, C, C),
+        "W": WU[..., :K],
+        "U": WU[..., K:K + V],
+    }
+
+
+def _chunk_state_step(S, xs):
+    """S [B,H,K,V] -> (S_next, (S_start, v_new)). xs: per-chunk W, U, kd [B,H,C,*], G_last [B,H,K]."""
+    W, U, kd, G_last = xs
+    v_new = U - jnp.einsum("bhck,bhkv->bhcv", W, S, preferred_element_type=S.dtype)          # Ṽ = U - W S
+    S_next = _exp_flushed(G_last)[..., :, None] * S + jnp.einsum("bhck,bhcv->bhkv", kd, v_new,
+                                                            preferred_element_type=S.dtype)
+    return S_next, (S, v_new)
+
+
+def _pad_time(x, T_pad, value=0.0):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, T_pad - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
+                gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK):
+    """Chunked (UT/WY) KDA, SPEC §4.4 with the 16-token sub-chunk factorisation of §4.5.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log decay <= 0; beta: [B, T, H] in [0, 1].
+      scale: defaults to K^-0.5. initial_state: [B, H, K, V] K-first, fp32 or wider (zeros if None).
+      chunk_size: C, a multiple of ``sub_chunk``. Any T works: the tail is padded with g = 0, beta = 0,
+        q = k = v = 0 (a no-op for the state) and the padded outputs are dropped.
+      gate_lower_bound: lb of the K3 safe gate (e.g. -5.0). When given, diagonal sub-blocks are factorised around
+        a past-row anchor + lb (c - 1) / 2; g must then lie in [lb, 0]. None (unbounded, softplus gate): exact
+        pairwise decays on the diagonal sub-blocks.
+    Returns: o [B, T, H, V] in q.dtype; final state [B, H, K, V] in the compute dtype.
+
+    Structure: all state-independent work (A_kk, A_qk, the triangular solve for W and U) runs batched over every
+    chunk as matmuls; a ``lax.scan`` over chunks then carries the state (its body is ``jax.checkpoint``-ed, so
+    autodiff stores one state per chunk, not per token); outputs O = s (Q ⊙ Γ) S_start + A_qk Ṽ are again batched.
+    """
+    validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
+    if chunk_size % sub_chunk:
+        raise ValueError(f"chunk_size {chunk_size} must be a multiple of sub_chunk {sub_chunk}")
+    _check_bound_and_sub_chunk(gate_lower_bound, sub_chunk)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    ct = compute_dtype(q.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    S0 = jnp.zeros((B, H, K, V), ct) if initial_state is None else initial_state.astype(ct)
+    if T == 0:
+        return jnp.zeros((B, 0, H, V), q.dtype), S0
+    C = chunk_size
+    NC = -(-T // C)
+    Tp = NC * C
+
+    def to_chunks(x):  # [B, T, H, X] -> [B, H, NC, C, X]
+        x = _pad_time(x.astype(ct), Tp)
+        x = x.reshape(B, NC, C, H, *x.shape[3:])
+        return jnp.moveaxis(x, 3, 1)
+
+    qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
+    bc = to_chunks(beta[..., None])[..., 0]
+    intra = chunk_intra(qc, kc, vc, gc, bc, scale=scale, gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
+
+    xs = tuple(jnp.moveaxis(intra[name], 2, 0) for name in ("W", "U", "kd", "G_last"))
+    S_final, (S_start, v_new) = jax.lax.scan(jax.checkpoint(_chunk_state_step), S0, xs)
+    S_start = jnp.moveaxis(S_start, 0, 2)                                   # [B, H, NC, K, V]
+    v_new = jnp.moveaxis(v_new, 0, 2)                                       # [B, H, NC, C, V]
+    o = (jnp.einsum("bhnck,bhnkv->bhncv", intra["qg"], S_start, preferred_element_type=ct)
+         + jnp.einsum("bhncj,bhnjv->bhncv", intra["A_qk"], v_new, preferred_element_type=ct))
+    o = jnp.moveaxis(o, 1, 3).reshape(B, Tp, H, V)[:, :T]
+    return o.astype(q.dtype), S_final
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "gate_lower_bound", "sub_chunk"))
+def kda_chunked_jit(q, k, v, g, beta, initial_state=None, *, chunk_size=64, gate_lower_bound=None,
+                    sub_chunk=SUB_CHUNK):
+    """``kda_chunked`` under jit with the default scale (convenience for benchmarks)."""
+    return kda_chunked(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+                       gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gates and the short conv (SPEC §4.1, §4.2, §4.6), shared by the layer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gate_safe(raw, dt_bias, A_log, lower_bound: float):
+    """K3 safe gate: lb * sigmoid(exp(A_log[h]) * (raw + dt_bias[h, c])). raw [..., N, K]; dtype >= fp32."""
+    ct = compute_dtype(raw.dtype)
+    a = jnp.exp(A_log.astype(ct))[:, None]
+    return lower_bound * jax.nn.sigmoid(a * (raw.astype(ct) + dt_bias.astype(ct)))
+
+
+def gate_softplus(raw, dt_bias, A_log):
+    """Kimi-Linear gate: -exp(A_log[h]) * softplus(raw + dt_bias[h, c]); jax.nn.softplus is overflow-safe."""
+    ct = compute_dtype(raw.dtype)
+    a = jnp.exp(A_log.astype(ct))[:, None]
+    return -a * jax.nn.softplus(raw.astype(ct) + dt_bias.astype(ct))
+
+
+def causal_conv_silu(u_btc, w_cw, tail_bwc=None):
+    """Causal depthwise conv (tap W-1 hits the current token) + SiLU, with an optional cache.
+
+    u_btc: [B, T, C] pre-conv inputs; w_cw: [C, W]; tail_bwc: [B, W-1, C] the previous W-1 inputs, oldest first
+    (zeros when None). Returns (y [B, T, C] in >= fp32, new tail [B, W-1, C]: the last W-1 inputs of tail ++ u).
+    """
+    ct = compute_dtype(jnp.promote_types(u_btc.dtype, w_cw.dtype))
+    B, T, C = u_btc.shape
+    W = w_cw.shape[1]
+    if tail_bwc is None:
+        tail_bwc = jnp.zeros((B, W - 1, C), ct)
+    elif tuple(tail_bwc.shape) != (B, W - 1, C):
+        raise ValueError(f"conv cache shape {tuple(tail_bwc.shape)} must be [B, W-1, C] = {(B, W - 1, C)}")
+    ext = jnp.concatenate([tail_bwc.astype(ct), u_btc.astype(ct)], axis=1)   # [B, T + W - 1, C]
+    w = w_cw.astype(ct)
+    y = sum(w[:, i] * ext[:, i:i + T, :] for i in range(W))
+    return jax.nn.silu(y), ext[:, T:, :]
+
+
+def l2norm(z, eps: float = 1e-6):
+    """z / sqrt(sum z^2 + eps) over the last axis, in >= fp32."""
+    z = z.astype(compute_dtype(z.dtype))
+    return z * jax.lax.rsqrt(jnp.sum(z * z, axis=-1, keepdims=True) + eps)

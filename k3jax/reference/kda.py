@@ -1,0 +1,152 @@
+"""Float64 NumPy oracle for Kimi Delta Attention (SPEC §4), written as plain loops.
+
+This is the bottom rung of the KDA ladder (STYLE §3.2): every JAX path (recurrent, chunked, Pallas, the layer) is
+tested against it. Nothing here is fast; everything here is a line-by-line transcription of the spec:
+
+- ``gate_safe`` / ``gate_softplus``: the two forget gates of §4.2.
+- ``short_conv``: causal depthwise conv, tap ``conv_size - 1`` multiplies the current token, then SiLU (§4.1).
+- ``l2norm``: z / sqrt(sum z^2 + 1e-6) (§2.3).
+- ``kda_recurrent``: the token-by-token recurrence of §4.3, K-first state [K, V].
+- ``gated_rmsnorm``: per-head RMSNorm over K (eps inside the rsqrt, on the mean), times o_norm, times sigmoid(gate).
+- ``kda_layer``: the full token mixer of §4.1 on the k3jax parameter dict (``k3jax.model.params.init_kda``).
+
+All arrays are converted to float64 NumPy first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+L2NORM_EPS = 1e-6
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def sigmoid(z):
+    z = _f64(z)
+    out = np.empty_like(z)
+    pos = z >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-z[pos]))
+    ez = np.exp(z[~pos])
+    out[~pos] = ez / (1.0 + ez)
+    return out
+
+
+def softplus(z):
+    """log(1 + e^z), computed without overflow (exact in float64 for all z)."""
+    z = _f64(z)
+    return np.maximum(z, 0.0) + np.log1p(np.exp(-np.abs(z)))
+
+
+def silu(z):
+    z = _f64(z)
+    return z * sigmoid(z)
+
+
+def gate_safe(raw, dt_bias, A_log, lower_bound: float):
+    """K3 safe gate: g = lb * sigmoid(exp(A_log[h]) * (raw + dt_bias[h, c])).  raw: [..., N, K]."""
+    a = np.exp(_f64(A_log))[:, None]
+    return lower_bound * sigmoid(a * (_f64(raw) + _f64(dt_bias)))
+
+
+def gate_softplus(raw, dt_bias, A_log):
+    """Kimi-Linear gate: g = -exp(A_log[h]) * softplus(raw + dt_bias[h, c]).  raw: [..., N, K]."""
+    a = np.exp(_f64(A_log))[:, None]
+    return -a * softplus(_f64(raw) + _f64(dt_bias))
+
+
+def short_conv(u, w, tail=None):
+    """Causal depthwise conv + SiLU.  u: [B, T, C]; w: [C, W]; tail: [B, W-1, C] earlier inputs (oldest first)."""
+    u, w = _f64(u), _f64(w)
+    B, T, C = u.shape
+    W = w.shape[1]
+    past = np.zeros((B, W - 1, C)) if tail is None else _f64(tail)
+    ext = np.concatenate([past, u], axis=1)
+    y = np.zeros((B, T, C))
+    for t in range(T):
+        for i in range(W):
+            # ext index t + i holds u_{t - (W-1) + i}; tap W-1 multiplies the current token.
+            y[:, t, :] += w[:, i] * ext[:, t + i, :]
+    return silu(y), ext[:, ext.shape[1] - (W - 1):, :]
+
+
+def l2norm(z, eps: float = L2NORM_EPS):
+    z = _f64(z)
+    return z / np.sqrt(np.sum(z * z, axis=-1, keepdims=True) + eps)
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """SPEC §4.3 for every batch row and head.
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] (log decay); beta: [B, T, H];
+    initial_state: [B, H, K, V] (K-first) or None.  Returns o [B, T, H, V], final state [B, H, K, V].
+    """
+    q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    s = K ** -0.5 if scale is None else scale
+    S = np.zeros((B, H, K, V)) if initial_state is None else _f64(initial_state).copy()
+    o = np.zeros((B, T, H, V))
+    for b in range(B):
+        for h in range(H):
+            St = S[b, h]
+            for t in range(T):
+                St = np.exp(g[b, t, h])[:, None] * St          # decay row c by exp(g_t[c])
+                e = v[b, t, h] - St.T @ k[b, t, h]              # error on the decayed state
+                St = St + beta[b, t, h] * np.outer(k[b, t, h], e)
+                o[b, t, h] = St.T @ (s * q[b, t, h])             # read after the write
+            S[b, h] = St
+    return o, S
+
+
+def gated_rmsnorm(o, w, gate, eps: float):
+    """RMSNorm over the last axis (eps on the mean), times w, times sigmoid(gate)."""
+    o = _f64(o)
+    r = o / np.sqrt(np.mean(o * o, axis=-1, keepdims=True) + eps)
+    return r * _f64(w) * sigmoid(gate)
+
+
+def kda_layer(p, x, *, gate_lower_bound, eps, cache=None):
+    """The full KDA token mixer (SPEC §4.1) in float64.
+
+    p: the parameter dict of ``init_kda``; x: [B, T, D].  ``cache`` (optional) is a dict with ``state``
+    [B, N, K, V] and ``conv_q``/``conv_k``/``conv_v`` [B, W-1, N*K] (oldest first).  Returns (y [B, T, D],
+    new_cache) with the same cache layout.
+    """
+    p = {name: _f64(val) for name, val in p.items()}
+    x = _f64(x)
+    B, T, _ = x.shape
+    D_, N, K = p["wq"].shape
+    cache = cache or {}
+
+    def proj(w):  # [B, T, N*K], head-major columns (SPEC §2.1)
+        return np.einsum("btd,dnk->btnk", x, w).reshape(B, T, -1)
+
+    q, tq = short_conv(proj(p["wq"]), p["conv_q"], cache.get("conv_q"))
+    k, tk = short_conv(proj(p["wk"]), p["conv_k"], cache.get("conv_k"))
+    v, tv = short_conv(proj(p["wv"]), p["conv_v"], cache.get("conv_v"))
+    q = l2norm(q.reshape(B, T, N, K))
+    k = l2norm(k.reshape(B, T, N, K))
+    v = v.reshape(B, T, N, -1)
+    raw = np.einsum("btr,rnk->btnk", x @ p["f_a"], p["f_b"])
+    if gate_lower_bound is None:
+        g = gate_softplus(raw, p["dt_bias"], p["A_log"])
+    else:
+        g = gate_safe(raw, p["dt_bias"], p["A_log"], gate_lower_bound)
+    beta = sigmoid(np.einsum("btd,dn->btn", x, p["w_beta"]))
+    o, S = kda_recurrent(q, k, v, g, beta, scale=K ** -0.5, initial_state=cache.get("state"))
+    if "w_gate" in p:
+        gate = np.einsum("btd,dnk->btnk", x, p["w_gate"])
+    else:
+        gate = np.einsum("btr,rnk->btnk", x @ p["g_a"], p["g_b"])
+    o = gated_rmsnorm(o, p["o_norm"], gate, eps)
+    y = np.einsum("btnk,nkd->btd", o, p["wo"])
+    return y, {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv}
+
+
+def default_scale(K: int) -> float:
+    return 1.0 / math.sqrt(K)
