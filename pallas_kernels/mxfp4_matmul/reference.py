@@ -1,0 +1,60 @@
+"""jnp rungs for the MXFP4 matmul kernels: dequantize, then matmul (SPEC §10.8).
+
+Ladder (STYLE §3.2): ``mxfp4_gmm_loop_reference`` (a masked loop over experts) -> ``mxfp4_gmm_reference``
+(``lax.ragged_dot`` on the dequantized stack) -> the ``mxfp4_gmm`` kernel; dense: ``mxfp4_matmul_reference``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from k3jax.ops import mx
+
+
+def dequantize_packed(packed, scale, dtype=jnp.float32):
+    """Packed [..., N, K/2] + scale [..., N, K/32] -> W [..., N, K] (exact)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return mx.mxfp4_dequantize(codes, scale, axis=-1, dtype=dtype)
+
+
+def mxfp4_matmul_reference(x, packed, scale):
+    """y [M, N] = x [M, K] @ W[N, K]ᵀ with W = dequant(packed, scale); fp32 accumulation, output in x.dtype."""
+    w = dequantize_packed(packed, scale)
+    y = jnp.einsum("mk,nk->mn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+def mxfp4_gmm_reference(x, packed, scale, group_sizes):
+    """Grouped: rows of x sorted by expert, group_sizes [G]; W_g = dequant(packed[g], scale[g]) [N, K].
+
+    y[r] = x[r] @ W_{g(r)}ᵀ for r < sum(group_sizes); rows past the groups are 0. Output in x.dtype.
+    """
+    w_gkn = jnp.swapaxes(dequantize_packed(packed, scale), 1, 2)
+    y = lax.ragged_dot(x.astype(jnp.float32), w_gkn, group_sizes.astype(jnp.int32),
+                       precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
+
+
+def mxfp4_gmm_loop_reference(x, packed, scale, group_sizes):
+    """The slowest rung: one full matmul per expert, rows selected by mask."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    rows = jnp.arange(x.shape[0])[:, None]
+    y = jnp.zeros((x.shape[0], packed.shape[1]), jnp.float32)
+    for g in range(packed.shape[0]):
+        yg = mxfp4_matmul_reference(x.astype(jnp.float32), packed[g], scale[g])
+        y = jnp.where((rows >= starts[g]) & (rows < ends[g]), yg, y)
+    return y.astype(x.dtype)
+
+
+def mxfp4_gmm_reference_vjp_x(g, packed, scale, group_sizes):
+    """dx [M, K] = g [M, N] @ W_{g(r)} for the grouped op (weights frozen)."""
+    w_gnk = dequantize_packed(packed, scale)
+    dx = lax.ragged_dot(g.astype(jnp.float32), w_gnk, group_sizes.astype(jnp.int32),
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return dx
+
+
+__all__ = ["dequantize_packed", "mxfp4_gmm_loop_reference", "mxfp4_gmm_reference", "mxfp4_gmm_reference_vjp_x",
+           "mxfp4_matmul_reference"]

@@ -1,0 +1,129 @@
+"""Pallas MXFP4 matmul (dense and grouped) against its jnp references (SPEC §10.8; STYLE §3.3)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from k3jax.ops import mx
+from k3jax.quant import mxfp4_pack
+from k3jax.testing import assert_close
+from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
+from pallas_kernels.mxfp4_matmul.api import group_tile_metadata
+from pallas_kernels.mxfp4_matmul.reference import (
+    mxfp4_gmm_loop_reference,
+    mxfp4_gmm_reference,
+    mxfp4_matmul_reference,
+)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+BLOCKS = {"block_n": 32, "block_k": 64}  # several tiles along N and K at test sizes
+
+
+def _weights(key, shape):
+    k1, k2 = jax.random.split(key)
+    w = jax.random.normal(k1, shape) * jnp.exp2(jax.random.randint(k2, shape[:-1] + (1,), -3, 3))
+    return mxfp4_pack(w)
+
+
+def _x(key, M, K, dtype):
+    return jax.random.normal(key, (M, K)).astype(dtype)
+
+
+class Mxfp4MatmulCases:  # shared bodies; no Test prefix, so pytest does not collect the base
+    interpret: bool
+
+    @pytest.mark.parametrize("schedule", ["grid", "loop"])
+    @pytest.mark.parametrize("M", [1, 37])
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_dense_matches_reference(self, schedule, M, dtype):
+        k = jax.random.split(jax.random.key(M), 2)
+        packed, scale = _weights(k[0], (96, 256))
+        x = _x(k[1], M, 256, dtype)
+        f = jax.jit(lambda x, p, s: mxfp4_matmul(x, p, s, schedule=schedule, interpret=self.interpret, **BLOCKS))
+        y = f(x, packed, scale)
+        assert y.shape == (M, 96) and y.dtype == dtype
+        assert_close(y, mxfp4_matmul_reference(x, packed, scale), TOL[dtype], name="y")
+
+    @pytest.mark.parametrize("group_sizes", [(5, 0, 23, 9), (0, 0, 40, 0), (16, 16, 0, 8), (0, 0, 0, 0), (1, 2, 3, 4)],
+                             ids=["ragged", "one-expert", "whole-tiles", "all-empty", "tail-rows"])
+    def test_grouped_matches_reference(self, group_sizes):
+        k = jax.random.split(jax.random.key(1), 2)
+        packed, scale = _weights(k[0], (4, 64, 128))
+        x = _x(k[1], 40, 128, jnp.float32)
+        gs = jnp.array(group_sizes, jnp.int32)
+        y = jax.jit(lambda x, gs: mxfp4_gmm(x, packed, scale, gs, interpret=self.interpret, **BLOCKS))(x, gs)
+        want = mxfp4_gmm_loop_reference(x, packed, scale, gs)
+        assert_close(mxfp4_gmm_reference(x, packed, scale, gs), want, 1e-6, atol_floor=1e-6, name="ragged_dot rung")
+        assert_close(y, want, 1e-5, atol_floor=1e-6, name="y")
+        np.testing.assert_array_equal(np.asarray(y)[sum(group_sizes):], 0.0)  # rows past the groups
+
+    def test_grouped_bf16(self):
+        k = jax.random.split(jax.random.key(2), 2)
+        packed, scale = _weights(k[0], (3, 32, 96))
+        x = _x(k[1], 24, 96, jnp.bfloat16)
+        gs = jnp.array([7, 0, 17], jnp.int32)
+        y = mxfp4_gmm(x, packed, scale, gs, interpret=self.interpret, block_n=16, block_k=32)
+        assert y.dtype == jnp.bfloat16
+        assert_close(y, mxfp4_gmm_reference(x, packed, scale, gs), TOL[jnp.bfloat16], name="y")
+
+    def test_gradient_wrt_x_matches_reference(self):
+        k = jax.random.split(jax.random.key(3), 3)
+        packed, scale = _weights(k[0], (4, 64, 128))
+        x = _x(k[1], 33, 128, jnp.float32)
+        gs = jnp.array([10, 0, 15, 6], jnp.int32)
+        ct = jax.random.normal(k[2], (33, 64))
+        y, vjp = jax.vjp(lambda x: mxfp4_gmm(x, packed, scale, gs, interpret=self.interpret, **BLOCKS), x)
+        _, vjp_ref = jax.vjp(lambda x: mxfp4_gmm_loop_reference(x, packed, scale, gs), x)
+        assert_close(vjp(ct)[0], vjp_ref(ct)[0], 1e-5, name="dx grouped")
+        dense = jax.grad(lambda x: jnp.sum(mxfp4_matmul(x, packed[0], scale[0], interpret=self.interpret,
+                                                        **BLOCKS) * ct))(x)
+        dense_ref = jax.grad(lambda x: jnp.sum(mxfp4_matmul_reference(x, packed[0], scale[0]) * ct))(x)
+        assert_close(dense, dense_ref, 1e-5, name="dx dense")
+
+    def test_act_quant_is_mxfp8_of_x(self):
+        k = jax.random.split(jax.random.key(4), 2)
+        packed, scale = _weights(k[0], (32, 64))
+        x = _x(k[1], 16, 64, jnp.float32)
+        y = mxfp4_matmul(x, packed, scale, act_quant="ceil", interpret=self.interpret, block_n=16, block_k=32)
+        want = mxfp4_matmul_reference(mx.fake_quant_mxfp8(x, axis=-1, rule="ceil"), packed, scale)
+        assert_close(y, want, 1e-5, name="y")
+        assert not np.allclose(np.asarray(y), np.asarray(mxfp4_matmul_reference(x, packed, scale)), rtol=1e-4)
+
+
+class TestMxfp4MatmulInterpret(Mxfp4MatmulCases):  # CPU, every CI run
+    interpret = True
+
+
+@pytest.mark.gpu
+class TestMxfp4MatmulCompiled(Mxfp4MatmulCases):  # accelerator job only
+    interpret = False
+
+
+_metadata = jax.jit(group_tile_metadata, static_argnums=(1, 2))
+
+
+@given(st.lists(st.integers(0, 20), min_size=5, max_size=5), st.sampled_from([1, 4, 16]), st.integers(0, 9))
+def test_group_tile_metadata_covers_every_row_once(sizes, block_m, extra_rows):
+    M = 109  # fixed shapes: one compile per block_m; rows past sum(sizes) are padding
+    tile_group, src, dst, valid = (np.asarray(a) for a in _metadata(jnp.array(sizes), M, block_m))
+    ends = np.cumsum(sizes)
+    real = src[src < M]
+    np.testing.assert_array_equal(np.sort(real), np.arange(ends[-1]))  # each grouped row exactly once
+    np.testing.assert_array_equal(src[dst[valid]], np.arange(M)[valid])  # dst inverts src
+    assert valid.sum() == ends[-1]
+    for p in np.flatnonzero(src < M):  # a padded row sits in a tile of its own group
+        assert tile_group[p // block_m] == np.searchsorted(ends, src[p], side="right")
+    assert (tile_group[: -(-M // block_m) + len(sizes)] >= -1).all()
+
+
+def test_bad_inputs_raise():
+    packed, scale = _weights(jax.random.key(0), (32, 64))
+    with pytest.raises(ValueError, match="do not match x"):
+        mxfp4_matmul(jnp.ones((2, 96)), packed, scale, interpret=True)
+    with pytest.raises(ValueError, match="must be uint8"):
+        mxfp4_matmul(jnp.ones((2, 64)), packed.astype(jnp.int32), scale, interpret=True)
+    with pytest.raises(ValueError, match=r"group_sizes \(3,\)"):
+        mxfp4_gmm(jnp.ones((2, 64)), packed[None], scale[None], jnp.ones(3, jnp.int32), interpret=True)
