@@ -2,6 +2,7 @@
 
 import csv
 import gzip
+import itertools
 from collections import Counter
 from pathlib import Path
 
@@ -52,8 +53,12 @@ def test_k3_shard_headers_reproduce_published(k3_specs):
     shards = nm.shard_tensors(cfg)
     assert len(shards) == 94 and nm.num_shards(cfg) == 96
     assert [s for _, specs in shards for s in specs] == k3_specs
+    assert all(nm.shard_of(s.name, cfg) == k for k, (_, specs) in enumerate(shards, 1) for s in specs)
     pinned = set()
-    for k, (fname, specs) in enumerate(shards, 1):
+    # every size class of SPEC §11.5 (layer 0; KDA / MLA with 1- and 2-digit layer ids; globals); all 94 shards
+    # are checked through `k3 plan --shards` in tests/cli/test_plan.py
+    for k in (1, 2, 4, 8, 11, 12, 93, 94):
+        fname, specs = shards[k - 1]
         lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
         r = rows[k]
         assert fname == r["file"]
@@ -61,7 +66,6 @@ def test_k3_shard_headers_reproduce_published(k3_specs):
             int(r["header_json_len_N"]), int(r["data_start"]), int(r["payload_bytes"])), fname
         assert lay.file_bytes == int(r["file_bytes_published"]), fname
         assert lay.header_sha256 == r["header_sha256_computed"], fname
-        assert all(nm.shard_of(s.name, cfg) == k for s in specs)
         if r["header_sha256_independently_pinned"] == "yes":
             pinned.add(k)
     assert pinned == {1, 2, 4, 94}
@@ -113,7 +117,9 @@ def test_every_leaf_mapped_exactly_once(preset, fmt):
         if s.expert is None:
             assert s.shape == nm.hf_shape(s.transform, leaves[s.path], s.in_axes), s.name
     # per-shard order: F32, then BF16, then U8; byte order of names within a dtype
-    for _, shard in nm.shard_tensors(cfg, expert_format=fmt):
+    shards = [list(g) for _, g in itertools.groupby(specs, key=lambda s: s.layer)]
+    assert [g[0].layer for g in shards] == [*range(cfg.num_layers), None]
+    for shard in shards:
         keys = [({"F32": 0, "BF16": 1, "U8": 2}[s.dtype], s.name.encode()) for s in shard]
         assert keys == sorted(keys)
 
@@ -252,3 +258,23 @@ def test_coverage_check_catches_a_dropped_rule(monkeypatch):
     monkeypatch.setattr(nm, "BLOCKS", blocks)
     with pytest.raises(AssertionError, match="missing"):
         _check_coverage(cfg, nm.hf_tensors(cfg))
+
+
+def test_mxfp4_expert_helpers_match_spec_shapes():
+    pytest.importorskip("k3jax.quant", reason="k3jax.quant (mxfp4_pack / mxfp4_unpack) not available")
+    cfg = get_preset("k3-mini")
+    specs = [s for s in nm.layer_tensors(cfg, 1) if s.path[-1] == "w2" and s.expert == 3]
+    packed_spec, scale_spec = sorted(specs, key=lambda s: s.part)
+    assert (packed_spec.part, scale_spec.part) == ("packed", "scale")
+    E, din, dout = nm.leaf_shape(packed_spec, cfg)
+    stack = np.random.default_rng(1).standard_normal((E, din, dout)).astype(np.float32)
+    packed, scale = nm.expert_to_hf(stack, packed_spec)
+    assert (packed.shape, scale.shape) == (packed_spec.shape, scale_spec.shape) == ((dout, din // 2), (dout, din // 32))
+    assert packed.dtype == scale.dtype == np.uint8
+    dense = nm.expert_from_hf(packed, scale, packed_spec)
+    assert dense.shape == (din, dout)
+    rel = np.sqrt(np.mean((dense - stack[3]) ** 2) / np.mean(stack[3] ** 2))
+    assert rel < 0.2  # the same matrix (expert 3, [in, out]), quantized: a wrong slice or transpose gives ~1.4
+    packed2, scale2 = nm.expert_to_hf(dense, packed_spec)  # re-packing a quantized matrix is lossless
+    np.testing.assert_array_equal(packed2, packed)
+    np.testing.assert_array_equal(scale2, scale)

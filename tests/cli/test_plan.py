@@ -1,0 +1,179 @@
+"""`k3 plan`: totals against SPEC §12/§13, the official tensor list and shard table, errors (exit 2)."""
+
+import contextlib
+import csv
+import gzip
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3jax.cli.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def golden(name: str) -> Path:
+    for p in (REPO / "tests/golden/k3" / name, REPO.parent / "shared/k3" / name):
+        if p.exists():
+            return p
+    pytest.skip(f"{name} not found in tests/golden/k3/ nor ../shared/k3/")
+
+
+def run_json(capsys, *argv):
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def k3_plan():
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["plan", "--preset", "kimi-k3", "--json", "--context", "131072", "--mesh", "8xB300", "--mesh",
+                   "16xB200", "--mesh", "64xH200"])
+    assert rc == 0
+    return json.loads(buf.getvalue())
+
+
+def test_kimi_k3_totals_via_cli(k3_plan):
+    p = k3_plan
+    # SPEC §12.1: 2,779,484,478,208 with the A_log pad; 2,779,484,476,000 without. total_params is the k3jax
+    # tree (A_log [96]); checkpoint_params counts the stored tensors (A_log [128]).
+    assert p["total_params"] == 2_779_484_476_000
+    assert p["checkpoint_params"] == 2_779_484_478_208
+    assert abs(p["total_params"] / 2.7795e12 - 1) < 5e-4
+    # SPEC §12.1: 104,189,532,416 counts A_log as 128 per KDA layer; the tree has 96 → 69 * 32 fewer
+    assert p["active_params"] == 104_189_532_416 - 69 * 32
+    assert abs(p["active_params"] / 104.19e9 - 1) < 1e-3
+    assert p["active_params_with_embedding"] - p["active_params"] == 1_174_405_120
+    assert p["checkpoint_bytes"] == 1_559_965_606_912
+    assert p["routed_expert_bytes"] == 1_446_456_066_048
+    assert p["checkpoint_tensors"] == 497_052
+    assert p["bytes_by_dtype"] == {"BF16": 113_465_051_136, "F32": 44_489_728, "U8": 1_446_456_066_048}
+
+
+def test_kimi_k3_breakdown(k3_plan):
+    c = {k: v["params"] for k, v in k3_plan["components"].items()}
+    assert c["routed_experts"] == 2_722_740_830_208
+    assert c["shared_experts"] == 12_155_092_992
+    assert c["latent_proj"] == 4_727_310_336
+    assert c["router"] + c["router_bias"] == 590_955_008
+    assert c["mla_attention"] == 5_572_706_304
+    assert c["kda_attention"] == 30_618_088_704 - 69 * 32
+    assert c["dense_mlp"] == 726_663_168
+    assert c["norms_and_attn_res"] == 4_021_248
+    assert k3_plan["components"]["routed_experts"]["active"] == 48_620_371_968
+    assert k3_plan["components"]["router"]["active"] == 590_872_576
+    assert k3_plan["components"]["router_bias"]["active"] == 0
+    layers = k3_plan["layers"]
+    assert len(layers) == 93
+    assert [l["layer"] for l in layers if l["attention"] == "mla"] == [*range(3, 91, 4), 91, 92]
+    assert [l["ffn"] for l in layers[:2]] == ["dense", "moe"]
+    # per-layer bytes are the shard payloads (shards.tsv): layer 0, KDA+MoE, MLA+MoE
+    assert (layers[0]["bytes"], layers[1]["bytes"], layers[3]["bytes"]) == (2_341_213_184, 16_990_092_800,
+                                                                           16_566_684_160)
+    assert layers[1]["params"] == 443_740_416 - 32 + 896 * 33_030_144 + 189_927_808 + 43_008
+    assert layers[1]["active"] == 443_740_416 - 32 + 16 * 33_030_144 + 189_927_808 - 896 + 43_008
+    assert k3_plan["model_level"]["bytes"] == 4_697_663_488
+    assert sum(l["params"] for l in layers) + k3_plan["model_level"]["params"] == k3_plan["total_params"]
+
+
+def test_kimi_k3_memory(k3_plan):
+    mem = k3_plan["memory"]
+    page = 17_547_264  # one MXFP4 expert (SPEC §10.4)
+    replicated = 113_509_540_864  # non-expert text bytes (SPEC §12.2)
+    assert mem["replicated_weight_bytes"] == replicated
+    assert mem["kda_state_bytes_per_sequence"] == 69 * 96 * 128 * 128 * 4
+    assert mem["mla_cache_bytes_per_token"] == 24 * (512 + 64) * 2
+    by = {m["mesh"]: m for m in mem["meshes"]}
+    for name, n, cap in (("8xB300", 8, 288e9), ("16xB200", 16, 192e9), ("64xH200", 64, 141e9)):
+        m = by[name]
+        assert m["devices"] == n and m["device_bytes"] == cap
+        assert m["weights_bytes"] == replicated + 92 * -(-896 // n) * page
+        assert m["mla_cache_bytes"] == 131072 * 24 * 576 * 2
+        assert m["total_bytes"] == m["weights_bytes"] + m["kda_state_bytes"] + m["mla_cache_bytes"]
+        assert m["fits"] == (m["total_bytes"] <= cap)
+    assert by["64xH200"]["fits"] and not by["8xB300"]["fits"]
+    assert any("replicated" in a for a in mem["assumptions"])
+
+
+def test_batch_and_context_scale_the_caches(capsys):
+    p = run_json(capsys, "--preset", "k3-mini", "--mesh", "8xH200", "--context", "1000", "--batch", "20")
+    m = p["memory"]["meshes"][0]
+    assert m["sequences_per_device"] == 3
+    assert m["mla_cache_bytes"] == 3 * 1000 * p["memory"]["mla_cache_bytes_per_token"]
+    assert m["kda_state_bytes"] == 3 * (p["memory"]["kda_state_bytes_per_sequence"]
+                                        + p["memory"]["kda_conv_bytes_per_sequence"])
+
+
+def test_kimi_linear_48b(capsys):
+    p = run_json(capsys, "--preset", "kimi-linear-48b")
+    assert abs(p["total_params"] / 49.12e9 - 1) < 1e-3  # SPEC §13
+    assert abs(p["active_params"] / 3.11e9 - 1) < 5e-3
+    assert abs(p["active_params_with_embedding"] / 3.48e9 - 1) < 5e-3
+    assert p["layout"] == "kimi-linear" and p["expert_format"] == "bf16"
+    assert p["checkpoint_params"] == p["total_params"]  # A_log stored [1, 1, H, 1]: no pad
+    assert p["checkpoint_bytes"] == 2 * p["total_params"] + 2 * 20 * (32 + 4096) + 2 * 26 * 256  # F32 extras
+
+
+def test_tiny_presets_plan(capsys):
+    p = run_json(capsys, "--preset", "k3-tiny")
+    assert p["expert_format"] == "bf16" and "MXFP4 group" in p["notes"][0]
+    assert p["total_params"] == 265_574
+    assert main(["plan", "--preset", "k3-mini"]) == 0
+    out = capsys.readouterr().out
+    assert "total params" in out and "35,900,644" in out and "64xH200" in out
+
+
+def test_tensors_listing_equals_official(capsys):
+    assert main(["plan", "--preset", "kimi-k3", "--tensors"]) == 0
+    out = capsys.readouterr().out
+    with gzip.open(golden("tensors.tsv.gz"), "rt") as f:
+        want = f.read()
+    assert out == want  # same rows, same order, same header line
+
+
+def test_shards_json_equals_published(capsys):
+    with open(golden("shards.tsv")) as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    got = json.loads(_capture(capsys, "--preset", "kimi-k3", "--shards", "--json"))
+    assert len(got) == 94
+    for g, r in zip(got, rows):
+        assert g["file"] == r["file"]
+        assert g["bytes"] == int(r["file_bytes_published"])
+        assert g["header_len"] == int(r["header_json_len_N"])
+        assert g["header_sha256"] == r["header_sha256_computed"]
+    pinned = {int(r["shard"]): r["header_sha256_computed"] for r in rows if r["header_sha256_independently_pinned"]
+              == "yes"}
+    assert {k: got[k - 1]["header_sha256"] for k in (1, 2, 4, 94)} == {k: pinned[k] for k in (1, 2, 4, 94)}
+
+
+def _capture(capsys, *argv) -> str:
+    assert main(["plan", *argv]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--preset", "kimi-k9"], "known presets: k3-mini, k3-tiny, kimi-k3, kimi-linear-48b"),
+    (["--preset", "k3-tiny", "--mesh", "8xTPU"], "known meshes: 8xB300, 16xB200"),
+    (["--preset", "k3-tiny", "--batch", "0"], "--batch"),
+])
+def test_bad_input_exits_2(capsys, argv, msg):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err
+
+
+def test_console_script_subprocess():
+    exe = Path(sys.executable).parent / "k3"
+    if not exe.exists():
+        pytest.skip(f"console script {exe} not installed")
+    r = subprocess.run([str(exe), "plan", "--preset", "k3-tiny", "--json"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["total_params"] == 265_574
+    r = subprocess.run([str(exe), "plan", "--preset", "nope"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "known presets" in r.stderr
