@@ -1,0 +1,189 @@
+"""Pallas forward kernel for chunked KDA (SPEC §4.4, §4.5); see README.md for the math and tiling.
+
+Grid (B, H, V / block_v), all parallel. One program owns one (batch, head, value tile) and walks the chunks of
+its sequence in an in-kernel ``lax.fori_loop`` carrying the state tile S [K, block_v] in fp32. (A sequential grid
+axis would do on TPU, but GPU grid programs run concurrently, so the chunk loop lives inside the kernel.)
+Columns of the state are independent, so value tiles only duplicate the cheap A_kk / W work.
+
+Everything is built from 2-D ops that the Triton lowering supports: ``pl.ds`` slices of 16 rows, 2-D dots with
+``precision=HIGHEST`` (no TF32), elementwise exp/where and row reductions. Block shapes are the caller's: use powers
+of two (K = V = 128, chunk 64) on GPU; interpret mode accepts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    chunk: int = 64       # C, tokens per chunk (multiple of sub_chunk)
+    sub_chunk: int = 16   # c, rows per factorised sub-block (SPEC §4.5)
+    block_v: int = 64     # value columns per program
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, precision=HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _dot_nt(a, b):  # a @ b.T
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):  # a.T @ b
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _exp_flushed(x):
+    # fp32 only in the kernel: see k3jax.ops.kda._exp_flushed (subnormal products).
+    return jnp.exp(jnp.where(x < -20.0, -jnp.inf, x))
+
+
+def _invert_unit_lower(L, c):
+    """(I + L)^-1 for strictly lower [c, c] L: (I - L)(I + L^2)(I + L^4)... (exact, L^c = 0)."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    eye = jnp.where(r == col, 1.0, 0.0).astype(jnp.float32)
+    T = eye - L
+    P = L
+    span = 2
+    while span < c:
+        P = _dot(P, P)
+        T = _dot(T, eye + P)
+        span *= 2
+    return T
+
+
+def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
+                    o_ref, ht_ref, *, num_chunks, bs: BlockSizes, K: int, scale: float, gate_lower_bound):
+    C, c = bs.chunk, bs.sub_chunk
+    n = C // c
+    ri = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    ci = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    strict = ri > ci
+    incl = ri >= ci
+    kr = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
+    kc = jax.lax.broadcasted_iota(jnp.int32, (K, K), 1)
+
+    def chunk_body(ic, S):
+        base = ic * C
+        rows = lambda ref, I: ref[pl.ds(base + I * c, c), :].astype(jnp.float32)  # noqa: E731
+        qs = [rows(q_ref, I) for I in range(n)]
+        ks = [rows(k_ref, I) for I in range(n)]
+        vs = [rows(v_ref, I) for I in range(n)]
+        lr = [rows(lr_ref, I) for I in range(n)]
+        rex = [rows(rex_ref, I) for I in range(n)]
+        gcs = [rows(gcs_ref, I) for I in range(n)]
+        bts = [beta_ref[pl.ds(base + I * c, c)].astype(jnp.float32)[:, None] for I in range(n)]
+        g_r0 = [g_ref[pl.ds(base + I * c, 1), :].astype(jnp.float32) for I in range(n)]      # [1, K]
+        tot = [tot_ref[pl.ds(ic * n + M, 1), :].astype(jnp.float32) for M in range(n)]      # [1, K]
+        a = [_exp_flushed(x) for x in lr]
+        kf = [ks[J] * _exp_flushed(rex[J]) for J in range(n)]
+        # A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I), anchored at r0(I).
+        Akk, Aqk = {}, {}
+        for I in range(n):
+            ka, qa = ks[I] * a[I], qs[I] * a[I]
+            for J in range(I):
+                between = g_r0[I]
+                for M in range(J + 1, I):
+                    between = between + tot[M]
+                y = kf[J] * _exp_flushed(between)                    # k_j exp(G_r0(I) - G_j)
+                Akk[I, J] = bts[I] * _dot_nt(ka, y)
+                Aqk[I, J] = scale * _dot_nt(qa, y)
+            if gate_lower_bound is not None:
+                delta = gate_lower_bound * (c - 1) / 2.0             # past-row anchor G_r0 + delta
+                right = ks[I] * jnp.exp(delta - lr[I])
+                left = jnp.exp(lr[I] - delta)
+                dkk = _dot_nt(ks[I] * left, right)
+                dqk = _dot_nt(qs[I] * left, right)
+            else:                                                     # exact pairwise decays
+                diff = lr[I][:, None, :] - lr[I][None, :, :]          # [c, c, K]
+                decay = _exp_flushed(jnp.where(incl[:, :, None], diff, -jnp.inf))
+                kk = ks[I][None, :, :] * decay
+                dkk = jnp.sum(ks[I][:, None, :] * kk, axis=-1)
+                dqk = jnp.sum(qs[I][:, None, :] * kk, axis=-1)
+            Akk[I, I] = jnp.where(strict, bts[I] * dkk, 0.0)
+            Aqk[I, I] = jnp.where(incl, scale * dqk, 0.0)
+        # W, U by block forward substitution; then the state-dependent part.
+        W, U, v_new = [], [], []
+        for I in range(n):
+            gam = _exp_flushed(gcs[I])                                 # exp(G_i)
+            r_w = bts[I] * ks[I] * gam
+            r_u = bts[I] * vs[I]
+            for M in range(I):
+                r_w = r_w - _dot(Akk[I, M], W[M])
+                r_u = r_u - _dot(Akk[I, M], U[M])
+            Tinv = _invert_unit_lower(Akk[I, I], c)
+            W.append(_dot(Tinv, r_w))
+            U.append(_dot(Tinv, r_u))
+            v_new.append(U[I] - _dot(W[I], S))
+            o = _dot(scale * qs[I] * gam, S)
+            for J in range(I + 1):
+                o = o + _dot(Aqk[I, J], v_new[J])
+            o_ref[pl.ds(base + I * c, c), :] = o.astype(o_ref.dtype)
+        g_last = tot[0]
+        for M in range(1, n):
+            g_last = g_last + tot[M]
+        # Column vector exp(G_last)[K, 1] without a transpose: pick the diagonal of a broadcast.
+        decay_col = jnp.sum(jnp.where(kr == kc, _exp_flushed(g_last), 0.0), axis=1, keepdims=True)
+        S_new = decay_col * S
+        for I in range(n):
+            suf = jnp.zeros_like(g_last)
+            for M in range(I + 1, n):
+                suf = suf + tot[M]
+            kd = ks[I] * _exp_flushed(rex[I] + suf)                  # k_j exp(G_last - G_j)
+            S_new = S_new + _dot_tn(kd, v_new[I])
+        return S_new
+
+    S0 = h0_ref[...].astype(jnp.float32)
+    S = jax.lax.fori_loop(0, num_chunks, chunk_body, S0)
+    ht_ref[...] = S.astype(ht_ref.dtype)
+
+
+def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes,
+                   interpret: bool):
+    """Raw kernel launch. All time axes are padded to a multiple of bs.chunk.
+
+    q, k, g, lr, rex, gcs: [B, Tp, H, K]; v: [B, Tp, H, V]; beta: [B, Tp, H]; tot: [B, Tp / c, H, K];
+    h0: [B, H, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). Returns o [B, Tp, H, V]
+    (q.dtype) and the final state [B, H, K, V] fp32.
+    """
+    B, Tp, H, K = q.shape
+    V = v.shape[-1]
+    bv = min(bs.block_v, V)
+    if V % bv:
+        raise ValueError(f"V = {V} must be a multiple of block_v = {bv}")
+    nsub = Tp // bs.sub_chunk
+    kernel = functools.partial(_kda_fwd_kernel, num_chunks=Tp // bs.chunk, bs=bs, K=K, scale=float(scale),
+                               gate_lower_bound=gate_lower_bound)
+    tk = pl.BlockSpec((None, Tp, None, K), lambda b, h, j: (b, 0, h, 0))
+    tv = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, V // bv),
+        in_specs=[tk, tk, tv, tk,
+                  pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
+                  tk, tk, tk,
+                  pl.BlockSpec((None, nsub, None, K), lambda b, h, j: (b, 0, h, 0)),
+                  pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))],
+        out_specs=[tv, pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)],
+        interpret=interpret,
+        name="kda_chunk_fwd",
+        **kwargs,
+    )(q, k, v, g, beta, lr, rex, gcs, tot, h0)
+
+

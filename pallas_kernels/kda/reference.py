@@ -1,0 +1,4 @@
+"""The jnp rungs below the ``kda_chunk`` kernel (STYLE §3.2): chunked (same tiling) and recurrent, from k3jax.ops."""
+
+from k3jax.ops.kda import kda_chunked as kda_chunk_reference  # noqa: F401
+from k3jax.ops.kda import kda_recurrent as kda_recurrent_reference  # noqa: F401
