@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from k3jax.checkpoint.safetensors_layout import order_key, shard_file_name
+from k3jax.checkpoint.safetensors_layout import nbytes, order_key, shard_file_name
 from k3jax.config import K3Config
 
 Path = tuple  # a path into the params tree, e.g. ("layers", 3, "kda", "wq")
@@ -69,8 +69,6 @@ class TensorSpec(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        from k3jax.checkpoint.safetensors_layout import nbytes
-
         return nbytes(self.dtype, self.shape)
 
     @property

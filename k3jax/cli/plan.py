@@ -94,7 +94,7 @@ def _active(cfg, comp: str, n: int) -> int:
     return n
 
 
-def _expert_specs_ok(cfg):
+def _specs_with_fallback(cfg):
     """Name-map tensors, falling back to bf16 experts when the widths do not fit MXFP4 groups (noted)."""
     from k3jax.checkpoint.name_map import hf_tensors
 
@@ -114,7 +114,7 @@ def build_plan(cfg, meshes=DEFAULT_MESHES, context: int = DEFAULT_CONTEXT, batch
         raise ValueError(f"--context must be >= 0 and --batch >= 1 (got {context}, {batch})")
     mesh_info = [(m, *parse_mesh(m)) for m in meshes]
     params = abstract_params(cfg)
-    specs, fmt, note = _expert_specs_ok(cfg)
+    specs, fmt, note = _specs_with_fallback(cfg)
 
     comp_params, comp_active = defaultdict(int), defaultdict(int)
     layer_params, layer_active = defaultdict(int), defaultdict(int)
@@ -204,7 +204,7 @@ def shard_rows(cfg) -> list[dict]:
     from k3jax.checkpoint.name_map import shard_tensors
     from k3jax.checkpoint.safetensors_layout import shard_layout
 
-    _, fmt, _ = _expert_specs_ok(cfg)
+    _, fmt, _ = _specs_with_fallback(cfg)
     rows = []
     for f, specs in shard_tensors(cfg, expert_format=fmt):
         lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
@@ -261,7 +261,7 @@ def _main(args) -> int:
     cfg = get_preset(args.preset)
     out = sys.stdout
     if args.tensors:
-        specs, _, _ = _expert_specs_ok(cfg)
+        specs, _, _ = _specs_with_fallback(cfg)
         if args.json:
             json.dump([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs], out)
             out.write("\n")
