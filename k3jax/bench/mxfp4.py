@@ -1,0 +1,70 @@
+"""`k3 bench mxfp4 --json`: MXFP4 storage cost and the XLA dequant-fused matmul vs a bf16 matmul on this host.
+
+    k3 bench mxfp4 --json            # K3 expert shape: K = 3584, N = 3072; M in {1, 16, 2048}
+    k3 bench mxfp4 --json --quick    # small shapes, seconds on a laptop CPU
+
+bits per weight is measured on real packed arrays (uint8 codes + E8M0 scales); SPEC §10.4 says 4.25 (vs 16 for bf16).
+The MXFP4 path is jit(x @ mxfp4_unpack(packed, scale, bf16)ᵀ), which XLA fuses on CPU; times are medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.quant import mxfp4_pack, mxfp4_unpack
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (smoke test)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repeats per shape (default 10, quick 2)")
+    parser.add_argument("--prefill-m", type=int, default=None, help="rows of the prefill shape (default 2048)")
+
+
+def _time(f, *args, reps: int) -> float:
+    jax.block_until_ready(f(*args))  # compile + warm up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def run(args) -> dict:
+    quick = getattr(args, "quick", False)
+    K, N = (512, 384) if quick else (3584, 3072)
+    reps = args.reps or (2 if quick else 10)
+    prefill_m = args.prefill_m or (64 if quick else 2048)
+    kw, kx = jax.random.split(jax.random.key(0))
+    w = jax.random.normal(kw, (N, K), jnp.float32) * 0.02  # torch orientation [out, in]
+    packed, scale = jax.block_until_ready(mxfp4_pack(w))
+    w_bf16 = w.astype(jnp.bfloat16)
+    bits = 8.0 * (packed.nbytes + scale.nbytes) / (N * K)
+    bits_bf16 = 8.0 * w_bf16.nbytes / (N * K)
+
+    mx_mm = jax.jit(lambda x, p, s: jnp.dot(x, mxfp4_unpack(p, s, jnp.bfloat16).T, preferred_element_type=jnp.float32))
+    bf_mm = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
+    times = {}
+    for M in (1, 16, prefill_m):
+        x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
+        t_mx = _time(mx_mm, x, packed, scale, reps=reps)
+        t_bf = _time(bf_mm, x, w_bf16, reps=reps)
+        times[f"M{M}"] = {"mxfp4_s": t_mx, "bf16_s": t_bf}
+        print(f"M={M}: mxfp4 {t_mx * 1e3:.2f} ms, bf16 {t_bf * 1e3:.2f} ms", file=sys.stderr)
+    ratios = {"bits_per_weight": bits, "bits_per_weight_bf16": bits_bf16}
+    for m, t in times.items():
+        ratios[f"time_mxfp4_over_bf16_{m}"] = t["mxfp4_s"] / t["bf16_s"]
+    return {
+        "name": "mxfp4",
+        "device": jax.devices()[0].device_kind,
+        "backend": jax.default_backend(),
+        "shape": {"K": K, "N": N, "prefill_M": prefill_m, "quick": quick, "reps": reps},
+        "bytes": {"packed": int(packed.nbytes), "scale": int(scale.nbytes), "bf16": int(w_bf16.nbytes)},
+        "times": times,
+        "ratios": ratios,
+    }
