@@ -8,7 +8,9 @@ Two layouts, picked by ``default_layout(cfg)`` (or passed explicitly):
   K3 config adds the two vision shards (96 files in all).
 - ``"kimi-linear"``: HF Kimi-Linear (``model.layers.*``, ``lm_head.weight``), ``A_log`` F32 [1, 1, H, 1], BF16
   convs and ``o_norm``, BF16 experts ``experts.{e}.w{1,2,3}.weight``. Its official shard split is not known here;
-  ``shard_of`` uses the K3 rule (one layer per shard) as the k3jax writer convention.
+  ``shard_of`` uses the K3 rule (one layer per shard) as the k3jax writer convention. Dtypes not pinned by SPEC
+  §13 are assumptions: ``dt_bias`` and ``e_score_correction_bias`` F32, ``o_norm`` BF16 (loaders should trust the
+  header's dtype and cast).
 
 The expert storage follows ``cfg.expert_format`` ("mxfp4" or "bf16") in either layout.
 
@@ -215,14 +217,15 @@ def _leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
     from k3jax.model import abstract_params
 
     flat, _ = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
-    return {_key_path(kp): tuple(x.shape) for kp, x in flat}
+    return {key_path(kp): tuple(x.shape) for kp, x in flat}
 
 
-def _key_path(kp) -> Path:
-    out = []
-    for k in kp:
-        out.append(k.idx if hasattr(k, "idx") else k.key)
-    return tuple(out)
+def key_path(kp) -> Path:
+    """A jax key path (from ``tree_flatten_with_path``) as the plain tuple used in ``TensorSpec.path``."""
+    return tuple(k.idx if hasattr(k, "idx") else k.key for k in kp)
+
+
+_key_path = key_path  # older name, used by callers
 
 
 def leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
@@ -423,5 +426,5 @@ def expert_to_hf(weight, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
 
 __all__ = ["TensorSpec", "Rule", "LAYOUTS", "default_layout", "hf_tensors", "layer_tensors", "global_tensors",
            "shard_tensors", "shard_of", "shard_file_of", "num_shards", "has_vision_shards", "hf_shape",
-           "mxfp4_shapes", "leaf_shapes", "leaf_shape", "from_hf", "to_hf", "expert_from_hf", "expert_to_hf",
-           "np_dtype"]
+           "mxfp4_shapes", "leaf_shapes", "leaf_shape", "key_path", "from_hf", "to_hf", "expert_from_hf",
+           "expert_to_hf", "np_dtype"]
