@@ -424,7 +424,7 @@ def _k3_tiny() -> K3Config:
         name="k3-tiny", vocab_size=97, hidden_size=64, num_layers=5, full_attn_layers=_k3_full_attn(5),
         kda_num_heads=2, kda_head_dim=32, mla_num_heads=2, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=24,
+        num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
         routed_expert_hidden_size=32, attn_res_block_size=2, mla_block_size=8, kda_chunk_size=16,
     )
 

@@ -1,0 +1,169 @@
+"""K3's optimizer split (SPEC §9): per-head Muon for attention Q/K/V, per-expert Muon for expert stacks,
+full-matrix Muon for other matrices, AdamW for embeddings / head / norms / gates / convs / AttnRes vectors, nothing
+for the Quantile-Balancing bias buffers.
+
+Built on ``optax.contrib.muon`` (its ``MuonDimensionNumbers`` treat every other axis as a batch axis, so one
+Newton–Schulz runs per head or per expert) — no Newton–Schulz of our own. The traps SPEC §9.5 lists are set
+explicitly: the AdamW branch gets its own learning rate, β2 = 0.95 and no Nesterov (we use ``optax.adamw`` for the
+AdamW groups, so Muon's ``nesterov`` never reaches them), and weight decay follows the group table.
+
+    tx, labels = make_optimizer(params, OptimConfig(lr=2e-3, total_steps=300))
+
+Modes: "per_head" (K3, default), "full" (full-matrix Muon for the head-split tensors; experts stay per expert —
+a flattened [E·in, out] stack is never orthogonalized), "adamw" (AdamW everywhere; ablation baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers as MDN  # noqa: N817
+
+MODES = ("per_head", "full", "adamw")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 2e-3  # peak LR, shared by both groups thanks to the 0.2·sqrt(max) Muon scaling (SPEC §9.4)
+    adam_lr: float | None = None  # None → same as lr
+    total_steps: int = 1000
+    warmup_frac: float = 0.01  # cosine schedule with 1% linear warmup
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    muon_beta: float = 0.95
+    muon_nesterov: bool = True
+    ns_steps: int = 5
+    consistent_rms: float = 0.2  # Moonlight: 0.2 · sqrt(max(fan_in, fan_out)) per block
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    mode: str = "per_head"
+    kvb_split: str = "separate"  # "separate" K and V blocks per head (default) | "joint" (torchtitan)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"optimizer mode {self.mode!r}: must be one of {MODES}")
+        if self.kvb_split not in ("separate", "joint"):
+            raise ValueError(f"kvb_split {self.kvb_split!r}: must be 'separate' or 'joint'")
+        if self.total_steps < 1 or self.lr <= 0:
+            raise ValueError(f"total_steps must be >= 1 and lr > 0 (got {self.total_steps}, {self.lr})")
+
+    def replace(self, **kw) -> OptimConfig:
+        return dataclasses.replace(self, **kw)
+
+
+def schedule(peak: float, cfg: OptimConfig):
+    warm = max(1, int(round(cfg.warmup_frac * cfg.total_steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(cfg.total_steps, warm + 1),
+                                              end_value=peak * cfg.min_lr_ratio)
+
+
+_PER_HEAD = {("kda", "wq"), ("kda", "wk"), ("kda", "wv"), ("mla", "q_b"), ("mla", "wq")}
+_ADAM_DECAY = {"embed", "lm_head", "conv_q", "conv_k", "conv_v", "query"}
+_ADAM_NODECAY = {"input_norm", "post_norm", "final_norm", "o_norm", "q_a_norm", "kv_a_norm", "latent_norm", "gain",
+                 "A_log", "dt_bias"}
+
+
+def _names(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+
+
+def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
+    """(label, MuonDimensionNumbers or None, reshape or None) for one parameter. Unknown leaves are an error."""
+    names = _names(path)
+    last = names[-1]
+    parent = names[-2] if len(names) >= 2 else None
+    if last == "bias" and parent == "moe":
+        return "frozen", None, None
+    if last in _ADAM_DECAY:
+        return "adam_decay", None, None
+    if last in _ADAM_NODECAY:
+        return "adam_nodecay", None, None
+    if mode == "adamw":
+        return "adam_decay", None, None
+    if parent == "experts" and leaf.ndim == 3:  # [E, in, out]: per expert
+        return "muon", MDN(reduction_axis=1, output_axis=2), None
+    if leaf.ndim == 2:
+        return "muon", MDN(0, 1), None
+    if leaf.ndim == 3:
+        key = (parent, last)
+        if mode == "per_head" and key in _PER_HEAD:  # [in, N, X]
+            return "muon", MDN(reduction_axis=0, output_axis=2), None
+        if mode == "per_head" and key == ("mla", "kv_b"):
+            r, n, hx = leaf.shape
+            if kvb_split == "joint":
+                return "muon", MDN(reduction_axis=0, output_axis=2), None
+            if hx % 2:
+                raise ValueError(f"{'/'.join(map(str, names))}: cannot split K and V blocks of width {hx}")
+            return "muon", MDN(reduction_axis=0, output_axis=3), (r, n, 2, hx // 2)
+        if last == "wo":  # [N, V, D]: the head axis is on the input side, not split
+            return "muon", MDN(reduction_axis=(0, 1), output_axis=2), None
+        return "muon", MDN(reduction_axis=0, output_axis=(1, 2)), None
+    raise ValueError(f"no optimizer rule for parameter {'/'.join(map(str, names))} with shape {leaf.shape}")
+
+
+def _rules(params, cfg: OptimConfig):
+    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_rule(p, x, cfg.mode, cfg.kvb_split), params)
+
+
+def _is_rule(x):
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], str)
+
+
+def _reshaping(inner: optax.GradientTransformation, shapes) -> optax.GradientTransformation:
+    """Run ``inner`` on views of some leaves (e.g. kv_b [R, N, 2·X] → [R, N, 2, X]) and reshape updates back."""
+
+    def view(tree):
+        return jax.tree.map(lambda x, s: x if s is None or isinstance(x, optax.MaskedNode) else x.reshape(s),
+                            tree, shapes, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+
+    def init(params):
+        return inner.init(view(params))
+
+    def update(updates, state, params=None):
+        orig = jax.tree.map(lambda u: u.shape, updates)
+        new, state = inner.update(view(updates), state, None if params is None else view(params))
+        new = jax.tree.map(lambda u, s: u.reshape(s), new, orig, is_leaf=lambda x: isinstance(x, jax.Array))
+        return new, state
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
+    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree)."""
+    rules = _rules(params, cfg)
+    labels = jax.tree.map(lambda r: r[0], rules, is_leaf=_is_rule)
+    shapes = jax.tree.map(lambda r: r[2], rules, is_leaf=_is_rule)
+    lr = schedule(cfg.lr, cfg)
+    adam_lr = schedule(cfg.adam_lr or cfg.lr, cfg)
+
+    def dim_nums(masked_params):
+        # muon's partition hands us the params with non-Muon leaves masked out; mirror that mask.
+        return jax.tree.map(lambda r, p: optax.MaskedNode() if isinstance(p, optax.MaskedNode) else r[1],
+                            rules, masked_params, is_leaf=lambda x: _is_rule(x) or isinstance(x, optax.MaskedNode))
+
+    muon = optax.contrib.muon(
+        lr, ns_steps=cfg.ns_steps, beta=cfg.muon_beta, nesterov=cfg.muon_nesterov, weight_decay=cfg.weight_decay,
+        consistent_rms=cfg.consistent_rms, muon_weight_dimension_numbers=dim_nums,
+        adam_learning_rate=adam_lr, adam_b2=cfg.adam_b2)  # no leaf reaches muon's internal AdamW branch
+    adamw = lambda wd: optax.adamw(adam_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,  # noqa: E731
+                                   weight_decay=wd, nesterov=False)
+    tx = optax.partition(
+        {"muon": _reshaping(muon, shapes), "adam_decay": adamw(cfg.weight_decay), "adam_nodecay": adamw(0.0),
+         "frozen": optax.set_to_zero()},
+        labels)
+    return tx, labels
+
+
+def group_sizes(labels, params) -> dict:
+    out: dict[str, int] = {}
+    for lab, p in zip(jax.tree.leaves(labels), jax.tree.leaves(params)):
+        out[lab] = out.get(lab, 0) + int(p.size)
+    return out
+
+
+__all__ = ["OptimConfig", "make_optimizer", "leaf_rule", "schedule", "group_sizes", "jnp"]
