@@ -19,6 +19,9 @@ SUBCOMMANDS = {
     "run": "k3jax.cli.run",
     "plan": "k3jax.cli.plan",
     "bench": "k3jax.cli.bench",
+    "inspect": "k3jax.cli.inspect",
+    "logits": "k3jax.cli.logits",
+    "export": "k3jax.cli.export",
 }
 
 
