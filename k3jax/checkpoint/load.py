@@ -127,7 +127,7 @@ def output_leaves(plan: Plan, abstract, keep_experts_packed: bool) -> list[tuple
     flat, _ = jax.tree_util.tree_flatten_with_path(abstract)
     out = []
     for kp, sds in flat:
-        path = nm._key_path(kp)
+        path = nm.key_path(kp)
         if path not in plan.leaves:
             raise CheckpointError(f"params leaf {'/'.join(map(str, path))} has no tensor in the checkpoint")
         if path in plan.packed:

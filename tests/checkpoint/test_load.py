@@ -28,7 +28,7 @@ def random_params(cfg, seed):
 
 def _flat(tree):
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {nm._key_path(kp): np.asarray(v) for kp, v in flat}
+    return {nm.key_path(kp): np.asarray(v) for kp, v in flat}
 
 
 def _bits(a):
