@@ -24,9 +24,10 @@ Bucket size C (rows one source shard may send one destination shard):
                                            expert output is 0) and counted.
     capacity_factor = -1 (default): C = C_max, dropless.
 ``dispatch`` returns the dropped-assignment count (summed over all devices); ``__call__`` (the experts_fn the MoE
-layer calls) records it host-side in ``self.dropped`` through ``jax.debug.callback`` whenever drops are possible,
-and with ``on_drop="raise"`` raises on the host when a step dropped anything. The ragged path is always dropless
-(its receive buffer is sized for the worst case).
+layer calls) records it host-side in ``self.dropped`` (one int per executed call) through ``jax.debug.callback``
+whenever drops are possible; ``check()`` raises if anything was dropped. (The callback itself never raises: an
+exception inside a host callback aborts the XLA:CPU process.) The ragged path is always dropless (its receive
+buffer is sized for the worst case).
 """
 
 from __future__ import annotations
@@ -134,13 +135,10 @@ class ExpertParallel:
     the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp".
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
-                 on_drop: str = "record"):
+    def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto"):
         if impl not in ("auto", "bucketed", "ragged"):
             raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
-        if on_drop not in ("record", "raise"):
-            raise ValueError(f"on_drop must be 'record' or 'raise', got {on_drop!r}")
-        self.mesh, self.impl, self.on_drop = mesh, impl, on_drop
+        self.mesh, self.impl = mesh, impl
         self.capacity_factor = capacity_factor
         ex = mesh_axes_of("experts", rules, mesh)
         if len(ex) > 1:
@@ -157,11 +155,14 @@ class ExpertParallel:
         self.dropped: list[int] = []
 
     def _record(self, n):
-        n = int(n)
-        self.dropped.append(n)
-        if n and self.on_drop == "raise":
-            raise RuntimeError(f"expert-parallel dispatch dropped {n} assignments (capacity_factor="
-                               f"{self.capacity_factor}); raise it or use -1 (worst case, dropless)")
+        self.dropped.append(int(n))
+
+    def check(self) -> None:
+        """Raise if any recorded call dropped assignments (call after the step has run)."""
+        bad = sum(self.dropped)
+        if bad:
+            raise RuntimeError(f"expert-parallel dispatch dropped {bad} assignments over {len(self.dropped)} calls "
+                               f"(capacity_factor={self.capacity_factor}); raise it or use -1 (worst case, dropless)")
 
     def dispatch(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
         """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] → (y [M, P] acc dtype, dropped int32)."""
