@@ -342,7 +342,7 @@ def _pad_time(x, T_pad, value=0.0):
 
 
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-                gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK):
+                gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK, chunks_per_group: int = 16):
     """Chunked (UT/WY) KDA, SPEC §4.4 with the 16-token sub-chunk factorisation of §4.5.
 
     Args:
@@ -355,9 +355,12 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
         pairwise decays on the diagonal sub-blocks.
     Returns: o [B, T, H, V] in q.dtype; final state [B, H, K, V] in the compute dtype.
 
-    Structure: all state-independent work (A_kk, A_qk, the triangular solve for W and U) runs batched over every
-    chunk as matmuls; a ``lax.scan`` over chunks then carries the state (its body is ``jax.checkpoint``-ed, so
-    autodiff stores one state per chunk, not per token); outputs O = s (Q ⊙ Γ) S_start + A_qk Ṽ are again batched.
+      chunks_per_group: chunks processed together (see Structure); changes speed and memory, not results.
+    Structure: chunks are taken in groups of up to ``chunks_per_group``. Inside a group, all state-independent
+    work (A_kk, A_qk, the blocked inverse for W and U) runs batched over its chunks as matmuls; a ``lax.scan``
+    over the chunks carries the state; outputs O = s (Q ⊙ Γ) S_start + A_qk Ṽ are again batched. Groups are
+    visited by a ``lax.scan`` whose body is ``jax.checkpoint``-ed, so autodiff stores one state per group (per
+    chunk inside the group being recomputed), never one per token.
     """
     validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
     if chunk_size % sub_chunk:
@@ -381,14 +384,34 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
 
     qc, kc, vc, gc = map(to_chunks, (q, k, v, g))
     bc = to_chunks(beta[..., None])[..., 0]
-    intra = chunk_intra(qc, kc, vc, gc, bc, scale=scale, gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
+    intra_fn = functools.partial(chunk_intra, scale=scale, gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
 
-    xs = tuple(jnp.moveaxis(intra[name], 2, 0) for name in ("W", "U", "kd", "G_last"))
-    S_final, (S_start, v_new) = jax.lax.scan(jax.checkpoint(_chunk_state_step), S0, xs)
-    S_start = jnp.moveaxis(S_start, 0, 2)                                   # [B, H, NC, K, V]
-    v_new = jnp.moveaxis(v_new, 0, 2)                                       # [B, H, NC, C, V]
-    o = (jnp.einsum("bhnck,bhnkv->bhncv", intra["qg"], S_start, preferred_element_type=ct)
-         + jnp.einsum("bhncj,bhnjv->bhncv", intra["A_qk"], v_new, preferred_element_type=ct))
+    def group(S, xs):
+        """Chunks [B, H, G, C, *] of one group: batched intra-chunk matmuls, a scan for the states, outputs."""
+        intra = intra_fn(*xs)
+        steps = tuple(jnp.moveaxis(intra[name], 2, 0) for name in ("W", "U", "kd", "G_last"))
+        S_next, (S_start, v_new) = jax.lax.scan(_chunk_state_step, S, steps)
+        S_start = jnp.moveaxis(S_start, 0, 2)                               # [B, H, G, K, V]
+        v_new = jnp.moveaxis(v_new, 0, 2)                                   # [B, H, G, C, V]
+        o = (jnp.einsum("bhnck,bhnkv->bhncv", intra["qg"], S_start, preferred_element_type=ct)
+             + jnp.einsum("bhncj,bhnjv->bhncv", intra["A_qk"], v_new, preferred_element_type=ct))
+        return S_next, o
+
+    # Groups of chunks: one group when T <= chunks_per_group * C (fastest), otherwise a scan over groups whose
+    # body is rematerialised, so autodiff keeps one state per group plus the inputs (memory O(T (K + V))).
+    NG = -(-NC // chunks_per_group)
+    G_ = -(-NC // NG)
+    xs = (qc, kc, vc, gc, bc)
+    if NG * G_ != NC:
+        pad = [(0, 0), (0, 0), (0, NG * G_ - NC)]
+        xs = tuple(jnp.pad(x, pad + [(0, 0)] * (x.ndim - 3)) for x in xs)
+    if NG == 1:
+        S_final, o = group(S0, xs)
+    else:
+        xs = tuple(jnp.moveaxis(x.reshape(B, H, NG, G_, *x.shape[3:]), 2, 0) for x in xs)
+        S_final, o = jax.lax.scan(jax.checkpoint(group), S0, xs)
+        o = jnp.moveaxis(o, 0, 2).reshape(B, H, NG * G_, C, V)
+    o = o[:, :, :NC]
     o = jnp.moveaxis(o, 1, 3).reshape(B, Tp, H, V)[:, :T]
     return o.astype(q.dtype), S_final
 

@@ -150,3 +150,50 @@ def kda_layer(p, x, *, gate_lower_bound, eps, cache=None):
 
 def default_scale(K: int) -> float:
     return 1.0 / math.sqrt(K)
+
+
+GATE_KINDS = ("safe", "bound", "zero", "softplus", "extreme")
+
+
+def random_inputs(seed: int, *, B: int, T: int, H: int, K: int, V: int, gate: str = "safe",
+                  lower_bound: float = -5.0):
+    """Float64 test inputs following SPEC §15.3: l2-normalised q, k; v ~ N(0, 1); beta = sigmoid(N(0, 1));
+    a random K-first h0; and a gate family:
+
+      safe      lb * sigmoid(8 N(0,1))                   (saturating safe gate, in (lb, 0))
+      bound     exactly lb everywhere                    (the bound itself)
+      zero      g = 0                                    (no decay)
+      softplus  -exp(A_log) softplus(raw), A_log = log U(1, 16), raw ~ N(0, 1) * {1, 4, 8} per head
+      extreme   softplus, plus hard resets g = -1000 on ~10% of (token, channel) entries
+
+    ``gate`` is one kind for every head, or a tuple with one kind per head.
+    Returns a dict q, k, v, g, beta, h0 of float64 arrays.
+    """
+    rng = np.random.default_rng(seed)
+    q = l2norm(rng.standard_normal((B, T, H, K)), eps=0.0)
+    k = l2norm(rng.standard_normal((B, T, H, K)), eps=0.0)
+    v = rng.standard_normal((B, T, H, V))
+    beta = sigmoid(rng.standard_normal((B, T, H)))
+    h0 = rng.standard_normal((B, H, K, V))
+    kinds = (gate,) * H if isinstance(gate, str) else tuple(gate)
+    if len(kinds) != H:
+        raise ValueError(f"gate needs one kind per head ({H}), got {kinds}")
+    g = np.stack([_gate_family(rng, kind, h, (B, T, K), lower_bound) for h, kind in enumerate(kinds)], axis=2)
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": h0}
+
+
+def _gate_family(rng, kind, head, shape, lower_bound):
+    if kind == "safe":
+        return lower_bound * sigmoid(8.0 * rng.standard_normal(shape))
+    if kind == "bound":
+        return np.full(shape, float(lower_bound))
+    if kind == "zero":
+        return np.zeros(shape)
+    if kind in ("softplus", "extreme"):
+        A = rng.uniform(1.0, 16.0)                       # exp(A_log), A_log = log U(1, 16)
+        mult = (1.0, 4.0, 8.0)[head % 3]
+        g = -A * softplus(rng.standard_normal(shape) * mult)
+        if kind == "extreme":
+            g = np.where(rng.uniform(size=shape) < 0.1, -1000.0, g)
+        return g
+    raise ValueError(f"gate must be one of {GATE_KINDS}, got {kind!r}")
