@@ -374,7 +374,7 @@ def from_hf(path_or_dict, **overrides) -> K3Config:
         moe_renormalize=bool(get("moe_renormalize", True)),
         attn_res_block_size=get("attn_res_block_size", None),
         expert_format=expert_format,
-        name=overrides.pop("name", "kimi-k3" if top_type == "kimi_k3" else "kimi-linear"),
+        name=overrides.pop("name", f"hf-{top_type}"),
     )
     if act == "situ" and ("activation_situ_beta" not in tc or "activation_situ_linear_beta" not in tc):
         raise err("activation_situ_beta",

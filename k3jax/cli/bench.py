@@ -47,6 +47,14 @@ def add_parser(sub) -> None:
 
 
 def _main(args) -> int:
+    # Options of `k3 bench` itself may also come after NAME (`k3 bench kda --json`); REMAINDER would hand them to
+    # the benchmark, so take them out here.
+    rest = list(args.rest)
+    for flag in ("--json", "--list"):
+        while flag in rest:
+            rest.remove(flag)
+            setattr(args, flag[2:], True)
+    args.rest = rest
     avail = _available()
     if args.list or not args.name:
         print("\n".join(avail))

@@ -134,7 +134,8 @@ def ref_forward(params, tokens, cfg: K3Config):
         def mixer(lp, h):
             if "mla" in lp:
                 return mla(lp["mla"], h, cfg.mla_norm_eps)
-            return kda_ref(lp["kda"], h[None], gate_lower_bound=cfg.kda_gate_lower_bound, eps=eps)[0]
+            y, _ = kda_ref(lp["kda"], h[None], gate_lower_bound=cfg.kda_gate_lower_bound, eps=eps)
+            return y[0]
 
         def ffn(lp, h):
             if "moe" in lp:
