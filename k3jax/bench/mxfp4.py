@@ -9,13 +9,12 @@ The MXFP4 path is jit(x @ mxfp4_unpack(packed, scale, bf16)ᵀ), which XLA fuses
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
+from k3jax.bench.common import time_median
 from k3jax.quant import mxfp4_pack, mxfp4_unpack
 
 
@@ -25,14 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prefill-m", type=int, default=None, help="rows of the prefill shape (default 2048)")
 
 
-def _time(f, *args, reps: int) -> float:
-    jax.block_until_ready(f(*args))  # compile + warm up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+
 
 
 def run(args) -> dict:
@@ -52,8 +44,8 @@ def run(args) -> dict:
     times = {}
     for M in (1, 16, prefill_m):
         x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
-        t_mx = _time(mx_mm, x, packed, scale, reps=reps)
-        t_bf = _time(bf_mm, x, w_bf16, reps=reps)
+        t_mx = time_median(mx_mm, x, packed, scale, reps=reps)
+        t_bf = time_median(bf_mm, x, w_bf16, reps=reps)
         times[f"M{M}"] = {"mxfp4_s": t_mx, "bf16_s": t_bf}
         print(f"M={M}: mxfp4 {t_mx * 1e3:.2f} ms, bf16 {t_bf * 1e3:.2f} ms", file=sys.stderr)
     ratios = {"bits_per_weight": bits, "bits_per_weight_bf16": bits_bf16}
