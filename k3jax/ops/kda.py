@@ -277,33 +277,37 @@ def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUN
     kf = ks * f
     ii = np.arange(c)
 
-    def products(x_s, strict):
-        """Rows of sub-chunk I against every column, as [..., n, c, C]; x_s [..., n, c, K]."""
-        keep = (ii[:, None] > ii[None, :]) if strict else (ii[:, None] >= ii[None, :])
-        if gate_lower_bound is not None:                            # 3. bounded diagonal
-            delta = gate_lower_bound * (c - 1) / 2.0
-            diag = mm("...nik,...njk->...nij", x_s * jnp.exp(L_r0 - delta), ks * jnp.exp(delta - L_r0))
-        else:                                                       # 3. unbounded diagonal, exact pairs
-            P = mm("ijt,...ntk->...nijk", msk["pairs"], gs)         # sum_{j < t <= i}
-            decay = _exp_flushed(jnp.where(keep[:, :, None], P, -jnp.inf))
-            diag = jnp.einsum("...nik,...njk,...nijk->...nij", x_s, ks, decay)
-        diag = jnp.where(keep, diag, 0.0)
-        xa = x_s * a
-        rows = []
-        for I in range(n):                                          # only the J < I blocks are computed
-            parts = []
-            if I:
-                yfe = (kf[..., :I, :, :] * e_IJ[..., I, :I, None, :]).reshape(*lead, I * c, K)
-                parts.append(mm("...ik,...jk->...ij", xa[..., I, :, :], yfe))
-            parts.append(diag[..., I, :, :])
-            if I < n - 1:
-                parts.append(jnp.zeros((*lead, c, (n - 1 - I) * c), ct))
-            rows.append(jnp.concatenate(parts, axis=-1))
-        return jnp.stack(rows, axis=-3)                             # [..., n, c, C]
-
+    strict_m = ii[:, None] > ii[None, :]
+    incl_m = ii[:, None] >= ii[None, :]
+    # k rows (for A_kk) and q rows (for A_qk) share every right-hand factor: stack them, one matmul each.
+    kq = jnp.concatenate([ks, qs], axis=-2)                         # [..., n, 2c, K]
+    if gate_lower_bound is not None:                                # 3. bounded diagonal
+        delta = gate_lower_bound * (c - 1) / 2.0
+        left = jnp.exp(L_r0 - delta)
+        diag = mm("...nik,...njk->...nij", kq * jnp.concatenate([left, left], axis=-2),
+                  ks * jnp.exp(delta - L_r0))                       # [..., n, 2c, c]
+    else:                                                           # 3. unbounded diagonal, exact pairs
+        P = mm("ijt,...ntk->...nijk", msk["pairs"], gs)             # sum_{j < t <= i}
+        decay = _exp_flushed(jnp.where(incl_m[:, :, None], P, -jnp.inf))
+        kdec = ks[..., None, :, :] * decay                          # [..., n, i, j, K]
+        diag = jnp.concatenate([jnp.einsum("...nik,...nijk->...nij", ks, kdec),
+                                jnp.einsum("...nik,...nijk->...nij", qs, kdec)], axis=-2)
+    diag = jnp.where(jnp.concatenate([strict_m, incl_m], axis=0), diag, 0.0)
+    xa = kq * jnp.concatenate([a, a], axis=-2)
+    rows = []
+    for I in range(n):                                              # only the J < I blocks are computed
+        parts = []
+        if I:
+            yfe = (kf[..., :I, :, :] * e_IJ[..., I, :I, None, :]).reshape(*lead, I * c, K)
+            parts.append(mm("...ik,...jk->...ij", xa[..., I, :, :], yfe))
+        parts.append(diag[..., I, :, :])
+        if I < n - 1:
+            parts.append(jnp.zeros((*lead, 2 * c, (n - 1 - I) * c), ct))
+        rows.append(jnp.concatenate(parts, axis=-1))
+    both = jnp.stack(rows, axis=-3)                                 # [..., n, 2c, C]
     # 4.
-    A_kk = bs[..., None] * products(ks, strict=True)
-    A_qk = scale * products(qs, strict=False)
+    A_kk = bs[..., None] * both[..., :c, :]
+    A_qk = scale * both[..., c:, :]
     # 5. W, U by blocked forward substitution.
     gam = _exp_flushed(pre[..., None, :] + L_incl)                  # exp(G_i), G the chunk-inclusive cumsum
     R = jnp.concatenate([bs[..., None] * ks * gam, bs[..., None] * vs], axis=-1)   # [..., n, c, K + V]

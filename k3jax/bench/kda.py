@@ -1,0 +1,104 @@
+"""`k3 bench kda` — KDA forward: recurrent scan vs chunked (XLA) vs Pallas-interpret, against an XLA matmul peak.
+
+    k3 bench kda --json            # T in {1024, 4096, 16384}, H = 4, K = V = 128, B = 1 (a few minutes on CPU)
+    k3 bench kda --json --quick    # smoke run: T = 256, H = 2, K = V = 64 (seconds)
+
+Every time is jit-compiled, warmed once, then the median of ``--repeats`` runs. Inputs follow the K3 safe gate
+(g = -5 sigmoid(N(0, 1)), chunked path with gate_lower_bound = -5). FLOPs of the chunked algorithm, per head and
+chunk of C tokens: 4 C^2 K (A_kk, A_qk) + C^2 (K + V) (unit-lower solve for W, U) + 6 C K V (W S, Q S, K^T Ṽ)
++ 2 C^2 V (A_qk Ṽ); i.e. per token and head 4 C K + C (K + V) + 6 K V + 2 C V.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+FLOP_FORMULA = ("per token per head: 4*C*K + C*(K+V) + 6*K*V + 2*C*V "
+                "(A_kk + A_qk, unit-lower solve, W S + Q S + K^T V~, A_qk V~); C = chunk size")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--seq", type=int, nargs="*", default=None, help="sequence lengths T")
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--head-dim", type=int, default=None, help="K = V")
+    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--pallas-max-seq", type=int, default=1024, help="Pallas interpret only up to this T")
+
+
+def _time(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def chunked_flops(T: int, H: int, K: int, V: int, C: int) -> float:
+    return float(T * H * (4 * C * K + C * (K + V) + 6 * K * V + 2 * C * V))
+
+
+def _inputs(key, B, T, H, K, V):
+    ks = jax.random.split(key, 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(ks[0], (B, T, H, K)))
+    k = unit(jax.random.normal(ks[1], (B, T, H, K)))
+    v = jax.random.normal(ks[2], (B, T, H, V))
+    g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
+    return q, k, v, g, beta
+
+
+def run(args) -> dict:
+    from k3jax.ops import kda
+    from pallas_kernels.kda import kda_chunk
+
+    quick = args.quick
+    seqs = args.seq or ([256] if quick else [1024, 4096, 16384])
+    H = args.heads or (2 if quick else 4)
+    K = V = args.head_dim or (64 if quick else 128)
+    C = args.chunk
+    repeats = args.repeats or (2 if quick else 5)
+    B = 1
+
+    n = 512 if quick else 2048
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    t_mm = _time(jax.jit(lambda x, y: x @ y), a, a, repeats=repeats)
+    peak = 2.0 * n ** 3 / t_mm
+    print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({n}^3 f32)", file=sys.stderr)
+
+    rec = jax.jit(lambda *x: kda.kda_recurrent(*x))
+    chk = jax.jit(lambda *x: kda.kda_chunked(*x, chunk_size=C, gate_lower_bound=-5.0))
+    pal = jax.jit(lambda *x: kda_chunk(*x, chunk_size=C, gate_lower_bound=-5.0, interpret=True))
+    results, ratios = {}, {}
+    for T in seqs:
+        x = _inputs(jax.random.PRNGKey(T), B, T, H, K, V)
+        r = {"recurrent_s": _time(rec, *x, repeats=repeats), "chunked_s": _time(chk, *x, repeats=repeats)}
+        if T <= args.pallas_max_seq:
+            r["pallas_interpret_s"] = _time(pal, *x, repeats=max(1, repeats // 2))
+        fl = chunked_flops(T, H, K, V, C)
+        r["chunked_flops"] = fl
+        r["chunked_gflops_per_s"] = fl / r["chunked_s"] / 1e9
+        results[f"T{T}"] = r
+        ratios[f"chunked_speedup_vs_recurrent_T{T}"] = r["recurrent_s"] / r["chunked_s"]
+        ratios[f"chunked_fraction_of_matmul_peak_T{T}"] = fl / r["chunked_s"] / peak
+        print(f"T={T}: {r}", file=sys.stderr)
+    return {
+        "name": "kda",
+        "config": {"B": B, "H": H, "K": K, "V": V, "chunk": C, "seqs": seqs, "repeats": repeats,
+                   "gate": "safe, lb = -5", "dtype": "float32", "backend": jax.default_backend(),
+                   "devices": jax.device_count(), "jax": jax.__version__, "quick": quick},
+        "matmul_peak_gflops_per_s": peak / 1e9,
+        "matmul_peak_shape": [n, n, n],
+        "flop_formula": FLOP_FORMULA,
+        "results": results,
+        "ratios": ratios,
+    }
