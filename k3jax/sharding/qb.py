@@ -2,11 +2,12 @@
 integer all-reduce per MoE layer, and the exact sort-based reference.
 
     r_ij = α_i − s_ij                       bias expert j needs to enter token i's top-k (α = the (k+1)-th s + b)
-    lo = min b − 1, hi = max b + 1, w = (hi − lo)/B,  B = 1000
-    hist_j[u] = #{i : clip(floor((r_ij − lo)/w), 0, B−1) = u}          int32 [E, B], psum over all token shards
+    w = (max b − min b + 2)/B,  B = 1000    (SPEC: lo = min b − 1, hi = max b + 1)
+    lo_j = b_j + ε − w·ceil((b_j + ε − (min b − 1))/w),  ε = 1e-3·w      per-expert grid, see "Bin alignment"
+    hist_j[u] = #{i : clip(floor((r_ij − lo_j)/w), 0, B−1) = u}        int32 [E, B], psum over all token shards
     m = Σ_u hist_j[u] (the same for every j: every token contributes to every expert), q = m·k/n
     ℓ_j = first bin with cum_j ≥ ceil(q);  c_j = cum_j[ℓ_j] − hist_j[ℓ_j];  h_j = hist_j[ℓ_j]
-    b̂_j = lo + (ℓ_j + clip((q − c_j)/max(h_j, 1), 0, 1)) · w
+    b̂_j = lo_j + (ℓ_j + clip((q − c_j)/max(h_j, 1), 0, 1)) · w
     b_new = b̂ − mean(b̂)
 
 Quantile convention (exact reference, ``qb_bias_exact``): b̂_j = the (⌈q⌉+1)-th smallest r_{:,j}, i.e.
@@ -16,6 +17,16 @@ exactly ⌈q⌉ tokens when r_{:,j} has no ties at b̂_j. Ties: every token with
 (strict test), so the load is ⌈q⌉ − (ties at the threshold that rank below ⌈q⌉), within q ± ties. Ties at r = 0
 are structural (a token's own (k+1)-th expert has r = 0). The histogram estimate lies within one bin width of the
 exact value whenever the ⌈q⌉-th and (⌈q⌉+1)-th order statistics are closer than the bin width (dense m).
+
+Bin alignment (a measured deviation from §8.2's common ``lo``): every token whose (k+1)-th expert is j has
+r_ij = b_j exactly (up to rounding) — a point mass of ~m/n tokens AT the current bias. With the common grid it sits
+mid-bin and in-bin interpolation admits all of it or none, so iterating on fixed scores plateaued at cv ≈ 0.02–0.03
+for any m (measured 0.023 at m = 2048, 0.032 at m = 8192, n = 32, k = 4). Shifting expert j's grid so b_j + ε is a
+bin edge puts the point mass at the top of a bin (ε ≫ float rounding, ≪ w): the estimate then keeps the tie out
+unless the target needs the whole bin, like the exact order statistic does. Measured cv after 30 updates:
+0.0101 (m = 2048) and 0.0058 (m = 8192), vs 0.0079 / 0.0034 for the exact estimator. The grid still starts at or
+below min b − 1; at the top at most the last bin is clipped (r < max b + 1 always), which only matters for
+quantiles near 1, never for k/n. The error bound (≤ w from the exact quantile) is unchanged.
 
 Micro-batches: sum their ``qb_histogram`` outputs (integers, exact), then ``qb_bias_from_hist`` once per step.
 """
@@ -37,11 +48,13 @@ QB_BINS = 1000
 
 
 def qb_range(bias, bins: int = QB_BINS):
-    """(lo, w) of the histogram for the current bias (SPEC §8.2): s ∈ (0, 1) ⇒ r ∈ (min b − 1, max b + 1)."""
+    """(lo [E], w) of the histogram for the current bias: bin width from SPEC §8.2's range (s ∈ (0, 1) ⇒
+    r ∈ (min b − 1, max b + 1)), per-expert grid start lo_j aligned so that b_j + ε is a bin edge (see module)."""
     b = bias.astype(jnp.float32)
     lo = jnp.min(b) - 1.0
-    hi = jnp.max(b) + 1.0
-    return lo, (hi - lo) / bins
+    w = (jnp.max(b) + 1.0 - lo) / bins
+    eps = 1e-3 * w
+    return b + eps - jnp.ceil((b + eps - lo) / w) * w, w
 
 
 def qb_histogram(scores, cutoff, bias, *, bins: int = QB_BINS, mask=None):
@@ -53,7 +66,7 @@ def qb_histogram(scores, cutoff, bias, *, bins: int = QB_BINS, mask=None):
     a = cutoff.reshape(-1).astype(jnp.float32)
     lo, w = qb_range(bias, bins)
     r = a[:, None] - s
-    u = jnp.clip(jnp.floor((r - lo) / w), 0, bins - 1).astype(jnp.int32)
+    u = jnp.clip(jnp.floor((r - lo[None, :]) / w), 0, bins - 1).astype(jnp.int32)
     flat = (u + jnp.arange(E, dtype=jnp.int32)[None, :] * bins).reshape(-1)
     if mask is None:
         return jnp.bincount(flat, length=E * bins).astype(jnp.int32).reshape(E, bins)
