@@ -20,11 +20,14 @@ result. ``verify=True`` checks every shard's sha256 against ``SHA256SUMS`` when 
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import sys
 import time
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -34,6 +37,16 @@ from k3jax.checkpoint.reader import Checkpoint, Plan, open_checkpoint, validate
 from k3jax.checkpoint.save import MANIFEST_NAME, architecture, sha256_file
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# byte → value of its low nibble (even column) / high nibble (odd column): one gather per output value, no shifts
+_E2M1_LO = E2M1_VALUES[np.arange(256) & 0xF]
+_E2M1_HI = E2M1_VALUES[np.arange(256) >> 4]
+_E2M1_PAIR = np.stack([_E2M1_LO, _E2M1_HI], axis=-1)  # [256, 2]
+with np.errstate(over="ignore"):  # E8M0 byte b → 2^(b-127), exact in float32 (2^-127 is a subnormal)
+    _E8M0 = np.ldexp(np.float64(1), np.arange(256) - 127).astype(np.float32)
+_E8M0[255] = np.nan  # rejected by the reader's scale check before any decode
+ALIGN = 64  # XLA:CPU aliases (zero-copy) host buffers aligned to this; anything else is copied by device_put
+_TILE = 128  # transpose tile: keeps both the strided reads and the writes in cache
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def mxfp4_dequantize_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -42,11 +55,58 @@ def mxfp4_dequantize_np(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     Low nibble = even column (compressed-tensors). Scale byte b means 2^(b-127); numpy keeps float32 subnormals, so
     this is exact for every byte but 0xFF (NaN, rejected by the reader before we get here).
     """
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    vals = E2M1_VALUES[codes]
-    s = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
+    packed, scale = np.asarray(packed), np.asarray(scale)
     G = scale.shape[-1]
-    return (vals.reshape(*vals.shape[:-1], G, -1) * s[..., None]).reshape(vals.shape)
+    vals = _E2M1_PAIR[packed].reshape(*packed.shape[:-1], G, -1)
+    vals *= _E8M0[scale][..., None]
+    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def mxfp4_dequantize_T_into(dst: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> None:
+    """``dst[...] = mxfp4_dequantize_np(packed, scale).T`` without the intermediate: dst [in, out] C-contiguous,
+    packed [out, in/2], scale [out, in/32] (views of the mapped file are fine). Bit-identical to the reference."""
+    n_in, n_out = dst.shape
+    G = scale.shape[-1]
+    k = n_in // G
+    f32 = dst if dst.dtype == np.float32 else np.empty(dst.shape, np.float32)
+    d4 = f32.reshape(G, k // 2, 2, n_out)
+    pT = packed.T.reshape(G, k // 2, n_out)
+    np.take(_E2M1_LO, pT, out=d4[:, :, 0, :], mode="clip")  # mode="clip": unbuffered; uint8 is always in range
+    np.take(_E2M1_HI, pT, out=d4[:, :, 1, :], mode="clip")
+    f32.reshape(G, k, n_out)[...] *= _E8M0[scale.T][:, None, :]
+    if f32 is not dst:
+        np.copyto(dst, f32, casting="unsafe")
+
+
+def aligned_empty(shape, dtype, align: int = ALIGN) -> np.ndarray:
+    """``np.empty`` whose data pointer is ``align``-byte aligned, so jax on CPU adopts it without a copy."""
+    dtype = np.dtype(dtype)
+    n = math.prod(shape) * dtype.itemsize
+    raw = np.empty(n + align, np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + n].view(dtype).reshape(shape)
+
+
+def copy_T(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src.T`` (2-D, dtype cast as ``astype``), in cache-sized tiles.
+
+    BF16 → float32 is exact as a 16-bit shift, so that case runs as integer ops on the raw bits (bit-identical to
+    the ml_dtypes cast, NaN payloads included) — several times faster than the strided ml_dtypes cast loop.
+    """
+    R, C = src.shape
+    if src.dtype == _BF16 and dst.dtype == np.float32:
+        s16, d32 = src.view(np.uint16), dst.view(np.uint32)
+        for i in range(0, R, _TILE):
+            for j in range(0, C, _TILE):
+                np.left_shift(s16[i:i + _TILE, j:j + _TILE].T, 16, out=d32[j:j + _TILE, i:i + _TILE],
+                              dtype=np.uint32)
+        return
+    if R <= _TILE or C <= _TILE:
+        np.copyto(dst, src.T, casting="unsafe")
+        return
+    for i in range(0, R, _TILE):
+        for j in range(0, C, _TILE):
+            np.copyto(dst[j:j + _TILE, i:i + _TILE], src[i:i + _TILE, j:j + _TILE].T, casting="unsafe")
 
 
 def peak_rss_bytes() -> int:
@@ -64,6 +124,28 @@ def current_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def reset_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux ``/proc/self/clear_refs`` 5); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def hwm_rss_bytes() -> int:
+    """RSS high-water mark since the last ``reset_peak_rss`` (``VmHWM``), or the process peak where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
+
+
 # --------------------------------------------------------------------------------------------- leaf readers
 
 def _norm_index(index, shape) -> tuple:
@@ -72,17 +154,26 @@ def _norm_index(index, shape) -> tuple:
 
 
 class LeafSource:
-    """Reads the host values of one output leaf, for any device index; memoized per index."""
+    """Reads the host values of one output leaf, for any device index; memoized per index.
+
+    Every result is a fresh ``ALIGN``-aligned C-contiguous array (for a full index), so on the CPU backend
+    ``make_array_from_callback`` adopts it without copying, and replicas of one index share one host buffer.
+    Bytes are decoded straight out of the mapped file into that buffer (no intermediate copy); ``seconds`` sums the
+    time spent here (read + decode).
+    """
 
     def __init__(self, ck: Checkpoint, plan: Plan, path: tuple, shape: tuple, dtype, kind: str):
         self.ck, self.path, self.shape, self.dtype, self.kind = ck, path, tuple(shape), np.dtype(dtype), kind
         self.pairs = plan.leaves[path]  # [(spec, entry)]
         self.cache: dict[tuple, np.ndarray] = {}
+        self.seconds = 0.0
 
     def __call__(self, index) -> np.ndarray:
         key = _norm_index(index, self.shape)
         if key not in self.cache:
+            t = time.perf_counter()
             self.cache[key] = self._read(index)
+            self.seconds += time.perf_counter() - t
         return self.cache[key]
 
     def _read(self, index) -> np.ndarray:
@@ -93,33 +184,40 @@ class LeafSource:
         E = self.shape[0]
         ids = range(E)[index[0]] if isinstance(index[0], slice) else [index[0]]
         rest = tuple(index[1:])
+        out = aligned_empty((len(ids), *self.shape[1:]), self.dtype)
+        ck = self.ck
         if self.kind in ("packed", "scale"):  # kept packed: [E, out, in/2] or [E, out, in/32], on-disk bytes
             es = [e for s, e in self.pairs if s.part == self.kind]
-            return np.stack([self.ck.read_entry(es[i]) for i in ids])[(slice(None), *rest)]
-        if self.kind == "mxfp4":  # dense [E, in, out] from packed [out, in/2] + scale [out, in/32]
+            for j, i in enumerate(ids):
+                out[j] = ck.view_entry(es[i])
+        elif self.kind == "mxfp4":  # dense [E, in, out] from packed [out, in/2] + scale [out, in/32]
             pk = [e for s, e in self.pairs if s.part == "packed"]
             sc = [e for s, e in self.pairs if s.part == "scale"]
-            out = np.empty((len(ids), *self.shape[1:]), self.dtype)
             for j, i in enumerate(ids):
-                w_oi = mxfp4_dequantize_np(self.ck.read_entry(pk[i]), self.ck.read_entry(sc[i]))
-                out[j] = w_oi.T.astype(self.dtype)
-            return out[(slice(None), *rest)]
-        # kind == "expert": BF16 torch [out, in] per expert
-        ents = [e for _, e in self.pairs]
-        out = np.empty((len(ids), *self.shape[1:]), self.dtype)
-        for j, i in enumerate(ids):
-            out[j] = self.ck.read_entry(ents[i]).T.astype(self.dtype)
-        return out[(slice(None), *rest)]
+                mxfp4_dequantize_T_into(out[j], ck.view_entry(pk[i]), ck.view_entry(sc[i]))
+        else:  # kind == "expert": BF16 torch [out, in] per expert
+            ents = [e for _, e in self.pairs]
+            for j, i in enumerate(ids):
+                copy_T(out[j], ck.view_entry(ents[i]))
+        return out[(slice(None), *rest)] if any(r != slice(None) for r in rest) else out
 
     def _dense(self) -> np.ndarray:
         (spec, entry), = self.pairs
-        a = self.ck.read_entry(entry)
-        try:
-            v = nm.from_hf(a, spec, self.shape)
-        except ValueError as err:
-            raise CheckpointError(str(err).removeprefix(f"{spec.name}: "), file=entry.file,
-                                  tensor=spec.name) from None
-        return np.asarray(v).astype(self.dtype, copy=False)
+        a = self.ck.view_entry(entry)
+        out = aligned_empty(self.shape, self.dtype)
+        t = spec.transform
+        if t == "linear":  # leaf [*in, *out] ← torch [prod(out), prod(in)]
+            copy_T(out.reshape(a.shape[1], a.shape[0]), a)
+        elif t in ("copy", "row", "conv", "flat", "a_log_4d") and a.size == out.size:
+            np.copyto(out.reshape(-1), a.reshape(-1), casting="unsafe")
+        else:  # a_log_pad (checks the zero tail) and anything new: the name map's reference transform
+            try:
+                v = nm.from_hf(a, spec, self.shape)
+            except ValueError as err:
+                raise CheckpointError(str(err).removeprefix(f"{spec.name}: "), file=entry.file,
+                                      tensor=spec.name) from None
+            np.copyto(out, v, casting="unsafe")
+        return out
 
 
 def output_leaves(plan: Plan, abstract, keep_experts_packed: bool) -> list[tuple[tuple, tuple, object, str]]:
@@ -189,8 +287,17 @@ def verify_manifest(path: str) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=8)
+def _abstract_params(cfg):
+    """``abstract_params(cfg)`` (an ``eval_shape`` trace of init, ~0.2 s for k3-mini) once per config."""
+    from k3jax.model import abstract_params
+
+    return abstract_params(cfg)
+
+
 def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None, keep_experts_packed: bool = False,
-         verify: bool = False, layout: str | None = None, progress: bool | None = None, stats: dict | None = None):
+         verify: bool = False, layout: str | None = None, progress: bool | None = None, stats: dict | None = None,
+         track_rss: bool = False):
     """Load a checkpoint directory into sharded jax arrays.
 
     Args:
@@ -203,15 +310,21 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
       keep_experts_packed: return MXFP4 experts as ``w*_packed`` / ``w*_scale`` uint8 leaves (see module doc).
       verify: check shard sha256 against ``SHA256SUMS`` when present.
       progress: tqdm bar with bytes/s and RSS (default: when stderr is a terminal).
-      stats: optional dict filled with bytes_read, seconds, scale byte counts, peak RSS, largest leaf bytes.
+      stats: optional dict filled with bytes_read, seconds, a ``breakdown`` of seconds per phase, scale byte counts,
+        peak RSS, largest leaf bytes.
+      track_rss: with ``stats``, also record ``leaf_peak_rss_bytes``: the largest RSS rise while building one leaf
+        (kernel high-water mark, reset per leaf, minus the RSS before that leaf) — host memory the load needs on top
+        of what it has already loaded. Costs a few /proc reads per leaf, so off by default.
     Returns: (cfg, params).
     """
     from k3jax.config import from_hf
-    from k3jax.model import abstract_params
 
     t0 = time.perf_counter()
+    bd: dict[str, float] = {}
     path = os.fspath(path)
     ck = open_checkpoint(path)
+    t1 = time.perf_counter()
+    bd["open_headers"] = t1 - t0
     cfg_file = os.path.join(path, "config.json")
     if cfg is None:
         if not os.path.exists(cfg_file):
@@ -226,11 +339,24 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
             raise CheckpointError(f"config.json differs from the given cfg in {', '.join(diff)}", file=cfg_file)
     if dtype is not None:
         cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
+    t2 = time.perf_counter()
+    bd["config"] = t2 - t1
     plan = validate(ck, cfg, layout)  # everything checked before any data is read
+    t3 = time.perf_counter()
+    bd["validate"] = t3 - t2
     if verify:
         verify_manifest(path)
     mesh = mesh if mesh is not None else Mesh(np.array(jax.devices()), ("expert",))
-    leaves = output_leaves(plan, abstract_params(cfg), keep_experts_packed)
+    try:
+        abstract = _abstract_params(cfg)
+    except TypeError:  # an unhashable cfg
+        from k3jax.model import abstract_params
+
+        abstract = abstract_params(cfg)
+    t4 = time.perf_counter()
+    bd["abstract_tree"] = t4 - t3
+    leaves = output_leaves(plan, abstract, keep_experts_packed)
+    bd["plan_leaves"] = time.perf_counter() - t4
 
     total = sum(e.nbytes for e in ck.tensors.values())
     bar = None
@@ -239,19 +365,38 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="load", file=sys.stderr)
     params: dict = {}
     largest = 0
+    leaf_peak = None
+    track = track_rss and stats is not None and reset_peak_rss()
     read0 = ck.bytes_read
-    for opath, shape, ldtype, kind in leaves:
+    t_read = t_arrays = 0.0
+    src_paths = [opath if kind in ("dense", "mxfp4", "expert") else (*opath[:-1], opath[-1].rsplit("_", 1)[0])
+                 for opath, _, _, kind in leaves]
+    last_use = {e.file: i for i, p in enumerate(src_paths) for _, e in plan.leaves[p]}
+    done_after: dict[int, list[str]] = {}
+    for f, i in last_use.items():
+        done_after.setdefault(i, []).append(f)
+    for li, (opath, shape, ldtype, kind) in enumerate(leaves):
         if shardings is None:
             sh = default_sharding(mesh, kind, shape)
         elif callable(shardings):
             sh = shardings(opath, shape, ldtype)
         else:
             sh = _tree_get(shardings, opath)
-        src = LeafSource(ck, plan, opath if kind in ("dense", "mxfp4", "expert") else (*opath[:-1],
-                         opath[-1].rsplit("_", 1)[0]), shape, ldtype, kind)
+        src = LeafSource(ck, plan, src_paths[li], shape, ldtype, kind)
         before = ck.bytes_read
+        if track:
+            rss_before = current_rss_bytes()
+            reset_peak_rss()
+        t = time.perf_counter()
         arr = jax.make_array_from_callback(shape, sh, src)
-        src.cache.clear()  # drop host copies before the next leaf
+        t_arrays += time.perf_counter() - t - src.seconds
+        t_read += src.seconds
+        src.cache.clear()  # drop host copies before the next leaf (on CPU the array now owns its buffers)
+        del src
+        for f in done_after.get(li, ()):  # unmap files no later leaf reads: mapped pages count in RSS
+            ck.release(f)
+        if track:
+            leaf_peak = max(leaf_peak or 0, hwm_rss_bytes() - rss_before)
         _set(params, opath, arr)
         largest = max(largest, int(np.prod(shape)) * np.dtype(ldtype).itemsize)
         if bar is not None:
@@ -260,10 +405,16 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     if bar is not None:
         bar.close()
     ck.close()
+    bd["read_decode"] = t_read
+    bd["make_arrays"] = t_arrays
     if stats is not None:
-        stats.update(bytes_read=ck.bytes_read - read0, seconds=time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        bd["other"] = seconds - sum(bd.values())
+        stats.update(bytes_read=ck.bytes_read - read0, seconds=seconds, breakdown=bd,
                      scale_bytes=dict(ck.scale_bytes), peak_rss=peak_rss_bytes(), largest_leaf_bytes=largest,
-                     checkpoint_bytes=total, packed_modules=len(ck.packed_modules()))
+                     checkpoint_bytes=total, packed_modules=len(ck.packed_modules()), leaves=len(leaves))
+        if leaf_peak is not None:
+            stats["leaf_peak_rss_bytes"] = leaf_peak
     return cfg, params
 
 
@@ -274,5 +425,6 @@ def _tree_get(tree, path):
     return x
 
 
-__all__ = ["LeafSource", "default_sharding", "load", "mxfp4_dequantize_np", "output_leaves", "verify_manifest",
-           "peak_rss_bytes", "current_rss_bytes"]
+__all__ = ["ALIGN", "LeafSource", "aligned_empty", "copy_T", "current_rss_bytes", "default_sharding", "hwm_rss_bytes",
+           "load", "mxfp4_dequantize_T_into", "mxfp4_dequantize_np", "output_leaves", "peak_rss_bytes",
+           "reset_peak_rss", "verify_manifest"]

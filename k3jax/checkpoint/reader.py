@@ -188,29 +188,42 @@ class Checkpoint:
     total_size: int | None = None  # index metadata.total_size
     bytes_read: int = 0
     scale_bytes: dict[str, int] = field(default_factory=lambda: {"0x00": 0, "0xFF": 0, "total": 0})
-    _maps: dict[str, np.memmap] = field(default_factory=dict, repr=False)
+    _maps: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- reads
-    def _map(self, file: str) -> np.memmap:
+    def _map(self, file: str) -> np.ndarray:
         with self._lock:
             m = self._maps.get(file)
-            if m is None:
-                m = np.memmap(os.path.join(self.path, file), dtype=np.uint8, mode="r")
+            if m is None:  # a plain ndarray view of the map: slicing an np.memmap subclass costs more per call
+                m = np.memmap(os.path.join(self.path, file), dtype=np.uint8, mode="r").view(np.ndarray)
                 self._maps[file] = m
             return m
 
-    def read_bytes(self, file: str, start: int, end: int) -> np.ndarray:
-        """A private uint8 copy of file bytes [start, end); counted in ``bytes_read``."""
+    def view_bytes(self, file: str, start: int, end: int) -> np.ndarray:
+        """A read-only view of file bytes [start, end) in the page cache, no copy; counted in ``bytes_read``.
+
+        The caller consumes the bytes (decodes or copies them into its own buffer) and must not keep the view.
+        """
         m = self._map(file)
         if end > m.shape[0]:
             raise CheckpointError(f"byte range [{start}, {end}) past the end of the file ({m.shape[0]} bytes): "
                                   "the file shrank after its header was read", file=file)
-        out = np.array(m[start:end])
         with self._lock:
             self.bytes_read += end - start
         BYTES_READ.add(end - start)
-        return out
+        return m[start:end]
+
+    def read_bytes(self, file: str, start: int, end: int) -> np.ndarray:
+        """A private uint8 copy of file bytes [start, end); counted in ``bytes_read``."""
+        return np.array(self.view_bytes(file, start, end))
+
+    def view_entry(self, e: TensorEntry) -> np.ndarray:
+        """``read_entry`` without the copy: a read-only typed view of the mapped bytes (scale bytes checked)."""
+        a = self.view_bytes(e.file, e.start, e.end).view(DTYPES[e.dtype]).reshape(e.shape)
+        if e.name.endswith(".weight_scale") and e.dtype == "U8":
+            self.check_scale(e, a)
+        return a
 
     def read_entry(self, e: TensorEntry) -> np.ndarray:
         a = self.read_bytes(e.file, e.start, e.end).view(DTYPES[e.dtype]).reshape(e.shape)
@@ -232,6 +245,11 @@ class Checkpoint:
             self.scale_bytes["total"] += int(scale.size)
         if nan:
             raise CheckpointError(f"{nan} E8M0 scale byte(s) are 0xFF (NaN)", file=e.file, tensor=e.name)
+
+    def release(self, file: str) -> None:
+        """Unmap one file (its pages stop counting in RSS); a later read maps it again."""
+        with self._lock:
+            self._maps.pop(file, None)
 
     def close(self) -> None:
         with self._lock:
