@@ -46,6 +46,10 @@ from k3jax.ops.norms import acc_dtype
 from k3jax.sharding.mesh import axis_sizes
 from k3jax.sharding.rules import mesh_axes_of
 
+# The GPU/TPU exchange primitive. Module-level so a CPU test can substitute an all_to_all emulation of its
+# documented semantics and check the offset bookkeeping of ``_ragged`` (XLA:CPU cannot run the real one).
+_ragged_all_to_all = lax.ragged_all_to_all
+
 
 def bucket_capacity(m_local: int, top_k: int, local_experts: int, n_shards: int, capacity_factor: float) -> int:
     """Rows per (source, destination) bucket; see the module docstring. ``capacity_factor=-1`` = worst case."""
@@ -116,13 +120,13 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     recv_off = _excl_cumsum(recv_sizes)
     out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my chunk lands in each peer's buffer
     R = X * m * min(A, El)
-    recv = lax.ragged_all_to_all(rows, jnp.zeros((R, rows.shape[1]), rows.dtype), in_off, send_sizes, out_off,
+    recv = _ragged_all_to_all(rows, jnp.zeros((R, rows.shape[1]), rows.dtype), in_off, send_sizes, out_off,
                                  recv_sizes, axis_name=axis)
-    recv_id = lax.ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
+    recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
                                     recv_sizes, axis_name=axis)
     out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes)
     back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
-    back = lax.ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
+    back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
                                  send_sizes, axis_name=axis)
     y = jnp.einsum("map,ma->mp", back[inverse].reshape(m, A, -1), wts.astype(back.dtype))
     return y, jnp.sum(ids[:0]).astype(jnp.int32)  # 0, typed as device-varying like the bucketed count

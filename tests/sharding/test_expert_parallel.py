@@ -138,3 +138,29 @@ def test_model_forward_and_grad_through_ep(num_layers):
         moe_grads += "experts" in jax.tree_util.keystr(path)
         assert_close(x, r, 1e-5, atol_floor=1e-9, name=jax.tree_util.keystr(path))
     assert moe_grads == 3 * (num_layers - 1)  # w1, w3, w2 of every MoE layer were checked
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """``lax.ragged_all_to_all`` written from its documented semantics with a padded all_to_all (one slice per
+    peer): chunk i = operand[input_offsets[i] : + send_sizes[i]] lands at output_offsets[i] of peer i."""
+    n = operand.shape[0]
+    c = jnp.arange(n)
+    valid = c[None, :] < send_sizes[:, None]  # [X, n]
+    src = jnp.clip(input_offsets[:, None] + c[None, :], 0, n - 1)
+    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
+    chunks = jnp.where(mask, operand[src], jnp.zeros((), operand.dtype))
+    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    pos = jnp.where(c[None, :] < recv_sizes[:, None], off[:, None] + c[None, :], output.shape[0])
+    return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+@pytest.mark.parametrize("routing", ["skewed", "empty"])
+def test_ragged_path_bookkeeping_with_emulated_collective(monkeypatch, routing):
+    """The GPU/TPU path (impl="ragged") cannot run on XLA:CPU; with the collective emulated from its documented
+    semantics, its offsets (send/recv sizes, output and return offsets, un-sort) give the dense result and grads."""
+    import k3jax.sharding.expert_parallel as ep_mod
+
+    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    _check(ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged"), routing)
