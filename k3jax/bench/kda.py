@@ -11,12 +11,12 @@ chunk of C tokens: 4 C^2 K (A_kk, A_qk) + C^2 (K + V) (unit-lower solve for W, U
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.bench.common import matmul_peak_flops, time_median
 
 FLOP_FORMULA = ("per token per head: 4*C*K + C*(K+V) + 6*K*V + 2*C*V "
                 "(A_kk + A_qk, unit-lower solve, W S + Q S + K^T V~, A_qk V~); C = chunk size")
@@ -30,16 +30,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--pallas-max-seq", type=int, default=1024, help="Pallas interpret only up to this T")
-
-
-def _time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def chunked_flops(T: int, H: int, K: int, V: int, C: int) -> float:
@@ -70,9 +60,7 @@ def run(args) -> dict:
     B = 1
 
     n = 512 if quick else 2048
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
-    t_mm = _time(jax.jit(lambda x, y: x @ y), a, a, repeats=repeats)
-    peak = 2.0 * n ** 3 / t_mm
+    peak = matmul_peak_flops(n, jnp.float32, reps=repeats)
     print(f"matmul peak {peak / 1e9:.1f} GFLOP/s ({n}^3 f32)", file=sys.stderr)
 
     rec = jax.jit(lambda *x: kda.kda_recurrent(*x))
@@ -81,9 +69,9 @@ def run(args) -> dict:
     results, ratios = {}, {}
     for T in seqs:
         x = _inputs(jax.random.PRNGKey(T), B, T, H, K, V)
-        r = {"recurrent_s": _time(rec, *x, repeats=repeats), "chunked_s": _time(chk, *x, repeats=repeats)}
+        r = {"recurrent_s": time_median(rec, *x, reps=repeats), "chunked_s": time_median(chk, *x, reps=repeats)}
         if T <= args.pallas_max_seq:
-            r["pallas_interpret_s"] = _time(pal, *x, repeats=max(1, repeats // 2))
+            r["pallas_interpret_s"] = time_median(pal, *x, reps=max(1, repeats // 2))
         fl = chunked_flops(T, H, K, V, C)
         r["chunked_flops"] = fl
         r["chunked_gflops_per_s"] = fl / r["chunked_s"] / 1e9

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -47,16 +46,6 @@ def inputs(key, B, T, H, K, V, gate):
     return q, k, v, g, beta, h0
 
 
-def timeit(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", type=int, default=96)
@@ -73,6 +62,7 @@ def main() -> int:
         return 2
     t_start = time.perf_counter()
     try:
+        from k3jax.bench.common import time_median
         from k3jax.bench.kda import FLOP_FORMULA, chunked_flops
         from k3jax.ops import kda
         from pallas_kernels.kda import kda_chunk
@@ -119,7 +109,7 @@ def main() -> int:
             row = {}
             for name, f in (("pallas", pal_f), ("xla_chunked", xla_f)):
                 try:
-                    s = timeit(f, *x, repeats=args.repeats)
+                    s = time_median(f, *x, reps=args.repeats)
                     row[f"{name}_ms"] = 1e3 * s
                     row[f"{name}_tflops_per_s"] = chunked_flops(T, H, K, K, 64) / s / 1e12
                     row[f"{name}_tokens_per_s"] = T / s
