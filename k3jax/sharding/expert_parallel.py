@@ -14,7 +14,8 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
 The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
-``impl="bucketed" | "ragged"``. XLA:CPU cannot run ragged_all_to_all, so only the bucketed path is tested on CPU.
+``impl="bucketed" | "ragged"``. XLA:CPU cannot run ragged_all_to_all: on CPU the bucketed path is tested for real and
+the ragged path's offset bookkeeping against an all_to_all emulation of the primitive's documented semantics.
 
 Bucket size C (rows one source shard may send one destination shard):
     worst case  C_max = m · min(A, El)     a token's A experts are distinct, so at most min(A, El) of its rows

@@ -156,11 +156,10 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
     return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
-@pytest.mark.parametrize("routing", ["skewed", "empty"])
-def test_ragged_path_bookkeeping_with_emulated_collective(monkeypatch, routing):
+def test_ragged_path_bookkeeping_with_emulated_collective(monkeypatch):
     """The GPU/TPU path (impl="ragged") cannot run on XLA:CPU; with the collective emulated from its documented
     semantics, its offsets (send/recv sizes, output and return offsets, un-sort) give the dense result and grads."""
     import k3jax.sharding.expert_parallel as ep_mod
 
     monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
-    _check(ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged"), routing)
+    _check(ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged"), "skewed")
