@@ -19,6 +19,12 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
     V: int
     block_v: int
 
+    @pytest.fixture(autouse=True)
+    def _ieee_f32_matmuls(self):
+        # The kernel's dots are IEEE fp32; on GPU the XLA reference would otherwise be free to use TF32.
+        with jax.default_matmul_precision("highest"):
+            yield
+
     def inputs(self, seed, T, gate, B=1, H=2):
         x = ref.random_inputs(seed, B=B, T=T, H=H, K=self.K, V=self.V, gate=gate)
         return {name: jnp.asarray(val, jnp.float32) for name, val in x.items()}
