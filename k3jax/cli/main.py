@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "inspect": "k3jax.cli.inspect",
     "logits": "k3jax.cli.logits",
     "export": "k3jax.cli.export",
+    "train": "k3jax.cli.train",
 }
 
 

@@ -1,0 +1,80 @@
+"""`k3 train` — pre-train or QAT fine-tune a K3-family model on byte-level text (SPEC §8, §9, §10.7).
+
+    k3 train --preset k3-mini --steps 300 --ckpt-dir runs/mini --metrics runs/mini.jsonl      # stdlib corpus
+    k3 train --init exported/ --qat weights+acts --steps 50 --export runs/qat-export          # QAT fine-tune
+    k3 train --preset k3-tiny --steps 5 --batch 4 --seq-len 32 --max-bytes 200000             # seconds-scale CPU
+
+Re-running the same command with the same --ckpt-dir resumes exactly (bit-identical parameters). SIGTERM saves a
+checkpoint and exits 0. Bad input exits 2 before any compute; N non-finite steps in a row exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train / QAT fine-tune with per-head Muon, QK-Clip and Quantile Balancing",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model")
+    src.add_argument("--preset", default=None, help="start from scratch with this preset (default k3-mini)")
+    src.add_argument("--init", default=None, help="start from this checkpoint directory (its config must match "
+                     "--preset when both are given)")
+    src.add_argument("--qat", choices=("off", "weights", "weights+acts"), default="off")
+    src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+                     help="matmul operand dtype; master params and optimizer state stay fp32")
+    run = p.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=300)
+    run.add_argument("--batch", type=int, default=16, help="global sequences per optimizer step")
+    run.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    run.add_argument("--seq-len", type=int, default=128)
+    run.add_argument("--lr", type=float, default=3e-3)
+    run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default="per_head")
+    run.add_argument("--balance", choices=("qb", "sign", "aux", "off"), default="qb",
+                     help="expert balancing: Quantile Balancing (K3), DeepSeek sign rule, auxiliary loss, none")
+    run.add_argument("--no-qk-clip", action="store_true")
+    run.add_argument("--qk-tau", type=float, default=100.0)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all)")
+    dat = p.add_argument_group("data")
+    dat.add_argument("--data", nargs="*", default=(), help="text or JSONL ({\"text\": ...}) files "
+                     "(default: the Python stdlib sources)")
+    dat.add_argument("--max-bytes", type=int, default=4 << 20)
+    dat.add_argument("--heldout-frac", type=float, default=0.05)
+    dat.add_argument("--eval-every", type=int, default=50)
+    out = p.add_argument_group("output")
+    out.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (resumes from the latest one)")
+    out.add_argument("--ckpt-every", type=int, default=50)
+    out.add_argument("--keep", type=int, default=3)
+    out.add_argument("--metrics", default=None, help="metrics JSONL file (appended)")
+    out.add_argument("--export", default=None, help="write the final model in the official layout here")
+    out.add_argument("--fork", action="store_true", help="resume from --ckpt-dir even if settings differ "
+                     "(e.g. switch --qat on from a checkpoint of a QAT-off run)")
+    out.add_argument("--max-bad-steps", type=int, default=3, help="stop after this many non-finite steps in a row")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    p.set_defaults(func=run_cli)
+
+
+def run_cli(args) -> int:
+    from k3jax.train.loop import TrainConfig, TrainingStoppedError, train
+
+    tc = TrainConfig(
+        preset=args.preset or (None if args.init else "k3-mini"), init=args.init, steps=args.steps,
+        batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
+        optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, balance=args.balance,
+        qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed, data=tuple(args.data),
+        max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
+        ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
+        export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,
+        progress=args.progress)
+    try:
+        s = train(tc)
+    except TrainingStoppedError as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 1
+    ev = s["final_eval_loss"]
+    print(f"step {s['step']}: loss {s['final_loss']:.4f}" + (f", held-out loss {ev:.4f}" if ev is not None else "")
+          + f" (held-out unigram entropy {s['heldout_unigram_entropy']:.4f} nats)"
+          + (f"; stopped by {s['stopped']}" if s["stopped"] else ""))
+    return 0

@@ -1,0 +1,79 @@
+"""Expert-load balancing during training (SPEC §8): Quantile Balancing (K3), with the DeepSeek sign rule and an
+auxiliary loss as ablation baselines.
+
+    mode "qb"    b_new = centre(b̂) from the step's global r-histogram (k3jax.sharding.qb, §8.2)   [K3]
+    mode "sign"  b_j += γ · sign(mean(load) − load_j), γ = 0.001                                  [DeepSeek-V3]
+    mode "aux"   bias frozen; loss += α · Σ_j f_j · P_j  (f_j = E/(k·m) · load_j, P_j = mean_i s_ij/Σ_e s_ie)
+    mode "off"   bias frozen, no loss term
+
+Per step: every micro-batch's routing adds into ``step_stats`` (integer counts, so the sum over micro-batches and
+data-parallel shards is exact); ``new_biases`` turns them into the next step's biases once, after the update.
+The current step's routing always used the old bias (causality, §8.1). Eval never calls this (bias frozen).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from k3jax.sharding.qb import QB_BINS, center, qb_bias_from_hist, qb_histogram
+
+MODES = ("qb", "sign", "aux", "off")
+
+
+def moe_layer_indices(params) -> list[int]:
+    return [l for l, lp in enumerate(params["layers"]) if "moe" in lp]
+
+
+def biases(params):
+    """[L_moe, E] float32: the current selection biases, in layer order."""
+    return jnp.stack([params["layers"][l]["moe"]["bias"] for l in moe_layer_indices(params)])
+
+
+def set_biases(params, b_le):
+    layers = list(params["layers"])
+    for i, l in enumerate(moe_layer_indices(params)):
+        moe = dict(layers[l]["moe"], bias=b_le[i].astype(layers[l]["moe"]["bias"].dtype))
+        layers[l] = dict(layers[l], moe=moe)
+    return dict(params, layers=layers)
+
+
+def micro_stats(routing, b_le, num_experts: int, *, mode: str, bins: int = QB_BINS) -> dict:
+    """Integer statistics of one micro-batch: loads [L, E] and (qb) histograms [L, E, bins]."""
+    loads = jnp.stack([jnp.bincount(r.ids.reshape(-1), length=num_experts).astype(jnp.int32) for r in routing])
+    out = {"loads": loads}
+    if mode == "qb":
+        out["hist"] = jnp.stack([qb_histogram(r.scores, r.cutoff, b_le[i], bins=bins) for i, r in enumerate(routing)])
+    return out
+
+
+def aux_loss(routing, top_k: int):
+    """Σ over MoE layers of Σ_j f_j · P_j (Switch / DeepSeek form; equals 1 per layer when perfectly balanced)."""
+    total = jnp.float32(0.0)
+    for r in routing:
+        E = r.scores.shape[-1]
+        s = r.scores.reshape(-1, E).astype(jnp.float32)
+        m = s.shape[0]
+        f = jnp.bincount(r.ids.reshape(-1), length=E).astype(jnp.float32) * (E / (top_k * m))
+        p = jnp.mean(s / jnp.sum(s, axis=-1, keepdims=True), axis=0)
+        total = total + jnp.sum(f * p)
+    return total
+
+
+def new_biases(stats: dict, b_le, *, mode: str, top_k: int, sign_gamma: float = 1e-3):
+    """Next step's biases [L, E] from the step's summed statistics."""
+    if mode == "qb":
+        return jnp.stack([center(qb_bias_from_hist(stats["hist"][i], b_le[i], top_k)) for i in range(b_le.shape[0])])
+    if mode == "sign":
+        load = stats["loads"].astype(jnp.float32)
+        return b_le + sign_gamma * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return b_le
+
+
+def load_ratio(loads_le):
+    """max/mean expert load per layer [L] (1 = perfectly balanced)."""
+    load = loads_le.astype(jnp.float32)
+    return jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+
+
+__all__ = ["MODES", "aux_loss", "biases", "load_ratio", "micro_stats", "moe_layer_indices", "new_biases",
+           "set_biases"]

@@ -1,0 +1,76 @@
+"""QK-Clip (MuonClip) for the MLA layers (SPEC §9.6): a per-head weight rescale after the optimizer update.
+
+    S_max[l, h] = max over the whole step (batch, micro-batches, DP ranks) of the §5.1 score of head h
+    for every head with S_max > τ:   γ = τ / S_max
+        q_b (or wq)[:, h, :Hn]   *= sqrt(γ)     q^N columns
+        q_b (or wq)[:, h, Hn:]   *= γ           q^R (rope-sized) columns
+        kv_b[:, h, :Hn]          *= sqrt(γ)     k^N columns
+        kv_b v columns, kv_a (shared k^R): untouched
+
+The score is bilinear in (q, k): q^N·k^N scales by sqrt(γ)·sqrt(γ) and q^R·k^R by γ·1, so recomputing the step's
+largest logit with the clipped weights gives exactly τ (up to fp rounding). KDA layers need no clip (L2-normed q, k).
+
+    new_params, clip = qk_clip(params, max_logits, tau=100.0)   # clip: {"gamma": [L_mla, N], "clipped": [L_mla, N]}
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from k3jax.layers.mla import mla_dims
+
+
+def mla_layer_indices(params) -> list[int]:
+    """0-based indices of the layers that hold an "mla" mixer, in the order forward() reports their max logits."""
+    return [l for l, lp in enumerate(params["layers"]) if "mla" in lp]
+
+
+def clip_factors(max_logit_n, tau: float):
+    """γ [N] (1 where no clip) and the clipped mask [N] from one layer's step max logit per head."""
+    s = max_logit_n.astype(jnp.float32)
+    clipped = s > tau
+    gamma = jnp.where(clipped, tau / jnp.where(clipped, s, 1.0), 1.0)
+    return gamma, clipped
+
+
+def clip_mla(p, gamma_n):
+    """Rescale one MLA layer's query and key columns per head by γ (see module docstring)."""
+    N, Hn, Hr, V = mla_dims(p)
+    sq = jnp.sqrt(gamma_n)
+    q_scale = jnp.concatenate([jnp.broadcast_to(sq[:, None], (N, Hn)),
+                               jnp.broadcast_to(gamma_n[:, None], (N, Hr))], axis=1)  # [N, Hn + Hr]
+    kv_scale = jnp.concatenate([jnp.broadcast_to(sq[:, None], (N, Hn)), jnp.ones((N, V), jnp.float32)], axis=1)
+    out = dict(p)
+    qkey = "q_b" if "q_b" in p else "wq"
+    out[qkey] = (p[qkey] * q_scale[None].astype(p[qkey].dtype)).astype(p[qkey].dtype)
+    out["kv_b"] = (p["kv_b"] * kv_scale[None].astype(p["kv_b"].dtype)).astype(p["kv_b"].dtype)
+    return out
+
+
+def qk_clip(params, max_logits, *, tau: float = 100.0):
+    """Apply QK-Clip to every MLA layer of ``params``.
+
+    Args:
+      params: the k3jax parameter tree (after the optimizer update).
+      max_logits: one [N] (or [..., N], reduced with max) array per MLA layer, in layer order — the step's max.
+      tau: the clip threshold τ.
+    Returns: (params, {"gamma": [L_mla, N] float32, "clipped": [L_mla, N] bool}).
+    """
+    idx = mla_layer_indices(params)
+    if len(idx) != len(max_logits):
+        raise ValueError(f"{len(max_logits)} max-logit arrays for {len(idx)} MLA layers")
+    layers = list(params["layers"])
+    gammas, clips = [], []
+    for l, s in zip(idx, max_logits):
+        s = jnp.max(s.reshape(-1, s.shape[-1]), axis=0)
+        gamma, clipped = clip_factors(s, tau)
+        layers[l] = dict(layers[l], mla=clip_mla(layers[l]["mla"], gamma))
+        gammas.append(gamma)
+        clips.append(clipped)
+    out = dict(params, layers=layers)
+    if not idx:
+        return out, {"gamma": jnp.zeros((0, 0), jnp.float32), "clipped": jnp.zeros((0, 0), bool)}
+    return out, {"gamma": jnp.stack(gammas), "clipped": jnp.stack(clips)}
+
+
+__all__ = ["qk_clip", "clip_factors", "clip_mla", "mla_layer_indices"]

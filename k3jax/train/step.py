@@ -1,0 +1,139 @@
+"""The jitted train step: gradient accumulation over micro-batches, one optimizer update, QK-Clip, one balancing
+update, and a finite-check that turns a NaN/Inf step into a no-op — all inside one XLA program.
+
+    state = init_state(params, tx, seed)                 # {"params", "opt", "step", "rng", "bad_streak"}
+    step_fn = make_train_step(cfg, tx, spec)             # spec: StepSpec (balance mode, QK-Clip τ, ...)
+    state, m = step_fn(state, tokens_mbt, poison)        # tokens [M, b, T + 1] int32; poison 0.0 (or NaN in tests)
+
+Order inside one step (SPEC §8.1, §9.6): every micro-batch routes with the CURRENT bias; gradients, integer load
+statistics / QB histograms and per-head max logits are summed (max-ed) over micro-batches; then
+  1. finite = isfinite(loss) ∧ isfinite(‖g‖)
+  2. params ← optax update (fp32 master weights; the bias leaves are labelled "frozen")
+  3. QK-Clip on the updated MLA weights with the step's max logits
+  4. bias ← next-step bias from the step's global statistics
+  5. if not finite: params, optimizer state and bias stay as they were (the step counter still advances)
+With data parallelism the token axis of ``tokens`` is sharded; XLA inserts the gradient / histogram all-reduces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from k3jax.model import forward
+from k3jax.train import balance as bal
+from k3jax.train.qk_clip import mla_layer_indices, qk_clip
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    balance: str = "qb"  # "qb" | "sign" | "aux" | "off"
+    sign_gamma: float = 1e-3
+    aux_alpha: float = 1e-2
+    qk_clip: bool = True
+    qk_tau: float = 100.0
+
+    def __post_init__(self):
+        if self.balance not in bal.MODES:
+            raise ValueError(f"balance mode {self.balance!r}: must be one of {bal.MODES}")
+        if self.qk_tau <= 0:
+            raise ValueError(f"qk_tau must be > 0, got {self.qk_tau}")
+
+
+def init_state(params, tx, seed: int = 0) -> dict:
+    return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(seed)), "bad_streak": jnp.zeros((), jnp.int32)}
+
+
+def _select(ok, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def make_loss(cfg, spec: StepSpec):
+    def loss_fn(params, tokens):
+        logits, aux = forward(params, tokens[:, :-1], cfg, return_aux=True)
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+        loss = ce
+        if spec.balance == "aux" and aux["routing"]:
+            loss = loss + spec.aux_alpha * bal.aux_loss(aux["routing"], cfg.num_experts_per_token)
+        return loss, (ce, aux)
+
+    return loss_fn
+
+
+def make_train_step(cfg, tx, spec: StepSpec):
+    """(state, tokens [M, b, T+1] int32, poison f32 scalar) -> (state, metrics). Not jitted here (see loop.py)."""
+    loss_fn = make_loss(cfg, spec)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    E = cfg.num_experts
+
+    def step(state, tokens, poison):
+        params = state["params"]
+        moe_idx = bal.moe_layer_indices(params)
+        n_mla = len(mla_layer_indices(params))
+        b_le = bal.biases(params) if moe_idx else jnp.zeros((0, E), jnp.float32)
+
+        def micro(carry, tok):
+            (loss, (ce, aux)), g = grad_fn(params, tok)
+            stats = bal.micro_stats(aux["routing"], b_le, E, mode=spec.balance) if moe_idx else {}
+            ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]) if n_mla
+                  else jnp.zeros((0, 1), jnp.float32))
+            acc_g, acc_loss, acc_ce, acc_stats, acc_ml = carry
+            carry = (jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_ce + ce,
+                     jax.tree.map(jnp.add, acc_stats, stats), jnp.maximum(acc_ml, ml.astype(jnp.float32)))
+            return carry, None
+
+        M = tokens.shape[0]
+        # shapes of the per-micro-batch outputs, to build a zero carry
+        _, (_, aux0) = jax.eval_shape(loss_fn, params, tokens[0])
+        stats0 = jax.eval_shape(lambda a: bal.micro_stats(a, b_le, E, mode=spec.balance), aux0["routing"]) \
+            if moe_idx else {}
+        N = aux0["mla_max_logit"][0].shape[-1] if n_mla else 1
+        carry0 = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
+                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0),
+                  jnp.full((n_mla, N), -jnp.inf, jnp.float32))
+        (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, carry0, tokens)
+        scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
+        g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
+        loss, ce = loss * scale, ce * scale
+        gnorm = optax.global_norm(g)
+        finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+
+        updates, opt = tx.update(g, state["opt"], params)
+        new_params = optax.apply_updates(params, updates)
+        clip = {"gamma": jnp.ones((n_mla, N), jnp.float32), "clipped": jnp.zeros((n_mla, N), bool)}
+        if spec.qk_clip and n_mla:
+            new_params, clip = qk_clip(new_params, list(ml), tau=spec.qk_tau)
+        if moe_idx:
+            new_b = bal.new_biases(stats, b_le, mode=spec.balance, top_k=cfg.num_experts_per_token,
+                                   sign_gamma=spec.sign_gamma)
+            new_params = bal.set_biases(new_params, new_b)
+
+        new_state = {"params": _select(finite, new_params, params), "opt": _select(finite, opt, state["opt"]),
+                     "step": state["step"] + 1, "rng": state["rng"],
+                     "bad_streak": jnp.where(finite, 0, state["bad_streak"] + 1).astype(jnp.int32)}
+        b_next = bal.biases(new_state["params"]) if moe_idx else b_le
+        metrics = {"loss": loss, "ce": ce, "grad_norm": gnorm, "finite": finite,
+                   "load_ratio": bal.load_ratio(stats["loads"]) if moe_idx else jnp.zeros((0,)),
+                   "bias_range": (jnp.max(b_next, -1) - jnp.min(b_next, -1)) if moe_idx else jnp.zeros((0,)),
+                   "max_logit": ml, "qk_clipped": clip["clipped"] & finite}
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(cfg):
+    """(params, tokens [b, T+1]) -> summed token cross-entropy and token count (bias frozen: no update here)."""
+
+    def ev(params, tokens):
+        logits = forward(params, tokens[:, :-1], cfg)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return jnp.sum(ce), jnp.float32(ce.size)
+
+    return ev
+
+
+__all__ = ["StepSpec", "init_state", "make_eval_step", "make_loss", "make_train_step"]
