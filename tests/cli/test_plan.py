@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from k3jax.cli.main import main
+from k3jax.config import get_preset, param_count_estimate
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,8 +120,8 @@ def test_kimi_linear_48b(capsys):
 
 def test_tiny_presets_plan(capsys):
     p = run_json(capsys, "--preset", "k3-tiny")
-    assert p["expert_format"] == "bf16" and "MXFP4 group" in p["notes"][0]
-    assert p["total_params"] == 265_574
+    assert p["expert_format"] == "mxfp4"
+    assert p["total_params"] == param_count_estimate(get_preset("k3-tiny"))  # eval_shape count == closed form
     assert main(["plan", "--preset", "k3-mini"]) == 0
     out = capsys.readouterr().out
     assert "total params" in out and "35,900,644" in out and "64xH200" in out
@@ -185,6 +186,6 @@ def test_console_script_subprocess():
     r = subprocess.run([str(exe), "plan", "--preset", "k3-tiny", "--json"], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["total_params"] == 265_574
+    assert json.loads(r.stdout)["total_params"] == param_count_estimate(get_preset("k3-tiny"))
     r = subprocess.run([str(exe), "plan", "--preset", "nope"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "known presets" in r.stderr
