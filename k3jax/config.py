@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Act = Literal["situ", "silu"]
-MoEImpl = Literal["dense", "sorted"]
+MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
 
@@ -160,7 +160,7 @@ class K3Config:
 
 _CHOICES = {
     "hidden_act": ("situ", "silu"),
-    "moe_impl": ("dense", "sorted"),
+    "moe_impl": ("sorted", "ragged", "tiled", "dense"),
     "kda_impl": ("recurrent", "chunked", "pallas"),
     "qat": ("off", "weights", "weights+acts"),
     "expert_format": ("mxfp4", "bf16"),

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--moe-impl", choices=("sorted", "dense"), default=None)
+    p.add_argument("--moe-impl", choices=("sorted", "ragged", "tiled", "dense"), default=None)
     p.add_argument("--kda-impl", choices=("recurrent", "chunked", "pallas"), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

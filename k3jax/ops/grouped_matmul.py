@@ -7,11 +7,21 @@ Sort-based dispatch, in rows M = tokens × A (notation.py):
        permutation (a gather), never a scatter-add (SPEC §7.2)
     3. grouped matmuls w1, w3 → GLU → w2 with group_sizes = bincount(ids, E)
     4. inverse permutation, weighted sum over the A copies in at-least-fp32
+
+Step 3 has two implementations with the same contract:
+    "ragged"  lax.ragged_dot — the natural op on GPU/TPU; on XLA:CPU its cost grows linearly with the number of
+              groups (each group is a full-height masked matmul, SPEC §14.2), so 256 experts cost ~16× 16 experts.
+    "tiled"   every expert's rows are padded to whole tiles of ``tile`` rows, so each tile belongs to one expert;
+              a scan over tiles runs the GLU FFN of one tile with its expert's weights, indexed in place (a
+              [V, P, F] weight gather costs more than the matmuls on CPU). Work follows the routed rows
+              (≤ R + E·(tile − 1) padded rows), not the expert count. The default on CPU; custom VJP.
+"sorted" (the model default) picks "tiled" on CPU and "ragged" elsewhere with ``lax.platform_dependent``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -50,29 +60,154 @@ def sort_by_expert(ids_ma, num_experts: int):
 Act = Callable[[jax.Array, jax.Array], jax.Array]
 
 
-def experts_sorted(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *,
-                   act_quant: Callable | None = None):
-    """Sort-based dropless experts: Σ_a weights[m, a] · E_{ids[m, a]}(z[m]). Returns [M, P] in acc dtype.
+def _ragged_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):
+    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with ``lax.ragged_dot``."""
+    cdt = xs.dtype
+    if act_quant is not None:
+        xs = act_quant(xs)
+    g = lax.ragged_dot(xs, w1.astype(cdt), group_sizes, preferred_element_type=acc)
+    u = lax.ragged_dot(xs, w3.astype(cdt), group_sizes, preferred_element_type=acc)
+    h = act(g, u).astype(cdt)
+    if act_quant is not None:
+        h = act_quant(h)
+    return lax.ragged_dot(h, w2.astype(cdt), group_sizes, preferred_element_type=acc)
 
-    ``act_quant`` (optional) fake-quantizes each expert GEMM input (QAT, SPEC §10.7).
-    """
+
+def default_tile(rows: int, groups: int) -> int:
+    """Tile height for the tiled grouped matmul: about a quarter of the mean group size, a power of two in
+    [8, 128] — padding waste (≤ tile − 1 rows per group) stays small next to the rows themselves."""
+    t = max(rows // max(4 * groups, 1), 1)
+    return int(min(128, max(8, 1 << (t.bit_length() - 1))))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _tile_scan_ffn(xt, g_tile, w1, w3, w2, act, act_quant, acc):
+    """y[v] = E_{g_tile[v]}(xt[v]) for row tiles xt [V, t, P]: a scan over tiles that indexes each tile's expert
+    weights in place (no [V, P, F] weight gather), with a scan backward that updates one expert's weight gradient
+    per step (autodiff of the forward scan would add a full [E, P, F] cotangent per step)."""
+    return _tile_scan_fwd(xt, g_tile, w1, w3, w2, act, act_quant, acc)[0]
+
+
+def _tile_ffn_step(x, e, w1, w3, w2, act, act_quant, acc):
+    cdt = x.dtype
+    w1e, w3e, w2e = (lax.dynamic_index_in_dim(w, e, keepdims=False).astype(cdt) for w in (w1, w3, w2))
+    a = jnp.dot(x, w1e, preferred_element_type=acc)
+    b = jnp.dot(x, w3e, preferred_element_type=acc)
+    h = act(a, b).astype(cdt)
+    if act_quant is not None:
+        h = act_quant(h)
+    return a, b, h, w1e, w3e, w2e
+
+
+def _tile_scan_fwd(xt, g_tile, w1, w3, w2, act, act_quant, acc):
+    def step(_, inp):
+        x, e = inp
+        _, _, h, _, _, w2e = _tile_ffn_step(x, e, w1, w3, w2, act, act_quant, acc)
+        return None, jnp.dot(h, w2e, preferred_element_type=acc)
+
+    _, y = lax.scan(step, None, (xt, g_tile))
+    return y, (xt, g_tile, w1, w3, w2)
+
+
+def _tile_scan_bwd(act, act_quant, acc, res, dy):
+    xt, g_tile, w1, w3, w2 = res
+
+    def step(carry, inp):
+        dw1, dw3, dw2 = carry
+        x, e, dy_t = inp
+        a, b, h, w1e, w3e, w2e = _tile_ffn_step(x, e, w1, w3, w2, act, act_quant, acc)
+        dy_t = dy_t.astype(acc)
+        dh = jnp.dot(dy_t, w2e.T.astype(acc))  # the STE passes dh through act_quant unchanged
+        _, act_vjp = jax.vjp(act, a, b)
+        da, db = act_vjp(dh.astype(a.dtype))
+        dx = jnp.dot(da, w1e.T.astype(acc)) + jnp.dot(db, w3e.T.astype(acc))
+        upd = lambda dw, g: lax.dynamic_update_index_in_dim(  # noqa: E731
+            dw, lax.dynamic_index_in_dim(dw, e, keepdims=False) + g.astype(dw.dtype), e, 0)
+        dw1 = upd(dw1, jnp.dot(x.T.astype(acc), da))
+        dw3 = upd(dw3, jnp.dot(x.T.astype(acc), db))
+        dw2 = upd(dw2, jnp.dot(h.T.astype(acc), dy_t))
+        return (dw1, dw3, dw2), dx.astype(x.dtype)
+
+    # Inside shard_map the carry must have the same varying-mesh-axes type as its updates; an exact zero derived
+    # from every input (a sum over an empty slice) gives the initial carry that type on every jax version.
+    zero = sum(jnp.sum(a.ravel()[:0]).astype(acc) for a in (xt, dy, w1, w3, w2))
+    zeros = tuple(jnp.zeros(w.shape, acc_dtype(w.dtype)) + zero.astype(acc_dtype(w.dtype)) for w in (w1, w3, w2))
+    (dw1, dw3, dw2), dxt = lax.scan(step, zeros, (xt, g_tile, dy))
+    return (_match_varying(dxt, xt), None, _match_varying(dw1, w1).astype(w1.dtype),
+            _match_varying(dw3, w3).astype(w3.dtype), _match_varying(dw2, w2).astype(w2.dtype))
+
+
+def _match_varying(ct, primal):
+    """Inside shard_map: sum a cotangent over the mesh axes it varies along but its primal does not (what autodiff
+    does for a replicated operand, e.g. expert weights × data-sharded tokens). A no-op outside shard_map."""
+    extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+    return lax.psum(ct, extra) if extra else ct
+
+
+def _varying_axes(x) -> frozenset:
+    """Mesh axes along which ``x`` varies inside shard_map (jax 0.12: manual_axis_type.varying; earlier: vma)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", ()))
+
+
+_tile_scan_ffn.defvjp(_tile_scan_fwd, _tile_scan_bwd)
+
+
+def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | None = None):
+    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with per-expert tiles (module docstring)."""
+    R, P = xs.shape
+    E = w1.shape[0]
+    tile = tile or default_tile(R, E)
+    n_tiles = -(-(R + E * (tile - 1)) // tile)  # static bound on the padded tiles
+    padded = -(-group_sizes // tile) * tile
+    off = jnp.cumsum(group_sizes) - group_sizes
+    poff = jnp.cumsum(padded) - padded
+    slot = jnp.arange(n_tiles * tile)
+    g_slot = jnp.clip(jnp.searchsorted(jnp.cumsum(padded), slot, side="right"), 0, E - 1)
+    i = slot - poff[g_slot]
+    src = jnp.where(i < group_sizes[g_slot], off[g_slot] + i, R)  # R → an all-zero padding row
+    xt = jnp.concatenate([xs, jnp.zeros((1, P), xs.dtype)])[src].reshape(n_tiles, tile, P)
+    if act_quant is not None:
+        xt = act_quant(xt)
+    y = _tile_scan_ffn(xt, g_slot[::tile], w1, w3, w2, act, act_quant, acc).reshape(-1, P)
+    row_e = jnp.clip(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(R), side="right"), 0, E - 1)
+    return y[poff[row_e] + jnp.arange(R) - off[row_e]]
+
+
+def _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None):
     M, A = ids_ma.shape
     E = w1_epf.shape[0]
     acc = acc_dtype(z_mp.dtype)
     order, inverse, group_sizes = sort_by_expert(ids_ma, E)
     rows = jnp.broadcast_to(z_mp[:, None, :], (M, A, z_mp.shape[-1])).reshape(M * A, -1)
     xs = permute_rows(rows, order, inverse)
-    if act_quant is not None:
-        xs = act_quant(xs)
-    cdt = z_mp.dtype
-    g = lax.ragged_dot(xs, w1_epf.astype(cdt), group_sizes, preferred_element_type=acc)
-    u = lax.ragged_dot(xs, w3_epf.astype(cdt), group_sizes, preferred_element_type=acc)
-    h = act(g, u).astype(cdt)
-    if act_quant is not None:
-        h = act_quant(h)
-    ys = lax.ragged_dot(h, w2_efp.astype(cdt), group_sizes, preferred_element_type=acc)
+    ys = ffn(xs, group_sizes, w1_epf, w3_epf, w2_efp, act, act_quant, acc)
     y = permute_rows(ys, inverse, order).reshape(M, A, -1)
     return jnp.einsum("map,ma->mp", y, weights_ma.astype(acc))
+
+
+def experts_ragged(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+    """Sort-based dropless experts with ``lax.ragged_dot``: Σ_a weights[m, a] · E_{ids[m, a]}(z[m]) → [M, P]."""
+    return _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_ragged_ffn,
+                            act_quant=act_quant)
+
+
+def experts_tiled(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+    """Sort-based dropless experts with per-expert row tiles (work follows the rows, not the expert count)."""
+    return _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_tiled_ffn,
+                            act_quant=act_quant)
+
+
+def experts_sorted(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+    """The default dispatch: tiled on CPU, ragged_dot on GPU/TPU (same result to rounding)."""
+    args = (z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp)
+    return lax.platform_dependent(
+        *args,
+        cpu=lambda *a: experts_tiled(*a, act, act_quant=act_quant),
+        default=lambda *a: experts_ragged(*a, act, act_quant=act_quant))
 
 
 def experts_dense(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *,
@@ -93,4 +228,4 @@ def experts_dense(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *,
     return jnp.einsum("mep,me->mp", y, dense_w)
 
 
-EXPERT_IMPLS = {"sorted": experts_sorted, "dense": experts_dense}
+EXPERT_IMPLS = {"sorted": experts_sorted, "ragged": experts_ragged, "tiled": experts_tiled, "dense": experts_dense}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from k3jax.layers.moe import moe_layer
 from k3jax.model.params import init_moe
 from k3jax.ops.activations import glu_activation
-from k3jax.ops.grouped_matmul import experts_dense, experts_sorted
+from k3jax.ops.grouped_matmul import EXPERT_IMPLS, default_tile, experts_dense
 from k3jax.ops.routing import route
 from k3jax.reference import model as ref
 from k3jax.testing import assert_close
@@ -80,17 +80,22 @@ def test_dense_and_sorted_dispatch_agree(M, A, pattern, seed):
     ids = jnp.asarray(ids, jnp.int32)
     wts = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
     w1, w3, w2 = _experts(seed % 97)
-    a = experts_sorted(z, ids, wts, w1, w3, w2, ACT)
-    b = experts_dense(z, ids, wts, w1, w3, w2, ACT)
-    assert_close(a, b, 1e-6, atol_floor=1e-6)
 
     def loss(fn, z, w1, w3, w2, wts):
         return jnp.sum(jnp.sin(fn(z, ids, wts, w1, w3, w2, ACT)))
 
-    ga = jax.grad(lambda *a: loss(experts_sorted, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
+    want = experts_dense(z, ids, wts, w1, w3, w2, ACT)
     gb = jax.grad(lambda *a: loss(experts_dense, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
-    for x, y, n in zip(ga, gb, ["z", "w1", "w3", "w2", "weights"]):
-        assert_close(x, y, 1e-5, atol_floor=1e-6, name=n)
+    for impl in ("ragged", "tiled", "sorted"):
+        fn = EXPERT_IMPLS[impl]
+        assert_close(fn(z, ids, wts, w1, w3, w2, ACT), want, 1e-6, atol_floor=1e-6, name=impl)
+        ga = jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
+        for x, y, n in zip(ga, gb, ["z", "w1", "w3", "w2", "weights"]):
+            assert_close(x, y, 1e-5, atol_floor=1e-6, name=f"{impl} d{n}")
+
+
+def test_default_tile():
+    assert default_tile(32768, 16) == 128 and default_tile(32768, 256) == 32 and default_tile(8, 256) == 8
 
 
 @pytest.mark.parametrize("latent", [16, None])
@@ -105,7 +110,7 @@ def test_moe_layer_matches_reference(latent, act, x64):
     kw = dict(top_k=3, act=act, renormalize=True, scaling_factor=2.5, norm_eps=1e-5)
     want = np.stack([ref.moe(ref.f64(p), np.asarray(x[b]), top_k=3, act=act, beta1=4.0, beta2=25.0,
                              renormalize=True, rsf=2.5, eps=1e-5) for b in range(2)])
-    for dispatch in ("sorted", "dense"):
+    for dispatch in ("sorted", "ragged", "tiled", "dense"):
         y, routing = moe_layer(p, x, dispatch=dispatch, **kw)
         assert y.dtype == jnp.float64
         assert_close(y, want, 1e-12, name=f"{dispatch} fp64")
