@@ -79,7 +79,7 @@ class K3Config:
     expert_format: Literal["mxfp4", "bf16"] = "mxfp4"
     # -- runtime choices (not part of the architecture; never read from an HF config)
     moe_impl: MoEImpl = "sorted"
-    kda_impl: KDAImpl = "recurrent"
+    kda_impl: KDAImpl = "chunked"  # chunked for T > 1 (per-chunk states in training); decode uses the step
     kda_chunk_size: int = 64
     mla_block_size: int = 512  # key block of the blockwise causal attention
     qat: QATMode = "off"
