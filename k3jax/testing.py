@@ -44,3 +44,13 @@ def assert_close(x, ref, ratio: float, *, atol_floor: float = 0.0, name: str = "
     if not (err <= ratio or max_abs <= atol_floor):
         raise AssertionError(f"{name}: rel_rms {err:.3e} > {ratio:.1e} (max-abs {max_abs:.3e}, floor {atol_floor:.1e})")
     return err
+
+
+def random_params(cfg, seed: int = 0, std: float = 0.02):
+    """Random parameters of ``cfg``'s shapes and dtypes from NumPy (no jax PRNG compile): fixtures for I/O tests."""
+    import jax
+
+    from k3jax.model import abstract_params
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (std * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))

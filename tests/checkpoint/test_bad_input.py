@@ -15,9 +15,9 @@ from k3jax.checkpoint.reader import BYTES_READ, INDEX_NAME, open_checkpoint
 from k3jax.checkpoint.safetensors_layout import shard_layout
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
+from k3jax.testing import random_params
 
-# MXFP4-capable tiny config: expert widths 32 (k3-tiny's 24 is not a multiple of the MX block).
-CFG = get_preset("k3-tiny", moe_intermediate_size=32)
+CFG = get_preset("k3-tiny")  # MXFP4-capable: every expert width is a multiple of the 32-wide MX block
 S1, S2 = "model-00001-of-000006.safetensors", "model-00002-of-000006.safetensors"
 NORM0 = "language_model.model.layers.0.input_layernorm.weight"
 SCALE = "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
@@ -26,14 +26,8 @@ A_LOG = "language_model.model.layers.0.self_attn.A_log"
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    import jax
-
-    from k3jax.model import abstract_params
-
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(CFG))
     d = tmp_path_factory.mktemp("bad") / "good"
-    save(params, CFG, d)
+    save(random_params(CFG), CFG, d)
     return str(d)
 
 

@@ -14,17 +14,16 @@ from k3jax.checkpoint.name_map import hf_tensors
 from k3jax.checkpoint.save import MANIFEST_NAME, config_json, save
 from k3jax.cli.main import main
 from k3jax.config import from_hf, get_preset
-from k3jax.model import abstract_params, forward
+from k3jax.model import forward
+from k3jax.testing import random_params
 
-CFG = get_preset("k3-tiny", moe_intermediate_size=32)  # MXFP4-capable widths
+CFG = get_preset("k3-tiny")  # MXFP4-capable widths
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(CFG))
     d = tmp_path_factory.mktemp("exp") / "src"
-    save(params, CFG, d)
+    save(random_params(CFG), CFG, d)
     return str(d)
 
 

@@ -14,7 +14,7 @@ from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
 from k3jax.model import abstract_params
 
-CFG = get_preset("k3-tiny", moe_intermediate_size=32)
+CFG = get_preset("k3-tiny")
 
 WORKER = r"""
 import json, os, sys
@@ -27,7 +27,7 @@ jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid,
 from k3jax.checkpoint.load import load
 from k3jax.checkpoint.reader import open_checkpoint
 from k3jax.config import get_preset
-cfg = get_preset("k3-tiny", moe_intermediate_size=32)
+cfg = get_preset("k3-tiny")
 mesh = Mesh(np.array(jax.devices()), ("expert",))
 stats = {}
 _, p = load(ckpt, cfg=cfg, mesh=mesh, keep_experts_packed=True, progress=False, stats=stats)

@@ -25,7 +25,7 @@ def _with_experts(params, fn):
 @pytest.fixture(scope="module")
 def tiny():
     # F = 32 so the down projection's `in` axis is whole MX blocks (export needs them; fake-quant alone would not)
-    cfg = get_preset("k3-tiny", moe_intermediate_size=32)
+    cfg = get_preset("k3-tiny")
     params = init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     assert _moe_layers(params)
