@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from k3jax.layers import backends
 from k3jax.ops import kda as kda_ops
 
 IMPLS = ("recurrent", "chunked", "pallas")
@@ -30,15 +31,12 @@ def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lowe
         return kda_ops.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
     if impl == "pallas":
-        # NOTE: imported lazily so that the ops/layers path never needs Pallas (STYLE §2 routes kernels through
-        # layers/backends.py; this is the one direct use until that module takes over the dispatch).
-        from pallas_kernels.kda import kda_chunk
-        return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                         gate_lower_bound=gate_lower_bound)
+        return backends.kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                         chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def kda_layer(p, x, *, gate_lower_bound: float | None, eps: float, impl: str = "recurrent",
+def kda_layer(p, x, *, gate_lower_bound: float | None, eps: float, impl: str = "chunked",
               chunk_size: int = 64, cache: dict | None = None):
     """KDA token mixer.
 
