@@ -172,6 +172,9 @@ def save_state(mngr, state: dict, meta: dict, *, force: bool = False) -> None:
     import orbax.checkpoint as ocp
 
     step = int(state["step"])
+    # The train step donates its state; give the (async) writer its own buffers so the next step cannot overwrite
+    # arrays that are still being serialized (on CPU a host view of a device buffer may be zero-copy).
+    state = jax.tree.map(jnp.copy, state)
     mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_flat(state)),
                                             meta=ocp.args.JsonSave(meta)), force=force)
 
@@ -191,16 +194,21 @@ def restore_state(mngr, like: dict, step: int | None = None) -> tuple[dict, dict
 
 
 def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
-    """(step, params as numpy) of a training checkpoint, without knowing its config (for comparisons/tests)."""
+    """(step, params as numpy) of a training checkpoint, on any device count (for comparisons, export, tests)."""
     import orbax.checkpoint as ocp
 
     mngr = ocp.CheckpointManager(os.path.abspath(ckpt_dir))
     step = mngr.latest_step() if step is None else step
+    mngr.close()
     if step is None:
         raise ValueError(f"{ckpt_dir}: no committed checkpoint")
-    r = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    mngr.close()
-    return step, jax.tree.map(np.asarray, r["state"]["params"])
+    path = os.path.join(os.path.abspath(ckpt_dir), str(step), "state")
+    ck = ocp.PyTreeCheckpointer()
+    meta = ck.metadata(path)
+    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    r = ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+    return step, r["params"]
 
 
 # -------------------------------------------------------------------------------------------------------- the loop
