@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -469,5 +468,4 @@ def param_count_estimate(cfg: K3Config) -> int:
     return total
 
 
-__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate", "param_count_estimate",
-           "math"]
+__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate", "param_count_estimate"]
