@@ -99,7 +99,7 @@ def make_train_step(cfg, tx, spec: StepSpec):
         scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
         g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
         loss, ce = loss * scale, ce * scale
-        gnorm = optax.global_norm(g)
+        gnorm = optax.tree.norm(g)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
         updates, opt = tx.update(g, state["opt"], params)
