@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -22,26 +21,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from k3jax.bench.common import time_median  # noqa: E402
 from k3jax.quant import mxfp4_pack, mxfp4_unpack  # noqa: E402
+from k3jax.testing import rel_rms  # noqa: E402
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul  # noqa: E402
 from pallas_kernels.mxfp4_matmul.reference import mxfp4_gmm_reference, mxfp4_matmul_reference  # noqa: E402
 
 K3_K, K3_N = 3584, 3072  # expert w1/w3: torch [3072, 3584]
 
 
-def rel_rms(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
-
-
 def timed(f, *args, reps=20) -> float:
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return time_median(f, *args, reps=reps)
 
 
 def weights(key, shape):
