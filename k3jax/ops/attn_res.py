@@ -18,8 +18,7 @@ from k3jax.ops.norms import acc_dtype
 
 def attn_res(sources, query, gain, eps: float):
     """sources: sequence of N arrays [..., D] (or one stacked [N, ..., D]); query, gain: [D] → [..., D]."""
-    if not isinstance(sources, jax.Array | jnp.ndarray) or getattr(sources, "ndim", 0) == 0:
-        sources = list(sources)
+    if isinstance(sources, list | tuple):
         if len(sources) == 1:
             return sources[0].astype(acc_dtype(sources[0].dtype))
         v = jnp.stack(sources)
