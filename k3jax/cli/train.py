@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default="per_head")
     run.add_argument("--balance", choices=("qb", "sign", "aux", "off"), default="qb",
                      help="expert balancing: Quantile Balancing (K3), DeepSeek sign rule, auxiliary loss, none")
+    run.add_argument("--qb-ema", type=float, default=0.0,
+                     help="QB only: bias = centre(rho * bias + (1 - rho) * b-hat), an EMA of the per-step target "
+                          "(SPEC §8.2; default 0 = plain QB)")
     run.add_argument("--no-qk-clip", action="store_true")
     run.add_argument("--qk-tau", type=float, default=100.0)
     run.add_argument("--seed", type=int, default=0)
@@ -63,7 +66,7 @@ def run_cli(args) -> int:
         preset=args.preset or (None if args.init else "k3-mini"), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
         optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, balance=args.balance,
-        qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed, data=tuple(args.data),
+        qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed, data=tuple(args.data),
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
         ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
         export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,

@@ -2,6 +2,8 @@
 auxiliary loss as ablation baselines.
 
     mode "qb"    b_new = centre(b̂) from the step's global r-histogram (k3jax.sharding.qb, §8.2)   [K3]
+                 with qb_ema = ρ > 0: b_new = centre(ρ·b + (1 − ρ)·b̂), an EMA of b̂ across steps (§8.2, optional
+                 in K3; k3jax default ρ = 0, off)
     mode "sign"  b_j += γ · sign(mean(load) − load_j), γ = 0.001                                  [DeepSeek-V3]
     mode "aux"   bias frozen; loss += α · Σ_j f_j · P_j  (f_j = E/(k·m) · load_j, P_j = mean_i s_ij/Σ_e s_ie)
     mode "off"   bias frozen, no loss term
@@ -59,10 +61,16 @@ def aux_loss(routing, top_k: int):
     return total
 
 
-def new_biases(stats: dict, b_le, *, mode: str, top_k: int, sign_gamma: float = 1e-3):
-    """Next step's biases [L, E] from the step's summed statistics."""
+def new_biases(stats: dict, b_le, *, mode: str, top_k: int, sign_gamma: float = 1e-3, qb_ema: float = 0.0):
+    """Next step's biases [L, E] from the step's summed statistics.
+
+    qb_ema = ρ in [0, 1): the QB target is averaged with the current bias, which is itself the previous average,
+    so the bias is an exponential moving average of the per-step b̂ (ρ = 0: plain QB)."""
     if mode == "qb":
-        return jnp.stack([center(qb_bias_from_hist(stats["hist"][i], b_le[i], top_k)) for i in range(b_le.shape[0])])
+        b_hat = jnp.stack([qb_bias_from_hist(stats["hist"][i], b_le[i], top_k) for i in range(b_le.shape[0])])
+        if qb_ema:
+            b_hat = qb_ema * b_le + (1.0 - qb_ema) * b_hat
+        return jnp.stack([center(b) for b in b_hat])
     if mode == "sign":
         load = stats["loads"].astype(jnp.float32)
         return b_le + sign_gamma * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

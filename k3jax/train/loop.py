@@ -37,7 +37,7 @@ from k3jax.train.step import StepSpec, init_state, make_eval_step, make_train_st
 
 # Fields that change which batches / updates a run produces: a resume with different values is refused.
 _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
-                "compute_dtype", "balance", "sign_gamma", "aux_alpha", "qk_clip", "qk_tau", "data", "max_bytes",
+                "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data", "max_bytes",
                 "heldout_frac", "total_steps")
 
 
@@ -60,6 +60,7 @@ class TrainConfig:
     compute_dtype: str = "float32"
     balance: str = "qb"
     sign_gamma: float = 1e-3
+    qb_ema: float = 0.0
     aux_alpha: float = 1e-2
     qk_clip: bool = True
     qk_tau: float = 100.0
@@ -140,7 +141,7 @@ def validate(tc: TrainConfig, n_dev: int) -> None:
         raise ValueError(f"--heldout-frac must be in (0, 1), got {tc.heldout_frac}")
     if tc.max_bad_steps < 1 or tc.ckpt_every < 1 or tc.eval_every < 1 or tc.keep < 1:
         raise ValueError("--max-bad-steps, --ckpt-every, --eval-every and --keep must be >= 1")
-    StepSpec(balance=tc.balance, qk_tau=tc.qk_tau)  # validates the balance mode and τ
+    StepSpec(balance=tc.balance, qb_ema=tc.qb_ema, qk_tau=tc.qk_tau)  # validates the balance mode, ρ and τ
     OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
 
 
@@ -279,8 +280,8 @@ def train(tc: TrainConfig, *, log=None) -> dict:
     tx, _ = make_optimizer(params, ocfg)
     state = jax.jit(lambda p: init_state(p, tx, tc.seed), out_shardings=repl)(params)
     del params
-    spec = StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, aux_alpha=tc.aux_alpha, qk_clip=tc.qk_clip,
-                    qk_tau=tc.qk_tau)
+    spec = StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, qb_ema=tc.qb_ema, aux_alpha=tc.aux_alpha,
+                    qk_clip=tc.qk_clip, qk_tau=tc.qk_tau)
     state_sh = jax.tree.map(lambda _: repl, state)
     step_fn = jax.jit(make_train_step(cfg, tx, spec), in_shardings=(state_sh, batch_sh, None),
                       out_shardings=(state_sh, None), donate_argnums=0)

@@ -32,6 +32,7 @@ from k3jax.train.qk_clip import mla_layer_indices, qk_clip
 class StepSpec:
     balance: str = "qb"  # "qb" | "sign" | "aux" | "off"
     sign_gamma: float = 1e-3
+    qb_ema: float = 0.0  # EMA factor of the QB target across steps (0 = off, K3's plain QB)
     aux_alpha: float = 1e-2
     qk_clip: bool = True
     qk_tau: float = 100.0
@@ -39,6 +40,8 @@ class StepSpec:
     def __post_init__(self):
         if self.balance not in bal.MODES:
             raise ValueError(f"balance mode {self.balance!r}: must be one of {bal.MODES}")
+        if not 0.0 <= self.qb_ema < 1.0:
+            raise ValueError(f"qb_ema must lie in [0, 1), got {self.qb_ema}")
         if self.qk_tau <= 0:
             raise ValueError(f"qk_tau must be > 0, got {self.qk_tau}")
 
@@ -109,7 +112,7 @@ def make_train_step(cfg, tx, spec: StepSpec):
             new_params, clip = qk_clip(new_params, list(ml), tau=spec.qk_tau)
         if moe_idx:
             new_b = bal.new_biases(stats, b_le, mode=spec.balance, top_k=cfg.num_experts_per_token,
-                                   sign_gamma=spec.sign_gamma)
+                                   sign_gamma=spec.sign_gamma, qb_ema=spec.qb_ema)
             new_params = bal.set_biases(new_params, new_b)
 
         new_state = {"params": _select(finite, new_params, params), "opt": _select(finite, opt, state["opt"]),

@@ -39,6 +39,24 @@ def test_qb_iterations_balance_a_fixed_score_matrix():
     np.testing.assert_allclose(float(jnp.mean(b)), 0.0, atol=1e-6)  # centred
 
 
+def test_qb_ema_averages_the_target_with_the_current_bias():
+    x, w = _setup()
+    b = jnp.asarray(np.random.default_rng(0).standard_normal((1, E)) * 0.1, jnp.float32)
+    b = b - jnp.mean(b)
+    st = bal.micro_stats([route(x, w, b[0], top_k=K)], b, E, mode="qb")
+    plain = bal.new_biases(st, b, mode="qb", top_k=K)
+    rho = 0.7
+    ema = bal.new_biases(st, b, mode="qb", top_k=K, qb_ema=rho)
+    # both b and centre(b-hat) have zero mean, so the EMA of the centred target equals the centred EMA
+    np.testing.assert_allclose(np.asarray(ema), np.asarray(rho * b + (1 - rho) * plain), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(ema), np.asarray(plain))
+    # iterating the damped update still balances the fixed score matrix
+    for _ in range(60):
+        st = bal.micro_stats([route(x, w, b[0], top_k=K)], b, E, mode="qb")
+        b = bal.new_biases(st, b, mode="qb", top_k=K, qb_ema=0.5)
+    assert _ratio(x, w, b[0]) <= 1.2
+
+
 def test_micro_batch_statistics_sum_to_the_step_statistics():
     x, w = _setup()
     b = jnp.zeros((1, E), jnp.float32)

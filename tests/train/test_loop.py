@@ -75,7 +75,8 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
     (["--preset", "k3-tiny", "--data", "BADJSONL"], "not JSON"),
     (["--preset", "k3-mini", "--init", "TINYCKPT"], "does not match --preset k3-mini"),
     (["--init", "NOCKPT"], "no config.json"),
-], ids=["preset", "steps", "micro", "mesh", "empty", "missing", "jsonl", "init-mismatch", "init-missing"])
+    (["--preset", "k3-tiny", "--qb-ema", "1.0"], "qb_ema must lie in [0, 1)"),
+], ids=["preset", "steps", "micro", "mesh", "empty", "missing", "jsonl", "init-mismatch", "init-missing", "qb-ema"])
 def test_bad_input_exits_2_before_compute(argv, msg, tmp_path, capsys, monkeypatch):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
