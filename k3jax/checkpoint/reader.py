@@ -189,6 +189,7 @@ class Checkpoint:
     bytes_read: int = 0
     scale_bytes: dict[str, int] = field(default_factory=lambda: {"0x00": 0, "0xFF": 0, "total": 0})
     _maps: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    _fds: dict[str, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- reads
@@ -217,6 +218,41 @@ class Checkpoint:
     def read_bytes(self, file: str, start: int, end: int) -> np.ndarray:
         """A private uint8 copy of file bytes [start, end); counted in ``bytes_read``."""
         return np.array(self.view_bytes(file, start, end))
+
+    def read_into(self, e: TensorEntry, dst: np.ndarray) -> np.ndarray:
+        """Copy entry ``e``'s bytes into ``dst`` (C-contiguous, exactly ``e``'s byte count) with positional reads
+        (``os.preadv``): page cache -> ``dst``, the single copy a plain ``read()`` makes, without faulting a mapping
+        in page by page. Returns ``dst``'s bytes viewed as the entry's dtype and shape; counted in ``bytes_read``;
+        scale bytes checked."""
+        nbytes = e.end - e.start
+        buf = dst.reshape(-1).view(np.uint8)
+        if buf.nbytes != nbytes:
+            raise ValueError(f"read_into: destination holds {buf.nbytes} bytes, {e.name} has {nbytes}")
+        if not hasattr(os, "preadv"):  # not on every platform: copy out of the mapping instead
+            np.copyto(buf, self.view_bytes(e.file, e.start, e.end))
+        else:
+            fd = self._fd(e.file)
+            mv, got = memoryview(buf), 0
+            while got < nbytes:
+                n = os.preadv(fd, [mv[got:]], e.start + got)
+                if n == 0:
+                    raise CheckpointError(f"byte range [{e.start}, {e.end}) past the end of the file: the file shrank "
+                                          "after its header was read", file=e.file, tensor=e.name)
+                got += n
+            with self._lock:
+                self.bytes_read += nbytes
+            BYTES_READ.add(nbytes)
+        a = buf.view(DTYPES[e.dtype]).reshape(e.shape)
+        if e.name.endswith(".weight_scale") and e.dtype == "U8":
+            self.check_scale(e, a)
+        return a
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = self._fds[file] = os.open(os.path.join(self.path, file), os.O_RDONLY)
+            return fd
 
     def view_entry(self, e: TensorEntry) -> np.ndarray:
         """``read_entry`` without the copy: a read-only typed view of the mapped bytes (scale bytes checked)."""
@@ -250,10 +286,16 @@ class Checkpoint:
         """Unmap one file (its pages stop counting in RSS); a later read maps it again."""
         with self._lock:
             self._maps.pop(file, None)
+            fd = self._fds.pop(file, None)
+        if fd is not None:
+            os.close(fd)
 
     def close(self) -> None:
         with self._lock:
             self._maps.clear()  # np.memmap closes its mapping when the last view goes away
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
     # -- structure
     def bytes_by_dtype(self) -> dict[str, int]:

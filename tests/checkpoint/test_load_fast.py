@@ -9,7 +9,9 @@ from k3jax.checkpoint.load import (
     ALIGN,
     E2M1_VALUES,
     aligned_empty,
+    Scratch,
     copy_T,
+    host_transpose,
     load,
     mxfp4_dequantize_np,
     mxfp4_dequantize_T_into,
@@ -62,6 +64,32 @@ def test_copy_T_bf16_to_f32_bit_exact(shape):
         copy_T(d16, f32)  # generic path (float32 → bf16), rounding exactly as astype
         want = f32.T.astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(_bits(d16), _bits(want))
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (300, 131), (2, 129, 70)])
+def test_host_transpose_is_bit_exact_and_aligned(shape):
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**16, shape, dtype=np.uint16)  # NaN payloads, inf, subnormals, -0
+    src = bits.view(ml_dtypes.bfloat16)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        out = host_transpose(src, dtype)
+        assert out.shape == (*shape[:-2], shape[-1], shape[-2]) and out.flags.c_contiguous
+        assert out.ctypes.data % ALIGN == 0
+        np.testing.assert_array_equal(_bits(out), _bits(np.swapaxes(src, -1, -2).astype(dtype)))
+    f32 = rng.standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(_bits(host_transpose(f32, np.float32)), _bits(np.swapaxes(f32, -1, -2)))
+    with np.errstate(invalid="ignore"):  # narrowing goes through numpy (rounding exactly as astype)
+        np.testing.assert_array_equal(_bits(host_transpose(f32, ml_dtypes.bfloat16)),
+                                      _bits(np.swapaxes(f32, -1, -2).astype(ml_dtypes.bfloat16)))
+
+
+def test_scratch_is_reused_and_grows():
+    s = Scratch()
+    a = s.take((4, 8), np.float32)
+    b = s.take((2, 3), np.uint16)
+    assert a.ctypes.data == b.ctypes.data and a.ctypes.data % ALIGN == 0
+    c = s.take((64, 64), np.float32)
+    assert c.shape == (64, 64) and c.nbytes == 64 * 64 * 4 and s.buf.nbytes >= c.nbytes
 
 
 def test_aligned_empty_alignment():
