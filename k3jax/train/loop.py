@@ -37,8 +37,8 @@ from k3jax.train.step import StepSpec, init_state, make_eval_step, make_train_st
 
 # Fields that change which batches / updates a run produces: a resume with different values is refused.
 _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
-                "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data", "max_bytes",
-                "heldout_frac", "total_steps")
+                "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data",
+                "max_bytes", "heldout_frac", "total_steps")
 
 
 class TrainingStoppedError(RuntimeError):
@@ -295,7 +295,9 @@ def train(tc: TrainConfig, *, log=None) -> dict:
     if mngr is not None and mngr.latest_step() is not None:
         state, old_meta = restore_state(mngr, state)
         old = old_meta.get("train", {})
-        diff = sorted(k for k in meta["train"] if old.get(k) != meta["train"][k])
+        # a key newer than the checkpoint (e.g. qb_ema) counts as that run's default
+        defaults = TrainConfig().resume_key()
+        diff = sorted(k for k in meta["train"] if old.get(k, defaults[k]) != meta["train"][k])
         if diff and tc.fork:
             log(f"fork: resuming with changed {', '.join(diff)}")
         elif diff:

@@ -1,0 +1,34 @@
+"""Copy a checkpoint with every MoE selection bias (``e_score_correction_bias``) set to zero.
+
+Used for the Quantile Balancing fine-tune experiment in LOG.md: start from trained weights whose router is far from
+balanced at zero bias, then watch QB bring the per-layer max/mean expert load down during ``k3 train --init``.
+
+    python experiments/qb_reset_bias.py SRC_DIR DST_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def main(src: str, dst: str) -> None:
+    from k3jax.checkpoint import load, save
+    from k3jax.train import balance as bal
+
+    cfg, params = load(src, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",)), progress=False)
+    b = bal.biases(params)
+    print(f"{src}: {b.shape[0]} MoE layers, bias range per layer before reset "
+          f"{np.round(np.asarray(jnp.max(b, -1) - jnp.min(b, -1)), 3).tolist()}")
+    params = bal.set_biases(params, jnp.zeros_like(b))
+    save(jax.device_get(params), cfg, dst)
+    print(f"wrote {dst} with zero biases")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2])
