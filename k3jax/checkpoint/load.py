@@ -491,7 +491,6 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     if bar is not None:
         bar.close()
     ck.close()
-    del scratch
     bd["read_decode"] = t_read
     bd["make_arrays"] = t_arrays
     if stats is not None:

@@ -278,8 +278,9 @@ def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUN
 
     Steps, with c-row sub-chunks I, J (c = 16) and r0(I) the first row of I:
       1. In-chunk sums of g: "after r0" and "after j" within each sub-chunk by shifted adds (``_prefix_sum``),
-         sums of sub-chunk totals by 0/1 mask matmuls. Every exponent below is a sum of exactly the g_tau it spans, never a difference of two large
-         cumsums (which would lose ~|G| * 6e-8, e.g. 6e-5 relative after a g = -1000 reset).
+         sums of sub-chunk totals by 0/1 mask matmuls. Every exponent below is a sum of exactly the g_tau it
+         spans, never a difference of two large cumsums (which would lose ~|G| * 6e-8, e.g. 6e-5 relative after a
+         g = -1000 reset).
       2. Past columns (J < I), anchor r0(I): rows a_i = exp(G_i - G_r0(I)) <= 1; columns
          Y[I, j] = k_j exp(G_r0(I) - G_end(J)) exp(G_end(J) - G_j) <= 1 (each factor flushed below exp(-20) by
          ``_exp_flushed``, so no product is subnormal); columns J >= I are exact zeros. One batched matmul
@@ -388,14 +389,15 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
       gate_lower_bound: lb of the K3 safe gate (e.g. -5.0). When given, diagonal sub-blocks are factorised around
         a past-row anchor + lb (c - 1) / 2; g must then lie in [lb, 0]. None (unbounded, softplus gate): exact
         pairwise decays on the diagonal sub-blocks.
+      chunks_per_group: chunks processed together (see Structure); changes speed and memory, not results. The
+        default 4 was the fastest of 2/4/8/16 on the CI CPU at T = 1024, 4096 and 16384 (experiments/LOG.md).
     Returns: o [B, T, H, V] in q.dtype; final state [B, H, K, V] in the compute dtype.
 
-      chunks_per_group: chunks processed together (see Structure); changes speed and memory, not results.
     Structure: chunks are taken in groups of up to ``chunks_per_group``. Inside a group, all state-independent
-    work (A_kk, A_qk, the blocked inverse for W and U) runs batched over its chunks as matmuls; a ``lax.scan``
-    over the chunks carries the state; outputs O = s (Q ⊙ Γ) S_start + A_qk Ṽ are again batched. Groups are
-    visited by a ``lax.scan`` whose body is ``jax.checkpoint``-ed, so autodiff stores one state per group (per
-    chunk inside the group being recomputed), never one per token.
+    work (A_kk, A_qk, the blocked inverse for W and U) runs batched over its chunks as matmuls; an unrolled
+    ``lax.scan`` over the chunks carries the state; outputs O = s (Q ⊙ Γ) S_start + A_qk Ṽ are again batched.
+    Groups are visited by a ``lax.scan`` whose body is ``jax.checkpoint``-ed, so autodiff stores one state per
+    group (per chunk inside the group being recomputed), never one per token.
     """
     validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
     if chunk_size % sub_chunk:

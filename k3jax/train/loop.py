@@ -41,6 +41,13 @@ _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "
                 "max_bytes", "heldout_frac", "total_steps")
 
 
+def resume_diff(saved: dict, now: dict) -> list[str]:
+    """Settings (``_RESUME_KEYS``) that differ between a checkpoint's run and this one. A key the checkpoint does
+    not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default."""
+    defaults = TrainConfig().resume_key()
+    return sorted(k for k in now if saved.get(k, defaults[k]) != now[k])
+
+
 class TrainingStoppedError(RuntimeError):
     """Too many non-finite steps in a row; the message names the steps and the last good checkpoint."""
 
@@ -294,10 +301,7 @@ def train(tc: TrainConfig, *, log=None) -> dict:
     start = 0
     if mngr is not None and mngr.latest_step() is not None:
         state, old_meta = restore_state(mngr, state)
-        old = old_meta.get("train", {})
-        # a key newer than the checkpoint (e.g. qb_ema) counts as that run's default
-        defaults = TrainConfig().resume_key()
-        diff = sorted(k for k in meta["train"] if old.get(k, defaults[k]) != meta["train"][k])
+        diff = resume_diff(old_meta.get("train", {}), meta["train"])
         if diff and tc.fork:
             log(f"fork: resuming with changed {', '.join(diff)}")
         elif diff:

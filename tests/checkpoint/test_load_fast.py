@@ -8,8 +8,8 @@ import pytest
 from k3jax.checkpoint.load import (
     ALIGN,
     E2M1_VALUES,
-    aligned_empty,
     Scratch,
+    aligned_empty,
     copy_T,
     host_transpose,
     load,

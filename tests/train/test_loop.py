@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.cli.main import main
-from k3jax.train.loop import TrainConfig, TrainingStoppedError, load_checkpoint_params, train
+from k3jax.train.loop import TrainConfig, TrainingStoppedError, load_checkpoint_params, resume_diff, train
 
 BASE = TrainConfig(preset="k3-tiny", steps=4, batch=4, micro_batches=2, seq_len=16, lr=3e-3, eval_every=100,
                    eval_windows=4, max_bytes=100_000, devices=2, progress=False, peak_flops=1e9)
@@ -99,3 +99,11 @@ def test_bad_input_exits_2_before_compute(argv, msg, tmp_path, capsys, monkeypat
     rc = main(["train", *[subst.get(a, a) for a in argv], "--no-progress"])
     assert rc == 2
     assert msg in capsys.readouterr().err
+
+
+def test_resume_diff_defaults_keys_older_checkpoints_lack():
+    now = TrainConfig(preset="k3-tiny", steps=5).resume_key()
+    old = {k: v for k, v in now.items() if k != "qb_ema"}  # written before qb_ema existed
+    assert resume_diff(old, now) == []
+    assert resume_diff(old, TrainConfig(preset="k3-tiny", steps=5, qb_ema=0.5).resume_key()) == ["qb_ema"]
+    assert resume_diff(dict(now, lr=1.0), now) == ["lr"]
