@@ -1,6 +1,6 @@
 """`k3 bench load` — checkpoint load throughput vs a raw sequential read of the same files, peak RSS, bytes read.
 
-For each checkpoint (k3-mini, and a larger synthetic one with K3's byte proportions unless --quick) the benchmark
+For each checkpoint (k3-mini, and unless --quick a larger synthetic one closer to K3's I/O profile) the benchmark
 writes random params with ``save``, then in a fresh process with 8 simulated CPU devices:
   1. reads every shard file sequentially once to warm the page cache, then times a second raw read (16 MiB chunks);
   2. loads once per mode untimed (``first_load_s``: jax runtime init, the abstract-tree trace and the transpose
@@ -56,8 +56,8 @@ def _configs(quick: bool):
     mini = get_preset("k3-mini")
     if quick:
         return [("k3-mini", mini)]
-    # Closer to K3's I/O profile than k3-mini (0.9 GB vs 37 MB): routed experts ~80% of the file bytes (K3: 91%,
-    # k3-mini: 40%) and each expert matrix a 1.4 MB MXFP4 tensor (K3: 5.5 MB, k3-mini: 16 KB) — per-tensor costs
+    # Closer to K3's I/O profile than k3-mini (0.9 GB vs 37 MB): routed experts 64% of the file bytes (K3: 93%,
+    # k3-mini: 34%) and each expert matrix a 1.4 MB MXFP4 tensor (K3: 5.5 MB, k3-mini: 15 KB) — per-tensor costs
     # (syscalls, Python, array creation) weigh on k3-mini's tiny tensors far more than on the release's.
     big = mini.replace(name="k3-io-synthetic", hidden_size=1024, kda_num_heads=8, kda_head_dim=128, mla_num_heads=8,
                        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
