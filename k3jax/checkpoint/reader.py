@@ -3,13 +3,14 @@
 Why not the ``safetensors`` library: safetensors 0.8.0 cannot return F8_E4M3, F8_E8M0 or F4 tensors through
 ``framework="numpy"`` or ``"flax"``, and ``framework="flax"`` puts whole tensors on device 0 (SPEC §11.8, §14.5).
 The container is simple (u64 LE length, JSON header, data), so we parse it ourselves, map each file with
-``np.memmap`` and view byte ranges with ``ml_dtypes`` dtypes. Nothing is ever unpickled: pickle-based files
+``np.memmap`` and view byte ranges with ``ml_dtypes`` dtypes, or copy a tensor's bytes straight into a caller's
+buffer with positional reads (``read_into``). Nothing is ever unpickled: pickle-based files
 (``.bin``, ``.pt``, ``.pth``, ``.pkl``, ``.ckpt``) are refused outright.
 
 Order of work (SPEC §11.8): ``open_checkpoint`` reads the index and every text shard header and checks the
 containers; ``validate`` checks names, shapes and dtypes against ``name_map.hf_tensors`` for the config — all before
-a single data byte is read. Data reads go through ``Checkpoint.read*``, which count the bytes they copy out of the
-maps (``bytes_read``) and check E8M0 scale bytes (0xFF = NaN is an error naming the tensor).
+a single data byte is read. Data reads go through ``Checkpoint.read*`` / ``view*``, which count the bytes they
+read (``bytes_read``) and check E8M0 scale bytes (0xFF = NaN is an error naming the tensor).
 
     ck = open_checkpoint("ckpt/")
     plan = validate(ck, cfg)                    # raises CheckpointError naming file and tensor
