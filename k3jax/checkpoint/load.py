@@ -11,7 +11,7 @@
 3. Leaves are built one after another and host copies dropped, so host memory stays near the largest leaf. Bytes
    are read with ``os.preadv`` straight into the output buffer (packed experts, same-dtype tensors) or into one
    reused scratch buffer that feeds a transpose (linear weights: torch [out, in] -> [in, out]), which runs as one XLA
-   program on the host CPU (~9 GB/s; numpy's strided copies reach ~1 GB/s).
+   program on the host CPU (3.2 GB/s end to end on the CI CPU, into new memory; numpy's strided copies: 0.95 GB/s).
 4. MXFP4 experts are dequantized on the host shard after reading (exact, numpy), or kept packed: with
    ``keep_experts_packed=True`` the experts dict of each MoE layer holds ``w{1,2,3}_packed`` uint8 [E, out, in/2]
    and ``w{1,2,3}_scale`` uint8 [E, out, in/32] (torch orientation, as on disk) instead of ``w{1,2,3}``.
@@ -130,8 +130,9 @@ def host_transpose(src: np.ndarray, dtype) -> np.ndarray:
     """``swapaxes(src, -1, -2).astype(dtype)`` as a new C-contiguous, 64-byte-aligned host array.
 
     Runs as one XLA program on the host's CPU device: it reads ``src`` in place (an aligned buffer is adopted without
-    a copy) and XLA's tiled, multi-threaded transpose reaches ~9 GB/s on the CI CPU where numpy's strided copies
-    (``copy_T``) reach ~1 GB/s. The result is a zero-copy view of XLA's buffer, which the CPU devices adopt in turn.
+    a copy); end to end (dispatch and the new output's pages included) it moves 3.2 GB/s of an 8 MB BF16 matrix on
+    the CI CPU, where numpy's strided copies (``copy_T``) move 0.95 GB/s (experiments/load_microbench.py). The result
+    is a zero-copy view of XLA's buffer, which the CPU devices adopt in turn.
     Bit-identical to ``copy_T`` for widening and same-dtype casts (a transpose moves bits; bf16 -> f32 is exact).
     Falls back to ``copy_T`` where there is no CPU backend or for narrowing casts (rounding stays numpy's).
     """
