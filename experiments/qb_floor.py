@@ -5,12 +5,14 @@ it fits the routing distribution) and the batch itself (which content the B wind
 separates them for a checkpoint:
 
   ideal   the bias that QB converges to on a large pooled sample (``--fit-batches`` batches routed together,
-          iterated ``--fit-iters`` times): the best a single bias can do; its load ratio on fresh batches is the
-          floor set by batch composition alone.
+          iterated ``--fit-iters`` times), meant as the best a single bias can do. With the defaults (65k tokens,
+          30 iterations) it gave a higher floor than the converged fit of experiments/qb_pool_sim.py (LOG,
+          session 3: worst layer 1.31 vs 1.21 at 4096 tokens), most likely because 30 updates do not converge
+          the slowest layer.
   qb      plain QB as in training: each step's bias comes from the previous batch (starting from zero).
   ema     QB with an EMA of the target (``--ema``), same batches.
 
-    python experiments/qb_floor.py CKPT_DIR [--batch 64 --seq-len 64 --steps 30 --ema 0.5]
+    python experiments/qb_floor.py CKPT_DIR [--batch 64 --seq-len 64 --steps 30 --ema 0.5 --modes ideal,qb,ema]
 """
 
 from __future__ import annotations
