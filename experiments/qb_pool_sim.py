@@ -26,12 +26,12 @@ import numpy as np
 
 
 def qb_exact(s, b, k):
-    """One exact QB update on fixed scores s [m, E] with bias b [E] (float64): centred b̂ (§8.1 convention: the
-    (⌈q⌉+1)-th smallest r, as k3jax.sharding.qb.qb_bias_exact)."""
-    m, E = s.shape
-    q = int(np.ceil(m * k / E))
+    """One exact QB update on fixed scores s [m, E] with bias b [E] (float64): the centred sort-based b̂ of
+    k3jax.sharding.qb.qb_bias_exact, with the cutoff α = the (k+1)-th largest s + b."""
+    from k3jax.sharding.qb import qb_bias_exact
+
     alpha = -np.partition(-(s + b), k, axis=1)[:, k]
-    bh = np.partition(alpha[:, None] - s, q, axis=0)[q]
+    bh = qb_bias_exact(s, alpha, k)
     return bh - bh.mean()
 
 
