@@ -19,7 +19,11 @@ both are inexact on XLA:CPU). XLA:CPU also flushes float32 subnormals to zero in
     quantized as fp32(x).
 
 Other defined behaviour:
-  * the sign of an element is its sign bit: a negative value (or -0.0) that rounds to zero is E2M1 code 0x8 (-0);
+  * E2M1 sign bit = (x < 0) on the float32 input (SPEC §10.2), byte-identical to compressed-tensors: a negative
+    value that rounds to zero (a negative subnormal included) is code 0x8 (-0), an input of exactly -0.0 is code
+    0x0 (+0). The element rounding is shared by all three scale rules, so floor and ceil treat signed zeros the
+    same way. MXFP8 elements keep the float8 cast's sign instead (-0.0 and negative underflows become -0, 0x80):
+    they are never stored, and -0 and +0 dequantize to equal values;
   * a block holding a NaN or +-Inf gets scale byte 0xFF and all-zero element codes, so it dequantizes to NaN in all
     32 positions (NaN propagates through fake-quant instead of being hidden);
   * dequantized values beyond the float32 range (only at scale bytes >= 253) become +-Inf.
@@ -167,10 +171,18 @@ def _assemble_f32(sign: jax.Array, sig: jax.Array, e: jax.Array) -> jax.Array:
 # E2M1 element codes
 
 
-def e2m1_round_codes(v: jax.Array) -> jax.Array:
+def is_negative(x: jax.Array) -> jax.Array:
+    """``x < 0`` from the float32 bits: true for negative numbers (subnormals included, which XLA:CPU's
+    comparisons would flush), false for -0.0 and +0.0."""
+    bits = f32_bits(x)
+    return (bits < 0) & ((bits & 0x7FFFFFFF) != 0)
+
+
+def e2m1_round_codes(v: jax.Array, negative: jax.Array | None = None) -> jax.Array:
     """Round float32 ``v`` (already divided by the block scale) to E2M1 codes: RNE, saturating at +-6.
 
-    The sign bit of ``v`` becomes bit 3, so a negative value that rounds to zero is code 0x8. Returns uint8.
+    Bit 3 (the sign) is ``negative`` (default ``v < 0``, see ``is_negative``): a negative value that rounds to
+    zero is code 0x8, an exact -0.0 is code 0x0 (compressed-tensors' bytes, SPEC §10.2). Returns uint8.
     """
     v = v.astype(jnp.float32)
     m = jnp.minimum(jnp.abs(v), 6.0)
@@ -181,7 +193,7 @@ def e2m1_round_codes(v: jax.Array) -> jax.Array:
     idx = jnp.where(m < 2.0, q_lo, jnp.where(m < 4.0, q_mid + 2.0, q_hi + 4.0))
     # A value in [1.75, 2) rounds to 2 through q_lo = 4 -> idx 4 (= value 2); [3.5, 4) -> q_mid 4 -> idx 6 (= 4).
     code = idx.astype(jnp.int32)
-    sign = (f32_bits(v) >> 31) & 1
+    sign = (is_negative(v) if negative is None else negative).astype(jnp.int32)
     return (code | (sign << 3)).astype(jnp.uint8)
 
 
@@ -217,14 +229,15 @@ def _from_blocks(xb: jax.Array, axis: int, n: int) -> jax.Array:
 def _quantize_blocks(xb: jax.Array, fmt: str, rule: str):
     """[..., G, 32] float -> (elements [..., G, 32], scale bytes [..., G]); E2M1 elements are uint8 codes."""
     f = FORMATS[fmt]
-    x = flush_subnormals(xb.astype(jnp.float32))
+    x32 = xb.astype(jnp.float32)
+    x = flush_subnormals(x32)
     amax = jnp.max(jnp.abs(x), axis=-1)
     b = scale_bytes(amax, fmt=fmt, rule=rule)
     finite = (b != SCALE_NAN)[..., None]
     x = jnp.where(finite, x, 0.0)
     v = _scale_by_pow2(x, 127 - jnp.where(finite, b[..., None].astype(jnp.int32), 127))
-    if fmt == "e2m1":
-        return e2m1_round_codes(v), b
+    if fmt == "e2m1":  # the sign from the input itself: flushing keeps a subnormal's sign, but makes it -0.0
+        return e2m1_round_codes(v, is_negative(x32) & finite), b
     # Clip first: the float8 casts are not saturating (480 -> NaN for E4M3, SPEC §10.6). The cast keeps the sign,
     # so a negative value that underflows is -0.
     v = jnp.clip(v, -f.max_value, f.max_value)

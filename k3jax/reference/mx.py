@@ -5,8 +5,9 @@ searching the full list of representable magnitudes (built from the bit definiti
 (mantissa bit 0), and the E8M0 scale is ``math.ldexp(1, b - 127)``. Slow; use it on small arrays only.
 
 Shared conventions with the fast path (SPEC §10.2 and the module docstring of k3jax.ops.mx): inputs are float32
-values; float32 subnormals count as signed zero; an all-zero block has scale byte 0; a block with NaN/Inf has scale
-byte 0xFF and zero element codes.
+values; float32 subnormals count as zero; an all-zero block has scale byte 0; a block with NaN/Inf has scale
+byte 0xFF and zero element codes. The E2M1 code's sign bit is (x < 0) of the input, so -0.0 is code 0x0 and any
+negative value that rounds to zero (a subnormal one too) is 0x8, as compressed-tensors writes them.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def f32(x: float) -> float:
     return float(np.float32(x))
 
 
-def round_to_grid(v: float, fmt: str) -> tuple[float, int]:
-    """Round-to-nearest-even of float64 ``v`` onto ``fmt``'s grid, saturating at +-max. Returns (value, code)."""
-    sign = math.copysign(1.0, v) < 0
+def round_to_grid(v: float, fmt: str, negative: bool | None = None) -> tuple[float, int]:
+    """Round-to-nearest-even of float64 ``v`` onto ``fmt``'s grid, saturating at +-max. Returns (value, code).
+
+    The code's sign bit is ``negative`` when given, else the sign bit of ``v`` (so -0.0 is negative)."""
+    sign = math.copysign(1.0, v) < 0 if negative is None else negative
     a = min(abs(v), MAX_VALUE[fmt])
     best = None
     for val, code in _MAGS[fmt]:
@@ -96,6 +99,9 @@ def e8m0_value(b: int) -> float:
 def quantize_row(row, fmt: str = "e2m1", rule: str = "even") -> tuple[list[int], list[int]]:
     """One 1-D row (length a multiple of 32) -> (element codes, scale bytes), block by block."""
     vals = [f32(float(x)) for x in row]
+    # E2M1 sign bit = (x < 0) of the input (compressed-tensors: -0.0 -> 0x0, a negative that rounds to 0 -> 0x8,
+    # SPEC §10.2); the float8 formats keep the sign bit of the (flushed) value, as a float8 cast does.
+    negative = [x < 0 for x in vals] if fmt == "e2m1" else [None] * len(vals)
     vals = [math.copysign(0.0, x) if (abs(x) < F32_MIN_NORMAL) else x for x in vals]  # flush float32 subnormals
     codes, scales = [], []
     for g in range(0, len(vals), BLOCK):
@@ -109,7 +115,7 @@ def quantize_row(row, fmt: str = "e2m1", rule: str = "even") -> tuple[list[int],
             codes.extend([0] * len(block))
             continue
         s = e8m0_value(b)
-        codes.extend(round_to_grid(x / s, fmt)[1] for x in block)
+        codes.extend(round_to_grid(x / s, fmt, neg)[1] for x, neg in zip(block, negative[g:g + BLOCK], strict=True))
     return codes, scales
 
 

@@ -276,5 +276,9 @@ def test_mxfp4_expert_helpers_match_spec_shapes():
     rel = np.sqrt(np.mean((dense - stack[3]) ** 2) / np.mean(stack[3] ** 2))
     assert rel < 0.2  # the same matrix (expert 3, [in, out]), quantized: a wrong slice or transpose gives ~1.4
     packed2, scale2 = nm.expert_to_hf(dense, packed_spec)  # re-packing a quantized matrix is lossless
-    np.testing.assert_array_equal(packed2, packed)
     np.testing.assert_array_equal(scale2, scale)
+    np.testing.assert_array_equal(nm.expert_from_hf(packed2, scale2, packed_spec), dense)
+    # the bytes too, but for -0: a dequantized 0x8 is an exact -0.0, which packs as 0x0 (SPEC §10.2)
+    nib = lambda q: np.stack([q & 15, q >> 4], -1)  # noqa: E731
+    diff = nib(packed2) != nib(packed)
+    assert (nib(packed)[diff] == 8).all() and (nib(packed2)[diff] == 0).all()

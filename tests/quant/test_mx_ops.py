@@ -31,7 +31,11 @@ def _mixed(seed, rows=6, n=64):
     x[1, :8] = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0]) * 2.0**-3  # ties at the 'even' scale of 6/8
     x[1, 8:16] = -x[1, :8]
     x[2, 3] = -1e-3 * abs(x[2]).max()  # a tiny negative: code 0x8
-    return x.astype(np.float32)
+    x[2, 4] = -0.0  # an exact -0.0 in a non-zero block: code 0x0 (compressed-tensors)
+    x[2, 5] = -1e-40  # a negative float32 subnormal: counts as zero, but is negative -> 0x8
+    x = x.astype(np.float32)
+    x[2, 5] = -np.float32(1e-40)
+    return x
 
 
 def test_every_e2m1_code_decodes():
@@ -71,7 +75,7 @@ def test_even_rule_worked_examples():
 def test_ties_to_even_and_negative_zero():
     v = jnp.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -0.1, -0.0, 0.0, -7.0, np.inf])
     got = np.asarray(mx.e2m1_round_codes(v))
-    np.testing.assert_array_equal(got, [0, 2, 2, 4, 4, 6, 6, 7, 8, 8, 8, 0, 15, 7])
+    np.testing.assert_array_equal(got, [0, 2, 2, 4, 4, 6, 6, 7, 8, 8, 0, 0, 15, 7])  # -0.0 -> 0x0, -0.1 -> 0x8
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -82,7 +86,12 @@ def test_mxfp4_quantize_byte_exact(rule, seed):
     want_codes, want_scale = ref.quantize(x, "e2m1", rule)
     np.testing.assert_array_equal(np.asarray(scale), want_scale)
     np.testing.assert_array_equal(np.asarray(codes), want_codes)
-    assert np.asarray(codes)[2, 3] == 8 and (np.asarray(codes)[0, 32:] == 8).all()
+    # signed zeros as compressed-tensors writes them (SPEC §10.2): a negative that rounds to 0 -> 0x8 (also a
+    # negative subnormal), an exact -0.0 -> 0x0 (also in an all--0.0 block, whose scale byte is 0)
+    c = np.asarray(codes)
+    assert c[2, 3] == 8 and c[2, 5] == 8 and c[2, 4] == 0
+    assert (c[0, 32:] == 0).all() and np.asarray(scale)[0, 1] == 0
+    assert (want_codes[2, 3], want_codes[2, 5], want_codes[2, 4]) == (8, 8, 0) and (want_codes[0, 32:] == 0).all()
     deq = np.asarray(mx.mxfp4_dequantize(codes, scale))
     np.testing.assert_array_equal(deq, ref.dequantize(want_codes, want_scale, "e2m1").astype(np.float32))
 

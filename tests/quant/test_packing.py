@@ -17,6 +17,8 @@ def _w(shape, seed=0, dtype=np.float32):
 def test_pack_matches_oracle_bytes_and_nibble_order():
     w = _w((5, 96), 1)
     w[0, 1] = -1e-6  # odd column, tiny negative: high nibble 0x8
+    w[0, 2] = -0.0  # exact -0.0: code 0x0, as compressed-tensors writes it (SPEC §10.2)
+    w[1, 32:64] = -0.0  # an all--0.0 block: scale byte 0, every code 0x0
     packed, scale = quant.mxfp4_pack(jnp.asarray(w))
     codes, want_scale = ref.quantize(w, "e2m1", "even")
     want_packed = np.array([ref.pack_row(r) for r in codes], dtype=np.uint8)
@@ -24,6 +26,8 @@ def test_pack_matches_oracle_bytes_and_nibble_order():
     np.testing.assert_array_equal(np.asarray(scale), want_scale)
     assert packed.shape == (5, 48) and scale.shape == (5, 3)
     assert np.asarray(packed)[0, 0] >> 4 == 8 and np.asarray(packed)[0, 0] & 0xF == codes[0, 0]
+    assert np.asarray(packed)[0, 1] & 0xF == 0 and codes[0, 2] == 0
+    assert (np.asarray(packed)[1, 16:32] == 0).all() and np.asarray(scale)[1, 1] == 0
 
 
 def test_unpack_matches_float4_bitcast():
