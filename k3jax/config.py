@@ -11,7 +11,6 @@ Family switches (SPEC §13) are fields, not code forks; they double as ablation 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -210,181 +209,12 @@ def validate(c: K3Config) -> None:
 
 # --------------------------------------------------------------------------------------------------------- from_hf
 
-# Serialized transformers.PretrainedConfig boilerplate that carries no model hyper-parameter (SPEC §1.1).
-_HF_BOILERPLATE = frozenset("""
-_name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens bos_token_id
-chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
-torch_dtype early_stopping encoder_no_repeat_ngram_size eos_token_id exponential_decay_length_penalty finetuning_task
-forced_bos_token_id forced_eos_token_id id2label label2id is_decoder is_encoder_decoder length_penalty max_length
-min_length no_repeat_ngram_size num_beam_groups num_beams num_return_sequences output_attentions output_hidden_states
-output_scores pad_token_id prefix problem_type pruned_heads remove_invalid_values repetition_penalty return_dict
-return_dict_in_generate sep_token_id suppress_tokens task_specific_params temperature tf_legacy_loss
-tie_encoder_decoder tokenizer_class top_k top_p torchscript transformers_version typical_p use_bfloat16 use_cache
-initializer_range max_position_embeddings model_type ignore_index media_placeholder_token_id image_placeholder
-head_dim rope_theta rope_scaling attention_dropout attention_bias mlp_bias use_return_dict
-""".split())
+def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, **overrides) -> K3Config:
+    """Parse an HF ``config.json`` (official K3 or flat Kimi-Linear); see ``k3jax.hf_config.from_hf``, which holds
+    the one table of config keys (imported lazily: that module imports this one)."""
+    from k3jax.hf_config import from_hf as _from_hf
 
-# Known model fields: value = how we consume them. "check:<expected>" fields must have that value (features
-# k3jax does not implement are refused loudly rather than silently ignored).
-_HF_FIELDS = {
-    "vocab_size", "hidden_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "linear_attn_config",
-    "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate", "hidden_act", "activation_situ_beta",
-    "activation_situ_linear_beta", "intermediate_size", "first_k_dense_replace", "moe_layer_freq", "num_experts",
-    "num_experts_per_token", "num_shared_experts", "moe_intermediate_size", "routed_expert_hidden_size",
-    "latent_moe_use_norm", "routed_scaling_factor", "moe_renormalize", "moe_router_activation_func", "topk_method",
-    "use_grouped_topk", "num_expert_group", "topk_group", "attn_res_block_size", "num_nextn_predict_layers",
-    "quantization_config",
-}
-_LINEAR_ATTN_FIELDS = {"full_attn_layers", "kda_layers", "num_heads", "head_dim", "short_conv_kernel_size",
-                       "gate_lower_bound", "use_full_rank_gate"}
-
-
-def _load_json(path_or_dict) -> tuple[dict, str]:
-    if isinstance(path_or_dict, dict):
-        return path_or_dict, "<dict>"
-    p = os.fspath(path_or_dict)
-    if os.path.isdir(p):
-        p = os.path.join(p, "config.json")
-    try:
-        with open(p, encoding="utf-8") as f:
-            return json.load(f), p
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such config file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e})") from None
-
-
-def from_hf(path_or_dict, **overrides) -> K3Config:
-    """Parse an official K3 ``config.json`` (``kimi_k3`` wrapping ``text_config``) or a flat Kimi-Linear one.
-
-    Unknown fields and contradictions raise ``ConfigError`` (a ``ValueError``) naming the field.
-    ``overrides`` set runtime fields (``moe_impl``, ``param_dtype``, ...) on the result.
-    """
-    raw, src = _load_json(path_or_dict)
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{src}: top level must be a JSON object")
-    top_type = raw.get("model_type")
-    if top_type == "kimi_k3":
-        if not isinstance(raw.get("text_config"), dict):
-            raise ConfigError(f"{src}: field 'text_config' must be an object for model_type 'kimi_k3'")
-        tc = raw["text_config"]
-        where = "text_config."
-        if tc.get("model_type", "kimi_linear") != "kimi_linear":
-            raise ConfigError(f"{src}: field 'text_config.model_type' must be 'kimi_linear', got {tc['model_type']!r}")
-    elif top_type == "kimi_linear":
-        tc, where = raw, ""
-    else:
-        raise ConfigError(f"{src}: field 'model_type' must be 'kimi_k3' or 'kimi_linear', got {top_type!r}")
-
-    def err(fld, msg):
-        return ConfigError(f"{src}: field '{where}{fld}': {msg}")
-
-    for k in tc:
-        if k not in _HF_FIELDS and k not in _HF_BOILERPLATE:
-            raise err(k, "unknown field")
-
-    def get(k, default=..., typ=None):
-        if k not in tc:
-            if default is ...:
-                raise err(k, "required field is missing")
-            return default
-        v = tc[k]
-        if typ is not None and v is not None and not isinstance(v, typ) or isinstance(v, bool) and typ in (int, float):
-            raise err(k, f"expected {getattr(typ, '__name__', typ)}, got {v!r}")
-        return v
-
-    lac = get("linear_attn_config", typ=dict)
-    for k in lac:
-        if k not in _LINEAR_ATTN_FIELDS:
-            raise err(f"linear_attn_config.{k}", "unknown field")
-    L = get("num_hidden_layers", typ=int)
-    fal = lac.get("full_attn_layers")
-    kdl = lac.get("kda_layers")
-    if not isinstance(fal, list) or not all(isinstance(i, int) for i in fal):
-        raise err("linear_attn_config.full_attn_layers", "must be a list of 1-based layer indices")
-    if kdl is not None:
-        if not isinstance(kdl, list) or not all(isinstance(i, int) for i in kdl):
-            raise err("linear_attn_config.kda_layers", "must be a list of 1-based layer indices")
-        if set(fal) & set(kdl):
-            raise err("linear_attn_config.kda_layers", f"overlaps full_attn_layers at {sorted(set(fal) & set(kdl))}")
-        if sorted(set(fal) | set(kdl)) != list(range(1, L + 1)):
-            raise err("linear_attn_config.kda_layers", f"together with full_attn_layers must cover 1..{L} exactly")
-
-    heads = get("num_attention_heads", typ=int)
-    if get("num_key_value_heads", heads) not in (None, heads):
-        raise err("num_key_value_heads", f"MLA needs num_key_value_heads == num_attention_heads ({heads})")
-    if get("mla_use_nope", False) is not True:
-        raise err("mla_use_nope", "only NoPE MLA (true) is supported; K3 and Kimi-Linear apply no RoPE")
-    if get("moe_router_activation_func", "sigmoid") != "sigmoid":
-        raise err("moe_router_activation_func", "only 'sigmoid' routing is supported")
-    if get("topk_method", "noaux_tc") != "noaux_tc":
-        raise err("topk_method", "only 'noaux_tc' is supported")
-    if get("num_expert_group", 1) != 1 or get("topk_group", 1) != 1:
-        raise err("num_expert_group", "group-limited routing (num_expert_group/topk_group != 1) is not supported")
-    if get("moe_layer_freq", 1) != 1:
-        raise err("moe_layer_freq", "only 1 (every layer after first_k_dense_replace is MoE) is supported")
-    if get("num_nextn_predict_layers", 0) not in (0, None):
-        raise err("num_nextn_predict_layers", "MTP layers are not part of the release and not supported")
-    act = get("hidden_act", typ=str)
-    if act not in ("situ", "silu"):
-        raise err("hidden_act", f"must be 'situ' or 'silu', got {act!r}")
-
-    qc = get("quantization_config", None, typ=dict) or raw.get("quantization_config")
-    expert_format = "bf16"
-    if qc:
-        fmt = qc.get("format") or (qc.get("config_groups", {}).get("group_0", {}) or {}).get("format")
-        if fmt == "mxfp4-pack-quantized":
-            expert_format = "mxfp4"
-        else:
-            raise err("quantization_config.format", f"unsupported format {fmt!r} (only mxfp4-pack-quantized)")
-
-    kw = dict(
-        vocab_size=get("vocab_size", typ=int),
-        hidden_size=get("hidden_size", typ=int),
-        num_layers=L,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        full_attn_layers=tuple(fal),
-        kda_num_heads=lac.get("num_heads", heads),
-        kda_head_dim=lac.get("head_dim", 128),
-        kda_conv_size=lac.get("short_conv_kernel_size", 4),
-        kda_gate_lower_bound=lac.get("gate_lower_bound"),
-        kda_full_rank_gate=bool(lac.get("use_full_rank_gate", False)),
-        mla_num_heads=heads,
-        q_lora_rank=get("q_lora_rank", None),
-        kv_lora_rank=get("kv_lora_rank", typ=int),
-        qk_nope_head_dim=get("qk_nope_head_dim", typ=int),
-        qk_rope_head_dim=get("qk_rope_head_dim", typ=int),
-        v_head_dim=get("v_head_dim", typ=int),
-        mla_output_gate=bool(get("mla_use_output_gate", False)),
-        hidden_act=act,
-        situ_beta=float(get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(get("activation_situ_linear_beta", 25.0)),
-        intermediate_size=get("intermediate_size", typ=int),
-        first_k_dense_replace=get("first_k_dense_replace", 1, typ=int),
-        num_experts=get("num_experts", typ=int),
-        num_experts_per_token=get("num_experts_per_token", typ=int),
-        num_shared_experts=get("num_shared_experts", 0, typ=int),
-        moe_intermediate_size=get("moe_intermediate_size", typ=int),
-        routed_expert_hidden_size=get("routed_expert_hidden_size", None),
-        latent_moe_use_norm=bool(get("latent_moe_use_norm", False)),
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        moe_renormalize=bool(get("moe_renormalize", True)),
-        attn_res_block_size=get("attn_res_block_size", None),
-        expert_format=expert_format,
-        name=overrides.pop("name", f"hf-{top_type}"),
-    )
-    if act == "situ" and ("activation_situ_beta" not in tc or "activation_situ_linear_beta" not in tc):
-        raise err("activation_situ_beta",
-                  "hidden_act 'situ' needs activation_situ_beta and activation_situ_linear_beta")
-    kw.update(overrides)
-    try:
-        return K3Config(**kw)
-    except ConfigError as e:
-        raise ConfigError(f"{src}: {e}") from None
-    except TypeError as e:
-        raise ConfigError(f"{src}: {e}") from None
+    return _from_hf(path_or_dict, strict=strict, report=report, **overrides)
 
 
 # --------------------------------------------------------------------------------------------------------- presets

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.reader import DTYPES, Checkpoint, Plan, open_checkpoint, validate
-from k3jax.checkpoint.save import MANIFEST_NAME, architecture, sha256_file
+from k3jax.checkpoint.save import MANIFEST_NAME, architecture_diff, sha256_file
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 # byte → value of its low nibble (even column) / high nibble (odd column): one gather per output value, no shifts
@@ -257,9 +257,14 @@ class LeafSource:
                 mxfp4_dequantize_T_into(out[j], ck.view_entry(pk[i]), ck.view_entry(sc[i]))
         else:  # kind == "expert": BF16 torch [out, in] per expert, read as stored, then one transpose for all
             ents = [e for _, e in self.pairs]
-            raw = self.scratch.take((len(ids), *ents[0].shape), DTYPES[ents[0].dtype])
+            dts = {ents[i].dtype for i in ids}
+            common = DTYPES[next(iter(dts))] if len(dts) == 1 else np.dtype(np.float64 if "F64" in dts else np.float32)
+            raw = self.scratch.take((len(ids), *ents[0].shape), common)
             for j, i in enumerate(ids):
-                ck.read_into(ents[i], raw[j])
+                if len(dts) == 1:
+                    ck.read_into(ents[i], raw[j])
+                else:  # experts of one layer stored in different float dtypes: widen to a common one first
+                    np.copyto(raw[j], ck.view_entry(ents[i]), casting="unsafe")
             out = host_transpose(raw, self.dtype)
             del raw
         return out[(slice(None), *rest)] if any(r != slice(None) for r in rest) else out
@@ -365,7 +370,7 @@ def _abstract_params(cfg):
 
 def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None, keep_experts_packed: bool = False,
          verify: bool = False, layout: str | None = None, progress: bool | None = None, stats: dict | None = None,
-         track_rss: bool = False):
+         track_rss: bool = False, strict_config: bool = False):
     """Load a checkpoint directory into sharded jax arrays.
 
     Args:
@@ -383,6 +388,9 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
       track_rss: with ``stats``, also record ``leaf_peak_rss_bytes``: the largest RSS rise while building one leaf
         (kernel high-water mark, reset per leaf, minus the RSS before that leaf) — host memory the load needs on top
         of what it has already loaded. Costs a few /proc reads per leaf, so off by default.
+      strict_config: unknown keys in ``config.json`` are errors instead of one warning.
+    Other writers' forms are accepted and converted (SPEC §2.1, §11): floating tensors in another float dtype are
+    cast, ``A_log`` in any vector form with an exactly-zero tail; ``stats["tolerated"]`` says what was.
     Returns: (cfg, params).
     """
     from k3jax.config import from_hf
@@ -394,16 +402,14 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     t1 = time.perf_counter()
     bd["open_headers"] = t1 - t0
     cfg_file = os.path.join(path, "config.json")
+    cfg_report: dict = {}
     if cfg is None:
         if not os.path.exists(cfg_file):
             raise CheckpointError("no config.json and no cfg given", file=path)
-        cfg = from_hf(cfg_file)
+        cfg = from_hf(cfg_file, strict=strict_config, report=cfg_report)
     elif os.path.exists(cfg_file):
-        fcfg = from_hf(cfg_file)
-        a, b = architecture(fcfg), architecture(cfg)
-        a.pop("expert_format"), b.pop("expert_format")  # storage is decided by the tensors present
-        if a != b:
-            diff = sorted(k for k in a if a[k] != b.get(k))
+        diff = architecture_diff(from_hf(cfg_file, strict=strict_config, report=cfg_report), cfg)
+        if diff:
             raise CheckpointError(f"config.json differs from the given cfg in {', '.join(diff)}", file=cfg_file)
     if dtype is not None:
         cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
@@ -424,6 +430,9 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     t4 = time.perf_counter()
     bd["abstract_tree"] = t4 - t3
     leaves = output_leaves(plan, abstract, keep_experts_packed)
+    # A_log leaves first (a few hundred bytes per layer): a non-zero padding tail then fails before any large tensor
+    # is read. The order in which leaves are built does not change the result.
+    leaves.sort(key=lambda leaf: leaf[0][-1] != "A_log")
     bd["plan_leaves"] = time.perf_counter() - t4
 
     total = sum(e.nbytes for e in ck.tensors.values())
@@ -498,6 +507,7 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
         seconds = time.perf_counter() - t0
         bd["other"] = seconds - sum(bd.values())
         stats.update(bytes_read=ck.bytes_read - read0, seconds=seconds, breakdown=bd,
+                     tolerated=plan.tolerated(cfg_report),
                      scale_bytes=dict(ck.scale_bytes), peak_rss=peak_rss_bytes(), largest_leaf_bytes=largest,
                      checkpoint_bytes=total, packed_modules=len(ck.packed_modules()), leaves=len(leaves))
         if leaf_peak is not None:

@@ -53,7 +53,7 @@ class TensorSpec(NamedTuple):
       row        leaf [d] ← [1, d]
       conv       leaf [C, W] ← [C, 1, W]
       flat       leaf [N, K] ← [N*K]
-      a_log_pad  leaf [H] ← [ceil(H/128)*128], tail must be exactly 0
+      a_log_pad  leaf [H] ← [ceil(H/128)*128] (written); on load any vector form of N >= H values, tail exactly 0
       a_log_4d   leaf [H] ← [1, 1, H, 1]
       expert     leaf[e] [in, out] ← torch [out, in] (BF16 ``.weight``)
       mxfp4      leaf[e] [in, out] ← ``weight_packed`` [out, in/2] + ``weight_scale`` [out, in/32] (``part``)
@@ -376,8 +376,8 @@ def from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
         raise ValueError(f"{spec.name}: MXFP4 tensors come in pairs; use expert_from_hf(packed, scale, ...)")
     if t in ("linear", "expert"):
         return a.T.reshape(shape)
-    if t == "a_log_pad":
-        H = shape[0]
+    if t == "a_log_pad":  # any vector form of >= H values (SPEC §2.1: [H], [1, 1, H, 1], zero-padded [128])
+        H, a = shape[0], a.reshape(-1)
         if np.any(a[H:] != 0):
             raise ValueError(f"{spec.name}: A_log padding [{H}:] must be exactly 0 (got non-zero entries)")
         return a[:H].copy()

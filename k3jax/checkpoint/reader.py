@@ -49,6 +49,11 @@ DTYPES = {
     "BOOL": np.dtype(np.bool_),
 }
 
+# Floating dtypes a tensor may be stored in instead of the layout's own: cast on load (never reinterpreted).
+# Integer, bool and float8 storage must match exactly (float8 without scales is a quantization, not a dtype).
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+A_LOG_TRANSFORMS = ("a_log_pad", "a_log_4d")
+
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(w\d)\.(weight_packed|weight_scale|weight)$")
 
 
@@ -421,15 +426,34 @@ def open_checkpoint(path: str, *, skip_vision: bool = True) -> Checkpoint:
 
 @dataclass
 class Plan:
-    """The validated mapping: k3jax leaf path → its checkpoint tensors (TensorSpec, TensorEntry) pairs."""
+    """The validated mapping: k3jax leaf path → its checkpoint tensors (TensorSpec, TensorEntry) pairs.
+
+    ``casts`` counts tensors stored in another float dtype than the layout's (``{"F32->BF16": 190}``: stored F32
+    where the release has BF16); they are cast on load, never reinterpreted. ``a_log_forms`` counts the stored
+    shapes of ``A_log`` that differ from the layout's own (``{"[H]": 3}``).
+    """
 
     cfg: object
     layout: str
     leaves: dict[tuple, list[tuple[object, TensorEntry]]]  # path -> [(spec, entry)], experts in numeric order
     packed: dict[tuple, bool]  # expert leaf path -> stored MXFP4?
+    casts: dict[str, int] = field(default_factory=dict)
+    a_log_forms: dict[str, int] = field(default_factory=dict)
 
     def entries(self, path) -> list[TensorEntry]:
         return [e for _, e in self.leaves[path]]
+
+    def tolerated(self, config_report: dict | None = None) -> dict:
+        """What was accepted that the release itself does not contain: ``unknown_keys`` and ``ignored_keys`` of
+        the config (from ``from_hf(..., report=)``), ``casts`` and ``a_log_form`` (one name, or a sorted list if
+        the layers differ; absent when A_log is stored as the layout stores it)."""
+        r = config_report or {}
+        out = {"unknown_keys": list(r.get("unknown_keys", ())), "ignored_keys": list(r.get("ignored_keys", ())),
+               "casts": dict(sorted(self.casts.items()))}
+        if self.a_log_forms:
+            forms = sorted(self.a_log_forms)
+            out["a_log_form"] = forms[0] if len(forms) == 1 else forms
+        return out
 
 
 def _expected_specs(ck: Checkpoint, cfg, layout) -> list:
@@ -487,12 +511,25 @@ def validate(ck: Checkpoint, cfg, layout: str | None = None) -> Plan:
                               + "; ".join(parts), file=ck.path)
     leaves: dict[tuple, list] = {}
     packed: dict[tuple, bool] = {}
+    casts: dict[str, int] = {}
+    a_log_forms: dict[str, int] = {}
     for s in specs:
         e = ck.tensors[s.name]
         if e.dtype != s.dtype:
-            raise CheckpointError(f"dtype {e.dtype}, expected {s.dtype} for config {cfg.name!r}", file=e.file,
-                                  tensor=s.name)
-        if e.shape != tuple(s.shape):
+            if not (s.dtype in FLOAT_DTYPES and e.dtype in FLOAT_DTYPES):
+                want = f"a float dtype ({s.dtype} in the {layout} layout)" if s.dtype in FLOAT_DTYPES else s.dtype
+                raise CheckpointError(f"dtype {e.dtype}, expected {want} for config {cfg.name!r}", file=e.file,
+                                      tensor=s.name)
+            casts[f"{e.dtype}->{s.dtype}"] = casts.get(f"{e.dtype}->{s.dtype}", 0) + 1
+        if s.transform in A_LOG_TRANSFORMS and e.shape != tuple(s.shape):
+            form = a_log_form(e.shape, cfg)
+            if form is None:
+                raise CheckpointError(f"shape {list(e.shape)}, expected {list(s.shape)} for config {cfg.name!r} "
+                                      f"(A_log may also be stored [H], [1, 1, H, 1] or zero-padded [N >= H], "
+                                      f"H = {cfg.kda_num_heads})", file=e.file, tensor=s.name)
+            a_log_forms[form] = a_log_forms.get(form, 0) + 1
+            s = s._replace(shape=tuple(e.shape), transform="a_log_pad")  # flattened, tail checked on read
+        elif e.shape != tuple(s.shape):
             raise CheckpointError(f"shape {list(e.shape)}, expected {list(s.shape)} for config {cfg.name!r}",
                                   file=e.file, tensor=s.name)
         leaves.setdefault(s.path, []).append((s, e))
@@ -505,8 +542,23 @@ def validate(ck: Checkpoint, cfg, layout: str | None = None) -> Plan:
             if len(kinds) > 1:
                 raise CheckpointError(f"experts of {'/'.join(map(str, path))} are partly MXFP4 and partly BF16; "
                                       "one leaf must use one storage", file=ck.path)
-    return Plan(cfg, layout, leaves, packed)
+    return Plan(cfg, layout, leaves, packed, casts, a_log_forms)
 
 
-__all__ = ["BYTES_READ", "ByteCounter", "Checkpoint", "DTYPES", "INDEX_NAME", "Plan", "ShardHeader", "TensorEntry",
-           "is_vision", "open_checkpoint", "read_header", "validate"]
+def a_log_form(stored: tuple, cfg) -> str | None:
+    """Name of an accepted other storage of ``A_log`` (SPEC §2.1), or None if ``stored`` is not one: a vector
+    of N >= H values (one non-unit axis, e.g. [H], [1, 1, H, 1], [128]) whose tail past H must be exactly 0."""
+    H = cfg.kda_num_heads
+    big = [n for n in stored if n != 1]
+    N = math.prod(stored)
+    if len(big) > 1 or N < H:
+        return None
+    if stored == (H,):
+        return "[H]"
+    if stored == (1, 1, H, 1):
+        return "[1, 1, H, 1]"
+    return f"{list(stored)} zero-padded" if N > H else f"{list(stored)}"
+
+
+__all__ = ["BYTES_READ", "ByteCounter", "Checkpoint", "DTYPES", "FLOAT_DTYPES", "INDEX_NAME", "Plan", "ShardHeader",
+           "TensorEntry", "a_log_form", "is_vision", "open_checkpoint", "read_header", "validate"]

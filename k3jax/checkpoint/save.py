@@ -51,49 +51,35 @@ def _preset_json(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.dirname(__file__)), "presets", f"{name}.config.json")
 
 
+def architecture_diff(a: K3Config, b: K3Config, *, storage: bool = False) -> list[str]:
+    """Architecture fields in which ``a`` and ``b`` differ (sorted); ``expert_format`` only with ``storage``
+    (a checkpoint's storage is decided by the tensors present)."""
+    x, y = architecture(a), architecture(b)
+    if not storage:
+        x.pop("expert_format"), y.pop("expert_format")
+    return sorted(k for k in x if x[k] != y.get(k))
+
+
 def config_json(cfg: K3Config) -> bytes:
     """HF ``config.json`` bytes that ``k3jax.config.from_hf`` parses back to ``cfg``'s architecture.
 
     For the kimi-k3 / kimi-linear-48b architectures the shipped preset files are returned byte for byte (the
-    release's config); otherwise a ``kimi_k3`` wrapper (AttnRes configs) or a flat ``kimi_linear`` config is built.
+    release's config); otherwise the dict from the key table (``k3jax.hf_config.to_hf_dict``), with the release's
+    ``quantization_config`` block for MXFP4 experts.
     """
     from k3jax.config import from_hf
+    from k3jax.hf_config import to_hf_dict
 
     for preset in ("kimi-k3", "kimi-linear-48b"):
         p = _preset_json(preset)
         if os.path.exists(p) and architecture(from_hf(p)) == architecture(cfg):
             with open(p, "rb") as f:
                 return f.read()
-    L = cfg.num_layers
-    lac = {"full_attn_layers": list(cfg.full_attn_layers),
-           "kda_layers": [i for i in range(1, L + 1) if i not in set(cfg.full_attn_layers)],
-           "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim,
-           "short_conv_kernel_size": cfg.kda_conv_size, "use_full_rank_gate": cfg.kda_full_rank_gate}
-    if cfg.kda_gate_lower_bound is not None:
-        lac["gate_lower_bound"] = cfg.kda_gate_lower_bound
-    tc = {
-        "model_type": "kimi_linear", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": L, "rms_norm_eps": cfg.rms_norm_eps, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "linear_attn_config": lac, "num_attention_heads": cfg.mla_num_heads,
-        "num_key_value_heads": cfg.mla_num_heads, "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
-        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-        "v_head_dim": cfg.v_head_dim, "mla_use_nope": True, "mla_use_output_gate": cfg.mla_output_gate,
-        "hidden_act": cfg.hidden_act, "activation_situ_beta": cfg.situ_beta,
-        "activation_situ_linear_beta": cfg.situ_linear_beta, "intermediate_size": cfg.intermediate_size,
-        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": 1, "num_experts": cfg.num_experts,
-        "num_experts_per_token": cfg.num_experts_per_token, "num_shared_experts": cfg.num_shared_experts,
-        "moe_intermediate_size": cfg.moe_intermediate_size,
-        "routed_expert_hidden_size": cfg.routed_expert_hidden_size, "latent_moe_use_norm": cfg.latent_moe_use_norm,
-        "routed_scaling_factor": cfg.routed_scaling_factor, "moe_renormalize": cfg.moe_renormalize,
-        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
-        "attn_res_block_size": cfg.attn_res_block_size,
-    }
+    qc = None
     if cfg.expert_format == "mxfp4":
         with open(_preset_json("kimi-k3"), encoding="utf-8") as f:
-            tc["quantization_config"] = json.load(f)["text_config"]["quantization_config"]
-    out = {"model_type": "kimi_k3", "text_config": tc, "tie_word_embeddings": cfg.tie_word_embeddings} \
-        if cfg.uses_attn_res else tc
-    return json.dumps(out, indent=2, sort_keys=True).encode("utf-8")
+            qc = json.load(f)["text_config"]["quantization_config"]
+    return json.dumps(to_hf_dict(cfg, qc), indent=2, sort_keys=True).encode("utf-8")
 
 
 # ------------------------------------------------------------------------------------------------------ values
@@ -117,19 +103,9 @@ def pack_experts(w_eio: np.ndarray, name: str = "experts") -> tuple[np.ndarray, 
     "even" rule (SPEC §10.2–10.3)."""
     import jax.numpy as jnp
 
-    try:
-        from k3jax.quant import experts_to_packed
-    except ImportError:  # NOTE: k3jax.quant is being written concurrently; the same math from k3jax.ops.mx
-        experts_to_packed = None
-    w = jnp.asarray(w_eio)
-    if experts_to_packed is not None:
-        p, s = experts_to_packed(w, rule="even", name=name)
-    else:
-        from k3jax.ops import mx
+    from k3jax.quant import experts_to_packed
 
-        codes, s = mx.mxfp4_quantize(jnp.swapaxes(w, 1, 2), axis=-1, rule="even")
-        c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-        p = c[..., 0] | (c[..., 1] << 4)
+    p, s = experts_to_packed(jnp.asarray(w_eio), rule="even", name=name)
     return np.asarray(p, np.uint8), np.asarray(s, np.uint8)
 
 
@@ -258,4 +234,5 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 
-__all__ = ["MANIFEST_NAME", "architecture", "config_json", "index_json", "pack_experts", "save", "sha256_file"]
+__all__ = ["MANIFEST_NAME", "architecture", "architecture_diff", "config_json", "index_json", "pack_experts", "save",
+           "sha256_file"]

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--expert-format", choices=("mxfp4", "bf16"), default=None)
     p.add_argument("--manifest", action="store_true", help="also write SHA256SUMS")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--strict-config", action="store_true", help="unknown keys in --from's config are errors")
     p.set_defaults(func=run)
 
 
@@ -33,7 +34,8 @@ def run(args) -> int:
 
     if args.src:
         # keep experts packed: exporting them again is then a byte copy, not a re-quantization
-        cfg, params = load(args.src, keep_experts_packed=args.expert_format in (None, "mxfp4"))
+        cfg, params = load(args.src, keep_experts_packed=args.expert_format in (None, "mxfp4"),
+                           strict_config=args.strict_config)
     else:
         from k3jax.config import get_preset
         from k3jax.model import init_params

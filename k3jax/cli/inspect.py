@@ -1,11 +1,13 @@
 """`k3 inspect DIR` — validate a checkpoint against its config.json without loading it.
 
 Reports missing / extra tensors and shape / dtype mismatches (exit 2 with a message naming file and tensor), bytes
-by dtype, and which modules are stored MXFP4 (decided by the presence of ``weight_packed``). ``--check-data`` also
-reads every A_log and E8M0 scale tensor (A_log tail must be 0; scale byte 0xFF = NaN is an error).
+by dtype, which modules are stored MXFP4 (decided by the presence of ``weight_packed``), and what it tolerated from
+other writers: config keys it ignored, floating tensors stored in another float dtype (cast on load), ``A_log`` in
+another vector form. Every ``A_log`` is read (a few hundred bytes per layer) to check that its padding is exactly 0.
+``--check-data`` also reads every E8M0 scale tensor (byte 0xFF = NaN is an error).
 
     k3 inspect ckpt/
-    k3 inspect ckpt/ --json --check-data
+    k3 inspect ckpt/ --json --check-data --strict-config
 """
 
 from __future__ import annotations
@@ -17,20 +19,43 @@ import re
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="validate a checkpoint directory against its config", description=__doc__)
-    p.add_argument("dir", help="checkpoint directory (index, shards, config.json)")
+    p.add_argument("dir", nargs="?", help="checkpoint directory (index, shards, config.json)")
+    p.add_argument("--ckpt", dest="ckpt", default=None, help="checkpoint directory (same as the positional DIR)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--check-data", action="store_true", help="also read A_log and scale tensors and check them")
+    p.add_argument("--check-data", action="store_true", help="also read every E8M0 scale tensor and check it")
+    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
     p.set_defaults(func=run)
 
 
-def inspect(path: str, check_data: bool = False) -> dict:
+def checkpoint_dir(args) -> str:
+    """The checkpoint directory from the positional DIR or ``--ckpt`` (exactly one of them)."""
+    if args.dir and args.ckpt and os.path.abspath(args.dir) != os.path.abspath(args.ckpt):
+        raise ValueError(f"give the checkpoint once: DIR {args.dir!r} and --ckpt {args.ckpt!r} differ")
+    d = args.dir or args.ckpt
+    if not d:
+        raise ValueError("give a checkpoint directory (DIR or --ckpt DIR)")
+    return d
+
+
+def inspect(path: str, check_data: bool = False, strict_config: bool = False) -> dict:
     from k3jax.checkpoint import name_map as nm
-    from k3jax.checkpoint.reader import open_checkpoint, validate
+    from k3jax.checkpoint.errors import CheckpointError
+    from k3jax.checkpoint.reader import A_LOG_TRANSFORMS, open_checkpoint, validate
     from k3jax.config import from_hf
 
     ck = open_checkpoint(path)
-    cfg = from_hf(os.path.join(path, "config.json"))
+    report: dict = {}
+    cfg = from_hf(os.path.join(path, "config.json"), strict=strict_config, report=report)
     plan = validate(ck, cfg)
+    for spec_entries in plan.leaves.values():
+        for s, e in spec_entries:
+            if s.transform in A_LOG_TRANSFORMS:
+                try:
+                    nm.from_hf(ck.read_entry(e), s, (cfg.kda_num_heads,))
+                except ValueError as err:
+                    raise CheckpointError(str(err).removeprefix(f"{s.name}: "), file=e.file, tensor=s.name) from None
+            elif check_data and s.part == "scale":
+                ck.read_entry(e)  # counts 0x00 / 0xFF, raises on 0xFF
     packed = ck.packed_modules()
     out = {
         "dir": os.path.abspath(path), "config": cfg.name, "layout": plan.layout, "valid": True,
@@ -39,21 +64,32 @@ def inspect(path: str, check_data: bool = False) -> dict:
         "index_total_size": ck.total_size, "packed_modules": len(packed),
         "packed_module_kinds": sorted({re.sub(r"\.\d+\.", ".*.", m) for m in packed}),
         "expert_storage": {"/".join(map(str, p)): ("mxfp4" if v else "bf16") for p, v in plan.packed.items()},
+        "tolerated": plan.tolerated(report),
     }
     if check_data:
-        for spec_entries in plan.leaves.values():
-            for s, e in spec_entries:
-                if s.part == "scale":
-                    ck.read_entry(e)  # counts 0x00 / 0xFF, raises on 0xFF
-                elif s.transform == "a_log_pad":
-                    nm.from_hf(ck.read_entry(e), s, (cfg.kda_num_heads,))
         out["scale_bytes"] = dict(ck.scale_bytes)
-        out["bytes_read"] = ck.bytes_read
+    out["bytes_read"] = ck.bytes_read
     return out
 
 
+def tolerated_lines(t: dict) -> list[str]:
+    """Human-readable lines for ``inspect(...)["tolerated"]`` (empty when the checkpoint is in release form)."""
+    lines = []
+    for conv, n in t.get("casts", {}).items():
+        src, dst = conv.split("->")
+        lines.append(f"cast {n} {src} tensor{'s' * (n != 1)} to {dst} (stored {src}; the release stores {dst})")
+    if "a_log_form" in t:
+        forms = t["a_log_form"]
+        lines.append(f"A_log stored {forms if isinstance(forms, str) else ', '.join(forms)}")
+    if t.get("ignored_keys"):
+        lines.append(f"ignored keys (irrelevant to the math): {', '.join(t['ignored_keys'])}")
+    if t.get("unknown_keys"):
+        lines.append(f"ignored unknown keys: {', '.join(t['unknown_keys'])}")
+    return lines
+
+
 def run(args) -> int:
-    out = inspect(args.dir, args.check_data)
+    out = inspect(checkpoint_dir(args), args.check_data, args.strict_config)
     if args.json:
         print(json.dumps(out, sort_keys=True))
         return 0
@@ -64,4 +100,8 @@ def run(args) -> int:
     print(f"  MXFP4 (weight_packed) modules: {out['packed_modules']}  {', '.join(out['packed_module_kinds'])}")
     if "scale_bytes" in out:
         print(f"  E8M0 scale bytes: {out['scale_bytes']}")
+    lines = tolerated_lines(out["tolerated"])
+    print("  tolerated: " + ("nothing (release form)" if not lines else lines[0]))
+    for line in lines[1:]:
+        print(f"             {line}")
     return 0

@@ -12,10 +12,12 @@ import numpy as np
 
 def add_parser(sub) -> None:
     p = sub.add_parser("logits", help="load a checkpoint and compute logits for a token file", description=__doc__)
-    p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("dir", nargs="?", help="checkpoint directory")
+    p.add_argument("--ckpt", default=None, help="checkpoint directory (same as the positional DIR)")
     p.add_argument("--tokens", required=True, help=".npy of integer token ids [B, T] or [T]")
     p.add_argument("--out", required=True, help="output .npy path for logits [B, T, V]")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
+    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
     p.set_defaults(func=run)
 
 
@@ -39,9 +41,10 @@ def run(args) -> int:
     import jax
 
     from k3jax.checkpoint.load import load
+    from k3jax.cli.inspect import checkpoint_dir
     from k3jax.model import forward
 
-    cfg, params = load(args.dir, dtype=args.dtype)
+    cfg, params = load(checkpoint_dir(args), dtype=args.dtype, strict_config=args.strict_config)
     tokens = read_tokens(args.tokens, cfg.vocab_size)
     logits = jax.jit(lambda p, t: forward(p, t, cfg))(params, tokens)
     np.save(args.out, np.asarray(logits, np.float32), allow_pickle=False)

@@ -38,19 +38,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _warnings_as_messages(command: str):
+    """Print k3jax's own warnings (e.g. unknown config keys) as one ``k3 CMD: warning: ...`` line on stderr,
+    instead of Python's ``file:line: Category: ...`` plus the source line; other warnings keep the default."""
+    import warnings
+
+    from k3jax.hf_config import UnknownConfigKeysWarning
+
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, UnknownConfigKeysWarning):
+            print(f"k3 {command}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    return default
+
+
 def main(argv=None) -> int:
     from k3jax.config import ConfigError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    import warnings
+
+    previous = _warnings_as_messages(args.command)
     try:
         rc = args.func(args)
-    except ConfigError as e:
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: exit 2 naming the field/file/tensor
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    finally:
+        warnings.showwarning = previous
     return int(rc or 0)
 
 

@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     src.add_argument("--preset", default=None, help="start from scratch with this preset (default k3-mini)")
     src.add_argument("--init", default=None, help="start from this checkpoint directory (its config must match "
                      "--preset when both are given)")
+    src.add_argument("--strict-config", action="store_true", help="unknown keys in --init's config.json are errors")
     src.add_argument("--qat", choices=("off", "weights", "weights+acts"), default="off")
     src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                      help="matmul operand dtype; master params and optimizer state stay fp32")
@@ -70,7 +71,7 @@ def run_cli(args) -> int:
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
         ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
         export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,
-        progress=args.progress)
+        progress=args.progress, strict_config=args.strict_config)
     try:
         s = train(tc)
     except TrainingStoppedError as e:

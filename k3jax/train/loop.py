@@ -88,6 +88,7 @@ class TrainConfig:
     progress: bool | None = None
     peak_flops: float | None = None  # None: measure an XLA matmul at start-up
     model_overrides: dict = field(default_factory=dict)
+    strict_config: bool = False  # unknown keys in the --init checkpoint's config.json are errors
     fork: bool = False  # resume from ckpt_dir even if the run settings differ (e.g. switch QAT on mid-run)
     poison_steps: tuple[int, ...] = ()  # testing hook: (1-based) steps whose loss and gradient are made NaN
 
@@ -106,7 +107,7 @@ class TrainConfig:
 
 def resolve_model(tc: TrainConfig) -> K3Config:
     """The model config from --preset and/or --init, compared before any array is read."""
-    from k3jax.checkpoint.save import architecture
+    from k3jax.checkpoint.save import architecture_diff
     from k3jax.config import from_hf
 
     cfg = get_preset(tc.preset) if tc.preset else None
@@ -114,12 +115,10 @@ def resolve_model(tc: TrainConfig) -> K3Config:
         cfg_file = os.path.join(tc.init, "config.json")
         if not os.path.isfile(cfg_file):
             raise ValueError(f"--init {tc.init}: no config.json (not a checkpoint directory)")
-        ck_cfg = from_hf(cfg_file)
+        ck_cfg = from_hf(cfg_file, strict=tc.strict_config)
         if cfg is not None:
-            a, b = architecture(ck_cfg), architecture(cfg)
-            a.pop("expert_format"), b.pop("expert_format")
-            if a != b:
-                diff = sorted(k for k in a if a[k] != b.get(k))
+            diff = architecture_diff(ck_cfg, cfg)
+            if diff:
                 raise ValueError(f"--init {tc.init}: checkpoint config does not match --preset {tc.preset} "
                                  f"(differs in {', '.join(diff)})")
         else:
@@ -248,7 +247,8 @@ def _init_params(cfg: K3Config, tc: TrainConfig, repl: NamedSharding):
     if tc.init:
         from k3jax.checkpoint.load import load
 
-        _, params = load(tc.init, cfg=cfg, shardings=lambda *a: repl, dtype=jnp.float32, progress=False)
+        _, params = load(tc.init, cfg=cfg, shardings=lambda *a: repl, dtype=jnp.float32, progress=False,
+                         strict_config=tc.strict_config)
         return params
     return jax.jit(lambda k: init_params(cfg, k), out_shardings=repl)(jax.random.key(tc.seed))
 

@@ -7,12 +7,12 @@ import struct
 
 import numpy as np
 import pytest
+import safetensors.numpy
 
 from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.load import load
-from k3jax.checkpoint.reader import BYTES_READ, INDEX_NAME, open_checkpoint
-from k3jax.checkpoint.safetensors_layout import shard_layout
+from k3jax.checkpoint.reader import BYTES_READ, DTYPES, INDEX_NAME, open_checkpoint
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
 from k3jax.testing import random_params
@@ -43,14 +43,11 @@ def rewrite(d, fname, drop=(), add=(), change=None, index=True):
     ck = open_checkpoint(d)
     ents = [(e.name, e.dtype, ck.read_entry(e)) for e in ck.headers[fname].entries.values() if e.name not in drop]
     ents = [(n, dt, (change or {}).get(n, a)) for n, dt, a in ents] + list(add)
-    # a float32 replacement is stored as F32 (a dtype mismatch where BF16 is expected); other arrays keep the dtype
-    ents = [(n, "F32" if np.asarray(a).dtype == np.float32 else dt, np.asarray(a)) for n, dt, a in ents]
-    lay = shard_layout((n, dt, a.shape) for n, dt, a in ents)
-    by = {n: a for n, _, a in ents}
-    with open(os.path.join(d, fname), "wb") as f:
-        f.write(lay.prefix())
-        for n in lay.names:
-            f.write(np.ascontiguousarray(by[n]).view(np.uint8).tobytes())
+    # a replacement is stored in its own dtype (float32 -> F32, int32 -> I32, ...); raw uint16 bits stay BF16
+    ents = [(n, _st_dtype(a, dt), np.asarray(a)) for n, dt, a in ents]
+    # written by the safetensors library (any dtype; the header order is its own, which the reader must accept)
+    safetensors.numpy.save_file({n: np.ascontiguousarray(a).view(DTYPES[dt]) for n, dt, a in ents},
+                                os.path.join(d, fname))
     if index:
         p = os.path.join(d, INDEX_NAME)
         idx = json.load(open(p))
@@ -59,6 +56,13 @@ def rewrite(d, fname, drop=(), add=(), change=None, index=True):
         for n, _, _ in add:
             idx["weight_map"][n] = fname
         json.dump(idx, open(p, "w"))
+
+
+def _st_dtype(a, dt):
+    a = np.asarray(a)
+    if a.dtype == DTYPES[dt] or (dt == "BF16" and a.dtype == np.uint16):
+        return dt
+    return next(k for k, v in DTYPES.items() if v == a.dtype)
 
 
 def raw_shard(path, header_bytes, payload=b""):
@@ -169,9 +173,24 @@ def test_shape_mismatch(ck):
     fails(ck, S1, NORM0, "shape [65], expected [64]")
 
 
-def test_dtype_mismatch(ck):
-    rewrite(ck, S1, change={NORM0: np.zeros(64, np.float32)})
-    fails(ck, S1, NORM0, "dtype F32, expected BF16")
+def test_integer_where_a_float_is_expected(ck):
+    rewrite(ck, S1, change={NORM0: np.zeros(64, np.int32)})
+    fails(ck, S1, NORM0, "dtype I32, expected a float dtype (BF16 in the k3 layout)")
+    assert BYTES_READ.value == 0
+
+
+PACKED = SCALE.replace("weight_scale", "weight_packed")
+
+
+@pytest.mark.parametrize("value,words", [
+    (np.zeros((32, 16), np.int8), "dtype I8, expected U8"),
+    (np.zeros((32, 17), np.uint8), "shape [32, 17], expected [32, 16]"),
+    (np.zeros((32, 16), np.float32), "dtype F32, expected U8"),
+], ids=["int8", "shape", "float"])
+def test_packed_bytes_must_match_exactly(ck, value, words):
+    assert open_checkpoint(ck).tensors[PACKED].shape == (32, 16)
+    rewrite(ck, S2, change={PACKED: value})
+    fails(ck, S2, PACKED, words)
 
 
 @pytest.mark.parametrize("with_index", [True, False], ids=["index", "no-index"])

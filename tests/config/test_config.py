@@ -67,7 +67,6 @@ def test_unknown_preset_lists_known():
 
 
 @pytest.mark.parametrize("mutate,field", [
-    (lambda t: t.update(mystery_knob=1), "mystery_knob"),
     (lambda t: t.update(hidden_act="gelu"), "hidden_act"),
     (lambda t: t.update(num_experts_per_token=1000), "num_experts_per_token"),
     (lambda t: t["linear_attn_config"].update(kda_layers=[1, 2, 3]), "kda_layers"),

@@ -1,0 +1,358 @@
+"""HF ``config.json`` <-> ``K3Config`` through one table of keys (SPEC §1.1, §13).
+
+``KEYS`` drives both directions: ``from_hf`` parses and validates with it, and ``to_hf_dict`` (the writer's
+``config.json``) emits from it, so parse and emit cannot drift. Every key of a text config is in one of three
+classes:
+
+- **used** — a row of ``KEYS``: parsed, type-checked and validated. A value that asks for math k3jax does not
+  implement (RoPE applied, a softmax router, grouped routing, MTP layers, an unknown ``hidden_act`` or
+  ``topk_method``, a quantization other than ``mxfp4-pack-quantized``, ...) is a ``ConfigError`` naming the field
+  and the value. A missing key takes the default of transformers' ``KimiLinearConfig`` (the class that reads these
+  files), or is an error where that class has no usable default.
+- **known, irrelevant to the math** — serialized ``PretrainedConfig`` boilerplate and metadata
+  (``BOILERPLATE``: what the release's own files carry, accepted without comment) and runtime / tokenizer / RoPE
+  settings other writers add (``IRRELEVANT``: accepted, listed in the report as ``ignored_keys``). RoPE settings
+  are irrelevant because only NoPE MLA (``mla_use_nope: true``) is accepted: nothing is ever rotated.
+- **unknown** — anything else: one ``UnknownConfigKeysWarning`` listing every such key with its path
+  (``text_config.foo``); ``strict=True`` (``--strict-config``) makes it a ``ConfigError``.
+
+    >>> cfg = from_hf("ckpt/config.json", report=(r := {}))   # doctest: +SKIP
+    >>> r["unknown_keys"], r["ignored_keys"]                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from k3jax.config import ConfigError, K3Config
+
+_REQUIRED = object()
+
+
+class UnknownConfigKeysWarning(UserWarning):
+    """A config carries keys k3jax does not know; they were ignored (``strict=True`` refuses them)."""
+
+
+# Serialized transformers.PretrainedConfig attributes and release metadata: no model hyper-parameter (SPEC §1.1).
+# Every key the official K3 and Kimi-Linear files carry besides the used ones is here.
+BOILERPLATE = frozenset("""
+_name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens bos_token_id
+chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
+torch_dtype early_stopping encoder_no_repeat_ngram_size eos_token_id exponential_decay_length_penalty finetuning_task
+forced_bos_token_id forced_eos_token_id id2label label2id is_decoder is_encoder_decoder length_penalty max_length
+min_length no_repeat_ngram_size num_beam_groups num_beams num_return_sequences output_attentions output_hidden_states
+output_scores pad_token_id prefix problem_type pruned_heads remove_invalid_values repetition_penalty return_dict
+return_dict_in_generate sep_token_id suppress_tokens task_specific_params temperature tf_legacy_loss
+tie_encoder_decoder tokenizer_class top_k top_p torchscript transformers_version typical_p use_bfloat16 use_cache
+initializer_range max_position_embeddings model_type ignore_index media_placeholder_token_id image_placeholder
+head_dim attention_dropout attention_bias mlp_bias use_return_dict vision_config
+""".split())
+# Keys other writers add that change nothing k3jax computes (generation/runtime defaults, tokenizer ids, RoPE
+# settings of a NoPE model, training-only switches of other frameworks). Accepted and reported.
+IRRELEVANT = frozenset("""
+model_max_length rope_parameters rope_theta rope_scaling unk_token_id tokenizer_name generation_config
+output_router_logits return_legacy_cache use_sliding_window sliding_window max_window_layers
+""".split())
+
+
+# ---------------------------------------------------------------------------------------------------- the table
+
+@dataclass(frozen=True)
+class Key:
+    """One used HF key.
+
+    ``field`` is the K3Config field it fills (None: a fixed switch that is checked, not stored). ``default`` is
+    the value assumed when the key is absent (``_REQUIRED``: an error); a callable default gets the text config.
+    ``accept`` (fixed switches) says which values k3jax implements; ``why`` is the error text otherwise.
+    ``emit(cfg)`` is the value ``to_hf_dict`` writes (default: the field's value); ``emit_if(cfg)`` whether it
+    writes the key at all.
+    """
+
+    name: str  # "linear_attn_config.x" for keys nested in linear_attn_config
+    field: str | None
+    types: tuple
+    default: Any = _REQUIRED
+    nullable: bool = False
+    accept: Callable[[Any], bool] | None = None
+    why: str = ""
+    to_cfg: Callable[[Any], Any] = lambda v: v
+    emit: Callable[[K3Config], Any] | None = None
+    emit_if: Callable[[K3Config], bool] = lambda c: True
+    missing: str = "required field is missing"
+
+
+_INT, _NUM, _BOOL, _STR, _LIST = (int,), (int, float), (bool,), (str,), (list,)
+_SITU_MISSING = "hidden_act 'situ' needs activation_situ_beta and activation_situ_linear_beta"
+_never = lambda c: False  # noqa: E731  (accepted on input, left out of what k3jax writes, as before)
+
+KEYS: tuple[Key, ...] = (
+    Key("vocab_size", "vocab_size", _INT),
+    Key("hidden_size", "hidden_size", _INT),
+    Key("num_hidden_layers", "num_layers", _INT),
+    Key("rms_norm_eps", "rms_norm_eps", _NUM, 1e-6, to_cfg=float),
+    Key("tie_word_embeddings", "tie_word_embeddings", _BOOL, False),
+    Key("linear_attn_config.full_attn_layers", "full_attn_layers", _LIST, to_cfg=tuple,
+        emit=lambda c: list(c.full_attn_layers)),
+    Key("linear_attn_config.kda_layers", None, _LIST, None, nullable=True,
+        emit=lambda c: [i for i in range(1, c.num_layers + 1) if i not in set(c.full_attn_layers)]),
+    Key("linear_attn_config.num_heads", "kda_num_heads", _INT, lambda tc: tc.get("num_attention_heads")),
+    Key("linear_attn_config.head_dim", "kda_head_dim", _INT, 128),
+    Key("linear_attn_config.short_conv_kernel_size", "kda_conv_size", _INT, 4),
+    Key("linear_attn_config.use_full_rank_gate", "kda_full_rank_gate", _BOOL, False),
+    Key("linear_attn_config.gate_lower_bound", "kda_gate_lower_bound", _NUM, None, nullable=True,
+        to_cfg=lambda v: None if v is None else float(v), emit_if=lambda c: c.kda_gate_lower_bound is not None),
+    Key("num_attention_heads", "mla_num_heads", _INT),
+    Key("num_key_value_heads", None, _INT, None, nullable=True, emit=lambda c: c.mla_num_heads),
+    Key("q_lora_rank", "q_lora_rank", _INT, None, nullable=True),
+    Key("kv_lora_rank", "kv_lora_rank", _INT),
+    Key("qk_nope_head_dim", "qk_nope_head_dim", _INT),
+    Key("qk_rope_head_dim", "qk_rope_head_dim", _INT),
+    Key("v_head_dim", "v_head_dim", _INT),
+    Key("mla_use_nope", None, _BOOL, False, accept=lambda v: v is True,
+        why="only NoPE MLA (true) is supported; K3 and Kimi-Linear apply no RoPE", emit=lambda c: True),
+    Key("mla_use_output_gate", "mla_output_gate", _BOOL, False),
+    Key("hidden_act", "hidden_act", _STR, "silu", accept=lambda v: v in ("situ", "silu"),
+        why="must be 'situ' or 'silu'"),
+    Key("activation_situ_beta", "situ_beta", _NUM, lambda tc: _situ_default(tc, 4.0), to_cfg=float,
+        missing=_SITU_MISSING),
+    Key("activation_situ_linear_beta", "situ_linear_beta", _NUM, lambda tc: _situ_default(tc, 25.0), to_cfg=float,
+        missing=_SITU_MISSING),
+    Key("intermediate_size", "intermediate_size", _INT),
+    Key("first_k_dense_replace", "first_k_dense_replace", _INT, 0),
+    Key("moe_layer_freq", None, _INT, 1, accept=lambda v: v == 1,
+        why="only 1 (every layer after first_k_dense_replace is MoE) is supported", emit=lambda c: 1),
+    Key("num_experts", "num_experts", _INT),
+    Key("num_experts_per_token", "num_experts_per_token", _INT),
+    Key("num_shared_experts", "num_shared_experts", _INT, 0),
+    Key("moe_intermediate_size", "moe_intermediate_size", _INT),
+    Key("routed_expert_hidden_size", "routed_expert_hidden_size", _INT, None, nullable=True),
+    Key("latent_moe_use_norm", "latent_moe_use_norm", _BOOL, False),
+    Key("routed_scaling_factor", "routed_scaling_factor", _NUM, 1.0, to_cfg=float),
+    Key("moe_renormalize", "moe_renormalize", _BOOL, True),
+    Key("moe_router_activation_func", None, _STR, "sigmoid", accept=lambda v: v == "sigmoid",
+        why="only 'sigmoid' routing is supported", emit=lambda c: "sigmoid"),
+    Key("topk_method", None, _STR, "noaux_tc", accept=lambda v: v == "noaux_tc",
+        why="only 'noaux_tc' is supported", emit=lambda c: "noaux_tc"),
+    Key("use_grouped_topk", None, _BOOL, True, emit_if=_never),  # with one group, grouped top-k is plain top-k
+    Key("num_expert_group", None, _INT, 1, nullable=True, accept=lambda v: v in (1, None),
+        why="group-limited routing (num_expert_group != 1) is not supported", emit_if=_never),
+    Key("topk_group", None, _INT, 1, nullable=True, accept=lambda v: v in (1, None),
+        why="group-limited routing (topk_group != 1) is not supported", emit_if=_never),
+    Key("num_nextn_predict_layers", None, _INT, 0, nullable=True, accept=lambda v: v in (0, None),
+        why="MTP layers are not part of the release and not supported", emit=lambda c: 0),
+    Key("attn_res_block_size", "attn_res_block_size", _INT, None, nullable=True),
+)
+KEY_NAMES = frozenset(k.name.split(".")[0] for k in KEYS) | {"model_type", "quantization_config"}
+LINEAR_ATTN_KEYS = frozenset(k.name.split(".", 1)[1] for k in KEYS if k.name.startswith("linear_attn_config."))
+_TOP_USED = frozenset({"model_type", "text_config", "tie_word_embeddings", "quantization_config"})
+
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+
+
+def _situ_default(tc: dict, value: float):
+    """SiTU's betas have no transformers default: a 'situ' config must state them (unused for 'silu')."""
+    return _REQUIRED if tc.get("hidden_act") == "situ" else value
+
+
+# ------------------------------------------------------------------------------------------------------- parsing
+
+def _load_json(path_or_dict) -> tuple[dict, str]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, "<dict>"
+    p = os.fspath(path_or_dict)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p, encoding="utf-8") as f:
+            return json.load(f), p
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid JSON ({e})") from None
+
+
+def classify_keys(raw: dict, tc: dict, where: str) -> tuple[list[str], list[str]]:
+    """``(unknown, ignored)`` key paths of a config: ``raw`` the file's top level, ``tc`` its text config
+    (the same object for a flat Kimi-Linear file), ``where`` the text config's path prefix. ``ignored`` lists the
+    ``IRRELEVANT`` keys only (``BOILERPLATE`` is what the release itself carries)."""
+    unknown, ignored = [], []
+
+    def sort(keys, prefix, used):
+        for k in keys:
+            if k in used or k in BOILERPLATE:
+                continue
+            (ignored if k in IRRELEVANT else unknown).append(prefix + k)
+
+    if tc is not raw:
+        sort(raw, "", _TOP_USED)
+    sort(tc, where, KEY_NAMES)
+    lac = tc.get("linear_attn_config")
+    if isinstance(lac, dict):
+        sort(lac, f"{where}linear_attn_config.", LINEAR_ATTN_KEYS)
+    return unknown, ignored
+
+
+def _expert_format(qc, err) -> str:
+    """``expert_format`` from a ``quantization_config``: absent means BF16 experts."""
+    if qc is None:
+        return "bf16"
+    if not isinstance(qc, dict):
+        raise err("quantization_config", f"must be an object, got {qc!r}")
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise err("quantization_config.config_groups", f"must be an object, got {groups!r}")
+    fmt = qc.get("format")
+    for g, spec in groups.items():
+        spec = spec or {}
+        gfmt = spec.get("format", fmt)
+        fmt = fmt or gfmt
+        if gfmt != MXFP4_FORMAT:
+            raise err(f"quantization_config.config_groups.{g}.format", f"unsupported format {gfmt!r} "
+                      f"(only {MXFP4_FORMAT})")
+        w = spec.get("weights") or {}
+        for k, want in (("num_bits", 4), ("group_size", 32), ("type", "float")):
+            if k in w and w[k] != want:
+                raise err(f"quantization_config.config_groups.{g}.weights.{k}",
+                          f"{MXFP4_FORMAT} needs {want!r}, got {w[k]!r}")
+        if spec.get("input_activations") not in (None, {}):
+            raise err(f"quantization_config.config_groups.{g}.input_activations",
+                      "stored activation quantization is not supported (K3 quantizes only expert weights)")
+    if fmt != MXFP4_FORMAT:
+        raise err("quantization_config.format", f"unsupported format {fmt!r} (only {MXFP4_FORMAT})")
+    return "mxfp4"
+
+
+def _lookup(tc: dict, name: str):
+    if "." in name:
+        outer, inner = name.split(".", 1)
+        sub = tc.get(outer)
+        return (sub[inner], True) if isinstance(sub, dict) and inner in sub else (None, False)
+    return (tc[name], True) if name in tc else (None, False)
+
+
+def _type_ok(v, key: Key) -> bool:
+    if v is None:
+        return key.nullable
+    if isinstance(v, bool) and bool not in key.types:
+        return False
+    return isinstance(v, key.types)
+
+
+def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, **overrides) -> K3Config:
+    """Parse an official K3 ``config.json`` (``kimi_k3`` wrapping ``text_config``) or a flat Kimi-Linear one.
+
+    Malformed values, contradictions and unsupported math raise ``ConfigError`` (a ``ValueError``) naming the
+    field. Unknown keys warn once (``UnknownConfigKeysWarning``), or raise with ``strict=True``. ``report``, if
+    given, is filled with ``unknown_keys`` and ``ignored_keys`` (paths). ``overrides`` set runtime fields
+    (``moe_impl``, ``param_dtype``, ...) on the result.
+    """
+    raw, src = _load_json(path_or_dict)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{src}: top level must be a JSON object")
+    top_type = raw.get("model_type")
+    if top_type == "kimi_k3":
+        if not isinstance(raw.get("text_config"), dict):
+            raise ConfigError(f"{src}: field 'text_config' must be an object for model_type 'kimi_k3'")
+        tc, where = raw["text_config"], "text_config."
+        if tc.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ConfigError(f"{src}: field 'text_config.model_type' must be 'kimi_linear', got {tc['model_type']!r}")
+    elif top_type == "kimi_linear":
+        tc, where = raw, ""
+    else:
+        raise ConfigError(f"{src}: field 'model_type' must be 'kimi_k3' or 'kimi_linear', got {top_type!r}")
+
+    def err(fld, msg):
+        return ConfigError(f"{src}: field '{where}{fld}': {msg}")
+
+    unknown, ignored = classify_keys(raw, tc, where)
+    if report is not None:
+        report.update(unknown_keys=unknown, ignored_keys=ignored)
+    if unknown:
+        listing = ", ".join(unknown)
+        if strict:
+            raise ConfigError(f"{src}: unknown field(s) {listing} (strict config: remove them, or drop "
+                              "--strict-config to ignore them with a warning)")
+        # stacklevel 3: the caller of the public k3jax.config.from_hf (which wraps this one)
+        warnings.warn(f"{src}: ignoring {len(unknown)} unknown config key(s): {listing}", UnknownConfigKeysWarning,
+                      stacklevel=3)
+    if "linear_attn_config" not in tc:
+        raise err("linear_attn_config", "required field is missing")
+    if not isinstance(tc["linear_attn_config"], dict):
+        raise err("linear_attn_config", f"expected an object, got {tc['linear_attn_config']!r}")
+
+    kw: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for key in KEYS:
+        v, present = _lookup(tc, key.name)
+        if not present:
+            if key.name == "tie_word_embeddings" and "tie_word_embeddings" in raw:
+                v, present = raw["tie_word_embeddings"], True
+            else:
+                v = key.default(tc) if callable(key.default) else key.default
+                if v is _REQUIRED:
+                    raise err(key.name, key.missing)
+        if present and not _type_ok(v, key):
+            want = "/".join(t.__name__ for t in key.types) + (" or null" if key.nullable else "")
+            raise err(key.name, f"expected {want}, got {v!r}")
+        if key.accept is not None and not key.accept(v):
+            raise err(key.name, f"{key.why}, got {v!r}")
+        values[key.name] = v
+        if key.field is not None:
+            kw[key.field] = key.to_cfg(v)
+
+    L = kw["num_layers"]
+    fal, kdl = values["linear_attn_config.full_attn_layers"], values["linear_attn_config.kda_layers"]
+    if not all(type(i) is int for i in fal):
+        raise err("linear_attn_config.full_attn_layers", "must be a list of 1-based layer indices")
+    if kdl is not None:
+        if not all(type(i) is int for i in kdl):
+            raise err("linear_attn_config.kda_layers", "must be a list of 1-based layer indices")
+        if set(fal) & set(kdl):
+            raise err("linear_attn_config.kda_layers", f"overlaps full_attn_layers at {sorted(set(fal) & set(kdl))}")
+        if sorted(set(fal) | set(kdl)) != list(range(1, L + 1)):
+            raise err("linear_attn_config.kda_layers", f"together with full_attn_layers must cover 1..{L} exactly")
+    kvh = values["num_key_value_heads"]
+    if kvh not in (None, kw["mla_num_heads"]):
+        raise err("num_key_value_heads", f"MLA needs num_key_value_heads == num_attention_heads "
+                  f"({kw['mla_num_heads']}), got {kvh!r}")
+    qc = tc["quantization_config"] if "quantization_config" in tc else raw.get("quantization_config")
+    kw["expert_format"] = _expert_format(qc, err)
+    kw["name"] = overrides.pop("name", f"hf-{top_type}")
+    kw.update(overrides)
+    try:
+        return K3Config(**kw)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{src}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------------ emitting
+
+def to_hf_dict(cfg: K3Config, quantization_config: dict | None = None) -> dict:
+    """The HF config dict for ``cfg``'s architecture, from ``KEYS``: a ``kimi_k3`` wrapper for AttnRes configs,
+    else a flat ``kimi_linear`` config. ``from_hf(to_hf_dict(cfg))`` has ``cfg``'s architecture."""
+    tc: dict[str, Any] = {"model_type": "kimi_linear"}
+    for key in KEYS:
+        if not key.emit_if(cfg):
+            continue
+        v = key.emit(cfg) if key.emit is not None else getattr(cfg, key.field)
+        if "." in key.name:
+            outer, inner = key.name.split(".", 1)
+            tc.setdefault(outer, {})[inner] = v
+        else:
+            tc[key.name] = v
+    if cfg.expert_format == "mxfp4":
+        if quantization_config is None:
+            raise ValueError("an MXFP4 config needs its quantization_config block")
+        tc["quantization_config"] = quantization_config
+    if cfg.uses_attn_res:
+        return {"model_type": "kimi_k3", "text_config": tc, "tie_word_embeddings": cfg.tie_word_embeddings}
+    return tc
+
+
+__all__ = ["BOILERPLATE", "IRRELEVANT", "KEYS", "Key", "MXFP4_FORMAT", "UnknownConfigKeysWarning", "classify_keys",
+           "from_hf", "to_hf_dict"]

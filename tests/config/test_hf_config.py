@@ -1,0 +1,137 @@
+"""The HF config key table: used / known-irrelevant / unknown keys, unsupported math, parse == emit (issue #12)."""
+
+import copy
+import json
+import os
+import warnings
+
+import pytest
+
+from k3jax.checkpoint.save import architecture
+from k3jax.config import PRESETS, ConfigError, from_hf, get_preset
+from k3jax.hf_config import KEYS, UnknownConfigKeysWarning, classify_keys, to_hf_dict
+
+HERE = os.path.dirname(__file__)
+PRESET_DIR = os.path.join(HERE, "..", "..", "k3jax", "presets")
+
+
+def official():
+    with open(os.path.join(PRESET_DIR, "kimi-k3.config.json")) as f:
+        return json.load(f)
+
+
+def kimi_linear():
+    with open(os.path.join(PRESET_DIR, "kimi-linear-48b.config.json")) as f:
+        return json.load(f)
+
+
+def parse_quietly(raw, **kw):
+    """from_hf that fails the test on any warning (known keys must be accepted silently)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return from_hf(raw, **kw)
+
+
+def test_release_configs_have_no_unknown_or_ignored_keys():
+    for raw, where in ((official(), "text_config."), (kimi_linear(), "")):
+        tc = raw.get("text_config", raw)
+        assert classify_keys(raw, tc, where) == ([], [])
+        parse_quietly(raw, strict=True)
+
+
+def test_known_irrelevant_keys_are_accepted_silently_and_reported():
+    raw = official()
+    raw["text_config"].update(model_max_length=1048576, rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+                              rope_theta=50000.0, rope_scaling=None, use_cache=False, transformers_version="5.0.0")
+    raw["transformers_version"] = "5.0.0"
+    report = {}
+    c = parse_quietly(raw, strict=True, report=report)
+    assert architecture(c) == architecture(get_preset("kimi-k3"))
+    assert report == {"unknown_keys": [], "ignored_keys": ["text_config.model_max_length",
+                      "text_config.rope_parameters", "text_config.rope_theta", "text_config.rope_scaling"]}
+
+
+def test_unknown_keys_warn_once_listing_every_path():
+    raw = official()
+    raw["text_config"]["mystery_knob"] = 1
+    raw["text_config"]["linear_attn_config"]["extra_gate"] = True
+    raw["writer_note"] = "x"
+    report = {}
+    with pytest.warns(UnknownConfigKeysWarning) as rec:
+        c = from_hf(raw, report=report)
+    assert len(rec) == 1
+    msg = str(rec[0].message)
+    for k in ("writer_note", "text_config.mystery_knob", "text_config.linear_attn_config.extra_gate"):
+        assert k in msg and k in report["unknown_keys"]
+    assert architecture(c) == architecture(get_preset("kimi-k3"))
+
+
+def test_strict_makes_unknown_keys_errors_naming_them():
+    raw = official()
+    raw["text_config"]["mystery_knob"] = 1
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) text_config\.mystery_knob"):
+        from_hf(raw, strict=True)
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda t: t.update(mla_use_nope=False, rope_theta=1e4), ["mla_use_nope", "False"]),
+    (lambda t: t.pop("mla_use_nope"), ["mla_use_nope", "NoPE"]),  # transformers' default is False: RoPE applied
+    (lambda t: t.update(moe_router_activation_func="softmax"), ["moe_router_activation_func", "'softmax'"]),
+    (lambda t: t.update(hidden_act="gelu"), ["hidden_act", "'gelu'"]),
+    (lambda t: t.update(topk_method="greedy"), ["topk_method", "'greedy'"]),
+    (lambda t: t.update(topk_group=4), ["topk_group", "4"]),
+    (lambda t: t.update(num_nextn_predict_layers=1), ["num_nextn_predict_layers", "MTP"]),
+    (lambda t: t.update(moe_layer_freq=2), ["moe_layer_freq", "2"]),
+    (lambda t: t["quantization_config"].update(format="nvfp4-pack-quantized"), ["quantization_config", "nvfp4"]),
+    (lambda t: t["quantization_config"]["config_groups"]["group_0"].update(format="float-quantized"),
+     ["config_groups.group_0.format", "float-quantized"]),
+    (lambda t: t["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=16),
+     ["weights.group_size", "16"]),
+    (lambda t: t.update(quantization_config={"quant_method": "fp8"}), ["quantization_config.format", "None"]),
+    (lambda t: t.update(num_key_value_heads=8), ["num_key_value_heads", "8"]),
+    (lambda t: t.update(first_k_dense_replace="1"), ["first_k_dense_replace", "'1'"]),
+    (lambda t: t.update(tie_word_embeddings=1), ["tie_word_embeddings", "1"]),
+    (lambda t: t.pop("activation_situ_beta"), ["activation_situ_beta", "situ"]),
+    (lambda t: t["linear_attn_config"].update(head_dim=None), ["linear_attn_config.head_dim", "None"]),
+])
+def test_unsupported_math_is_an_error_naming_field_and_value(mutate, words):
+    raw = official()
+    mutate(raw["text_config"])
+    with pytest.raises(ConfigError) as ei:
+        from_hf(raw)
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+
+
+def test_missing_quantization_config_means_bf16_experts():
+    raw = official()
+    del raw["text_config"]["quantization_config"]
+    assert parse_quietly(raw).expert_format == "bf16"
+
+
+def test_missing_keys_take_transformers_defaults():
+    raw = kimi_linear()
+    for k in ("first_k_dense_replace", "rms_norm_eps", "num_shared_experts", "moe_renormalize"):
+        raw.pop(k)
+    c = parse_quietly(raw)
+    assert (c.first_k_dense_replace, c.rms_norm_eps, c.num_shared_experts, c.moe_renormalize) == (0, 1e-6, 0, True)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("fmt", ["mxfp4", "bf16"])
+def test_emit_then_parse_is_the_identity_on_architectures(name, fmt):
+    cfg = get_preset(name).replace(expert_format=fmt)
+    qc = official()["text_config"]["quantization_config"]
+    d = to_hf_dict(cfg, qc)
+    tc = d.get("text_config", d)
+    assert classify_keys(d, tc, "text_config." if tc is not d else "") == ([], [])  # emits only used keys
+    assert architecture(parse_quietly(copy.deepcopy(d), strict=True)) == architecture(cfg)
+
+
+def test_every_table_row_with_a_field_names_a_config_field():
+    fields = set(get_preset("k3-tiny").to_dict())
+    assert all(k.field in fields for k in KEYS if k.field is not None)
+    # every used config field of the architecture is filled by exactly one row (or derived: expert_format)
+    filled = [k.field for k in KEYS if k.field is not None]
+    assert len(filled) == len(set(filled))
+    assert set(architecture(get_preset("k3-tiny"))) - set(filled) == {"expert_format"}
