@@ -358,6 +358,9 @@ def _check_file_name(fname, tensor: str, root: str) -> str:
     return fname
 
 
+check_file_name = _check_file_name  # public: index entries are checked the same way by every reader
+
+
 def is_vision(name: str) -> bool:
     return name.startswith(VISION_PREFIXES)
 
@@ -561,4 +564,4 @@ def a_log_form(stored: tuple, cfg) -> str | None:
 
 
 __all__ = ["BYTES_READ", "ByteCounter", "Checkpoint", "DTYPES", "FLOAT_DTYPES", "INDEX_NAME", "Plan", "ShardHeader",
-           "TensorEntry", "a_log_form", "is_vision", "open_checkpoint", "read_header", "validate"]
+           "TensorEntry", "a_log_form", "check_file_name", "is_vision", "open_checkpoint", "read_header", "validate"]

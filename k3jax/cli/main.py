@@ -3,6 +3,7 @@
     k3 run   --preset k3-mini            forward pass + routing summary on a small preset (the main job)
     k3 plan  --preset kimi-k3 --json     parameters / bytes / per-device memory, without allocating anything
     k3 bench NAME --json                 benchmarks (k3 bench --list)
+    k3 route --ckpt DIR --text F --json  routing analysis: loads, co-activation, specialization, drift
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser sets ``func``.
 Errors in user input exit with status 2 and a message naming the field, file or tensor.
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "logits": "k3jax.cli.logits",
     "export": "k3jax.cli.export",
     "train": "k3jax.cli.train",
+    "route": "k3jax.cli.route",
 }
 
 

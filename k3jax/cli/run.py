@@ -1,83 +1,116 @@
-"""`k3 run` — the main job on a small preset: build the model, run a forward pass over real byte-level text
-(the Python standard library's sources), report the loss, throughput and a per-layer routing summary.
+"""`k3 run` — the main job: a K3-family model on text it has not seen.
 
-    k3 run                                   # k3-mini, 4 × 256 tokens
-    k3 run --preset k3-tiny --batch 2 --seq 64 --json
+By default the trained k3-mini shipped with the package (``k3jax/assets/k3-mini-stdlib``): its held-out loss in
+bits per byte on the tail of the standard-library corpus that training held out, and its per-layer routing summary
+over the same bytes, with the routing figures written to ``--plots`` (default: a new temporary directory).
+``--preset NAME`` runs a random init of a preset instead; ``--ckpt DIR`` any checkpoint.
+
+    k3 run                                   # the shipped k3-mini: held-out bits/byte + routing summary + plots
+    k3 run --preset k3-mini --json           # a random init, for comparison
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import math
+import tempfile
 import time
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="forward pass + routing summary on a small preset", description=__doc__)
-    p.add_argument("--preset", default="k3-mini")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("run", help="held-out loss + routing summary of the shipped model (or a preset)",
+                       description=__doc__)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint directory (default: the shipped k3-mini)")
+    src.add_argument("--preset", help="random init of this preset instead")
+    p.add_argument("--tokens", type=int, default=32768, help="held-out bytes to score and route")
+    p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=64,
+                   help="window length (the shipped model was trained at 64)")
+    p.add_argument("--batch", type=int, default=16, help="windows per forward pass")
+    p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
+    p.add_argument("--plots", default=None, metavar="DIR", help="routing figures (default: a new temp dir)")
+    p.add_argument("--no-plots", action="store_true")
     p.add_argument("--moe-impl", choices=("sorted", "ragged", "tiled", "dense"), default=None)
     p.add_argument("--kda-impl", choices=("recurrent", "chunked", "pallas"), default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from k3jax.analysis import routing_summary
-    from k3jax.config import get_preset
-    from k3jax.data import stdlib_bytes
-    from k3jax.model import count_params, forward, init_params
+def _model(args):
+    import jax
 
-    if args.batch < 1 or args.seq < 2:
-        raise ValueError(f"--batch must be >= 1 and --seq >= 2 (got {args.batch}, {args.seq})")
+    from k3jax.cli.route import default_ckpt
+    from k3jax.config import get_preset
+
     over = {k: v for k, v in (("moe_impl", args.moe_impl), ("kda_impl", args.kda_impl)) if v}
-    cfg = get_preset(args.preset, **over)
-    if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
-        raise ValueError(f"preset {args.preset!r} is too large to run here; use `k3 plan --preset {args.preset}`")
+    if args.preset:
+        from k3jax.model import init_params
+
+        cfg = get_preset(args.preset, **over)
+        if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
+            raise ValueError(f"preset {args.preset!r} is too large to run here; use `k3 plan --preset {args.preset}`")
+        return f"preset {cfg.name} (random init, seed {args.seed})", cfg, init_params(cfg, jax.random.key(args.seed))
+    from k3jax.checkpoint.load import load
+
+    ckpt = args.ckpt or default_ckpt()
+    if ckpt is None:
+        raise ValueError("no shipped model in this install: give --ckpt DIR or --preset NAME")
+    cfg, params = load(ckpt, progress=False)
+    return ckpt, cfg.replace(**over), params
+
+
+def run(args) -> int:
+    from k3jax.analysis import collect as ac
+    from k3jax.model import count_params
+    from k3jax.train import data as tdata
+    from k3jax.train.evaluate import windowed_loss
+
+    if args.tokens < 2 or args.seq_len < 1 or args.batch < 1:
+        raise ValueError(f"--tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, {args.seq_len}, "
+                         f"{args.batch})")
+    source, cfg, params = _model(args)
     if cfg.vocab_size < 256:
-        raise ValueError(f"preset {args.preset!r} has vocab {cfg.vocab_size} < 256: byte-level text does not fit")
-    data = stdlib_bytes(args.batch * (args.seq + 1))
-    toks = jnp.asarray(data.reshape(args.batch, args.seq + 1).astype(np.int32))
-    params = init_params(cfg, jax.random.key(args.seed))
-    fwd = jax.jit(lambda p, t: forward(p, t, cfg, return_aux=True))
+        raise ValueError(f"{cfg.name!r} has vocab {cfg.vocab_size} < 256: byte-level text does not fit")
+    _, held = tdata.split(tdata.load_corpus(None, max_bytes=4 << 20), 0.05)
+    text = held[:args.tokens].astype("int32")
     t0 = time.perf_counter()
-    logits, aux = jax.block_until_ready(fwd(params, toks[:, :-1]))
-    compile_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    logits, aux = jax.block_until_ready(fwd(params, toks[:, :-1]))
-    step_s = time.perf_counter() - t0
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    loss = float(-jnp.mean(jnp.take_along_axis(logp, toks[:, 1:, None], axis=-1)))
-    moe_layers = [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
-    out = {
-        "preset": cfg.name,
-        "params": count_params(params),
-        "tokens": args.batch * args.seq,
-        "loss_at_init": loss,
-        "uniform_loss": float(np.log(cfg.vocab_size)),
-        "logits_finite": bool(jnp.all(jnp.isfinite(logits))),
-        "compile_s": round(compile_s, 3),
-        "forward_s": round(step_s, 4),
-        "tokens_per_s": round(args.batch * args.seq / step_s, 1),
-        "routing": routing_summary(aux["routing"], cfg.num_experts, moe_layers),
-        "mla_max_logit": [float(jnp.max(m)) for m in aux["mla_max_logit"]],
-    }
+    nats, scored = windowed_loss(params, cfg, text, seq_len=args.seq_len, batch=args.batch)
+    eval_s = time.perf_counter() - t0
+    report, stats, kept = ac.collect(params, cfg, text, seq_len=args.seq_len, batch=args.batch,
+                                    fields=("ids", "weights", "cutoff"), keep=not args.no_plots)
+    routing = []
+    for d in report["layers"]:
+        l = d["layer"]
+        r = {k: d[k] for k in ("layer", "max_over_mean_load", "maxvio", "load_cv", "experts_unused",
+                               "load_entropy_bits", "max_entropy_bits")}
+        r["token_specialization"] = d["token_specialization"]["mean"]
+        if kept is not None:
+            m = kept["mask"]
+            r["top1_weight_mean"] = float(kept[l]["weights"][m][:, 0].mean())
+            r["cutoff_mean"] = float(kept[l]["cutoff"][m].mean())
+        routing.append(r)
+    out = {"model": source, "config": cfg.name, "params": count_params(params),
+           "heldout_tokens_scored": scored, "heldout_nats_per_byte": nats,
+           "heldout_bits_per_byte": nats / math.log(2), "unigram_entropy_nats": tdata.unigram_entropy(held),
+           "eval_s": round(eval_s, 2), "routing": routing}
+    if not args.no_plots:
+        from k3jax.cli.route import write_plots
+
+        plots = args.plots or tempfile.mkdtemp(prefix="k3-run-plots-")
+        report["source"] = source
+        out["plots"] = write_plots(plots, report, stats, kept, cfg)
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{cfg.name}: {out['params']:,} params, {out['tokens']} tokens of stdlib text", file=sys.stdout)
-    print(f"loss at init {loss:.4f} (uniform {out['uniform_loss']:.4f}); forward {step_s * 1e3:.1f} ms "
-          f"({out['tokens_per_s']:.0f} tok/s; compile {compile_s:.1f} s)")
-    print("layer  max/mean load  cv     unused  entropy/max bits  top-1 weight  mean cutoff")
-    for r in out["routing"]:
-        print(f"{r['layer']:5d}  {r['max_over_mean_load']:13.2f}  {r['load_cv']:.3f}  {r['experts_unused']:6d}  "
-              f"{r['load_entropy_bits']:6.2f}/{r['max_entropy_bits']:.2f}       {r['top1_weight_mean']:.3f}        "
-              f"{r['cutoff_mean']:.3f}")
-    print("MLA max logit per layer:", ", ".join(f"{m:.2f}" for m in out["mla_max_logit"]))
+    print(f"{source}: {cfg.name}, {out['params']:,} params")
+    print(f"held-out loss {nats / math.log(2):.3f} bits/byte ({nats:.3f} nats) on {scored:,} bytes of the stdlib "
+          f"tail that training holds out (unigram entropy {out['unigram_entropy_nats'] / math.log(2):.3f} "
+          f"bits/byte); {eval_s:.1f} s")
+    print("layer  max/mean  cv     unused  entropy/max bits  token spec  top-1 weight  mean cutoff")
+    for r in routing:
+        print(f"{r['layer']:5d}  {r['max_over_mean_load']:8.2f}  {r['load_cv']:.3f}  {r['experts_unused']:6d}  "
+              f"{r['load_entropy_bits']:6.2f}/{r['max_entropy_bits']:.2f}       {r['token_specialization']:.3f}"
+              + (f"       {r['top1_weight_mean']:.3f}        {r['cutoff_mean']:.3f}" if "cutoff_mean" in r else ""))
+    if "plots" in out:
+        print(f"routing plots in {plots}: {', '.join(p.rsplit('/', 1)[-1] for p in out['plots'])}")
     return 0

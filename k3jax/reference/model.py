@@ -96,13 +96,16 @@ def route(x, router, bias, top_k, renormalize, rsf):
     return ids, rsf * w, s, cutoff
 
 
-def moe(p, x, *, top_k, act, beta1, beta2, renormalize, rsf, eps):
-    """x [T, D] → y [T, D], token by token, looping over the selected experts."""
+def moe(p, x, *, top_k, act, beta1, beta2, renormalize, rsf, eps, record=None):
+    """x [T, D] → y [T, D], token by token, looping over the selected experts. ``record`` (a list) gets one
+    (ids, k-th biased score, (k+1)-th biased score) per token."""
     T, D = x.shape
     y = np.zeros((T, D))
     ex = p["experts"]
     for t in range(T):
-        ids, w, _, _ = route(x[t], p["router"], p["bias"], top_k, renormalize, rsf)
+        ids, w, s, cutoff = route(x[t], p["router"], p["bias"], top_k, renormalize, rsf)
+        if record is not None:
+            record.append((list(ids), float(s[ids[-1]] + p["bias"][ids[-1]]), float(cutoff)))
         z = x[t] @ p["down"] if "down" in p else x[t]
         u = np.zeros_like(z)
         for e, we in zip(ids, w):
@@ -119,8 +122,11 @@ def moe(p, x, *, top_k, act, beta1, beta2, renormalize, rsf, eps):
     return y
 
 
-def ref_forward(params, tokens, cfg: K3Config):
-    """Float64 logits [B, T, W] following SPEC §1.3 literally (one sequence at a time)."""
+def ref_forward(params, tokens, cfg: K3Config, routing: dict | None = None):
+    """Float64 logits [B, T, W] following SPEC §1.3 literally (one sequence at a time).
+
+    ``routing`` (a dict), if given, is filled {decoder layer: [per sequence: [per token: (ids, k-th biased score,
+    (k+1)-th biased score)]]} for every MoE layer."""
     from k3jax.reference.kda import kda_layer as kda_ref
 
     P = f64(params)
@@ -137,10 +143,14 @@ def ref_forward(params, tokens, cfg: K3Config):
             y, _ = kda_ref(lp["kda"], h[None], gate_lower_bound=cfg.kda_gate_lower_bound, eps=eps)
             return y[0]
 
-        def ffn(lp, h):
+        def ffn(lp, h, l):
             if "moe" in lp:
+                rec = None
+                if routing is not None:
+                    rec = []
+                    routing.setdefault(l, []).append(rec)
                 return moe(lp["moe"], h, top_k=cfg.num_experts_per_token, act=cfg.hidden_act, beta1=b1, beta2=b2,
-                           renormalize=cfg.moe_renormalize, rsf=cfg.routed_scaling_factor, eps=eps)
+                           renormalize=cfg.moe_renormalize, rsf=cfg.routed_scaling_factor, eps=eps, record=rec)
             return glu(lp["mlp"], h, cfg.hidden_act, b1, b2)
 
         if cfg.uses_attn_res:
@@ -154,13 +164,13 @@ def ref_forward(params, tokens, cfg: K3Config):
                 a = mixer(lp, rms_norm(h, lp["input_norm"], eps))
                 part = a if part is None else part + a
                 h = attn_res(blocks + [part], lp["mlp_res"]["query"], lp["mlp_res"]["gain"], eps)
-                part = part + ffn(lp, rms_norm(h, lp["post_norm"], eps))
+                part = part + ffn(lp, rms_norm(h, lp["post_norm"], eps), l)
             h = attn_res(blocks + [part], P["out_res"]["query"], P["out_res"]["gain"], eps)
         else:
             h = emb
-            for lp in P["layers"]:
+            for l, lp in enumerate(P["layers"]):
                 h = h + mixer(lp, rms_norm(h, lp["input_norm"], eps))
-                h = h + ffn(lp, rms_norm(h, lp["post_norm"], eps))
+                h = h + ffn(lp, rms_norm(h, lp["post_norm"], eps), l)
         head = P["embed"].T if cfg.tie_word_embeddings else P["lm_head"]
         out.append(rms_norm(h, P["final_norm"], eps) @ head)
     return np.stack(out)

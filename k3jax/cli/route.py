@@ -1,0 +1,230 @@
+"""`k3 route` — routing analysis of a checkpoint or preset over a text (issue #17; flags as in shared/CLI.md).
+
+    k3 route --ckpt DIR --text corpus.txt --json                  loads, balance, co-activation, specialization
+    k3 route --preset k3-mini --text f.py --layers 1,2 --plots out/
+    k3 route --ckpt DIR --static --json                            router/bias statistics only: reads 2 tensors/layer
+    k3 route --ckpt A --compare B --text f.txt                     drift A -> B (router saturation, top-1 agreement)
+
+Text is read as bytes (the checkpoint tokenizer arrives with `k3 generate`); `--tokens` takes int32 [B, T] ids
+(rows right-padded with -1; the rows are concatenated into one stream). The stream is cut into independent windows
+of `--seq-len` tokens. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder
+layer and `load` the exact assignment counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("route", help="routing analysis: loads, co-activation, specialization, drift, static",
+                       description=__doc__)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint directory (HF layout)")
+    src.add_argument("--preset", help="random init of this preset (see --seed)")
+    txt = p.add_mutually_exclusive_group()
+    txt.add_argument("--text", help="text file, routed as bytes")
+    txt.add_argument("--tokens", help=".npy int32 [B, T] (or [T]) token ids, ragged rows right-padded with -1")
+    p.add_argument("--max-tokens", type=int, default=None, help="route at most this many tokens")
+    p.add_argument("--layers", default=None, help="comma-separated 0-based MoE layers (default: all)")
+    p.add_argument("--seq-len", type=int, default=128, help="window length (independent sequences)")
+    p.add_argument("--batch", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--mesh", default=None, help="e.g. data=8: windows sharded over the devices")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
+    p.add_argument("--static", action="store_true", help="router/bias tensor statistics only (no forward pass)")
+    p.add_argument("--compare", default=None, metavar="DIR2", help="second checkpoint: drift per layer")
+    p.add_argument("--plots", default=None, metavar="DIR", help="write matplotlib figures and an HTML view here")
+    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def parse_layers(s: str | None) -> list[int] | None:
+    if s is None:
+        return None
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers, got {s!r}") from None
+    if not out:
+        raise ValueError("--layers is empty")
+    return out
+
+
+def parse_mesh_arg(s: str | None):
+    if s is None:
+        return None
+    from k3jax.sharding.mesh import make_mesh
+
+    shape = {}
+    for part in s.split(","):
+        k, eq, v = part.partition("=")
+        if not eq or not v.strip().isdigit():
+            raise ValueError(f"--mesh must look like data=8, got {s!r}")
+        shape[k.strip()] = int(v)
+    if set(shape) != {"data"}:
+        raise ValueError(f"k3 route shards windows over 'data' only, got axes {sorted(shape)}")
+    return make_mesh(shape)
+
+
+def read_stream(args, vocab: int) -> np.ndarray:
+    if args.text:
+        try:
+            with open(args.text, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise ValueError(f"--text {args.text}: {e.strerror}") from None
+        if not raw:
+            raise ValueError(f"--text {args.text}: the file is empty")
+        t = np.frombuffer(raw, np.uint8).astype(np.int32)
+        if t.max() >= vocab:
+            raise ValueError(f"--text {args.text}: byte {int(t.max())} >= vocab {vocab} (a byte-level text needs a "
+                             "vocabulary of at least 256)")
+        return t
+    try:
+        t = np.load(args.tokens, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--tokens {args.tokens}: cannot read ({e})") from None
+    if not np.issubdtype(t.dtype, np.integer):
+        raise ValueError(f"--tokens {args.tokens}: ids must be integers, got {t.dtype}")
+    valid = t.reshape(-1)[t.reshape(-1) >= 0] if t.ndim <= 2 else None
+    if valid is None:
+        raise ValueError(f"--tokens {args.tokens}: expected [B, T] or [T], got shape {list(t.shape)}")
+    if valid.size == 0:
+        raise ValueError(f"--tokens {args.tokens}: no token ids (only padding)")
+    if valid.max() >= vocab:
+        raise ValueError(f"--tokens {args.tokens}: id {int(valid.max())} >= vocab {vocab}")
+    return valid.astype(np.int32)
+
+
+def _model(args):
+    import jax
+    import jax.numpy as jnp
+
+    from k3jax.config import get_preset
+
+    if args.preset:
+        from k3jax.model import init_params
+
+        cfg = get_preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype)
+        if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
+            raise ValueError(f"preset {args.preset!r} is too large to run here (try --static on its checkpoint)")
+        return cfg, jax.jit(lambda k: init_params(cfg, k))(jax.random.key(args.seed))
+    from k3jax.checkpoint.load import load
+
+    cfg, params = load(args.ckpt, dtype=jnp.dtype(args.dtype), strict_config=args.strict_config, progress=False)
+    return cfg.replace(compute_dtype=args.dtype), params
+
+
+def default_ckpt() -> str | None:
+    """The trained k3-mini shipped with the package, when present."""
+    p = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "k3-mini-stdlib")
+    return p if os.path.exists(os.path.join(p, "config.json")) else None
+
+
+def run(args) -> int:
+    if not args.ckpt and not args.preset:
+        args.ckpt = default_ckpt()
+        if args.ckpt is None:
+            raise ValueError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
+    layers = parse_layers(args.layers)
+    if args.static:
+        return _run_static(args, layers)
+    if not args.text and not args.tokens:
+        raise ValueError("give --text FILE or --tokens FILE.npy (or --static)")
+    if args.seq_len < 1 or args.batch < 1 or (args.max_tokens is not None and args.max_tokens < 1):
+        raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
+    mesh = parse_mesh_arg(args.mesh)
+    from k3jax.analysis import collect as ac
+
+    cfg, params = _model(args)
+    layers = ac.check_layers(cfg, layers)
+    stream = read_stream(args, cfg.vocab_size)
+    other = None
+    if args.compare:
+        from k3jax.checkpoint.load import load
+        from k3jax.checkpoint.save import architecture_diff
+        from k3jax.config import from_hf
+
+        diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg)
+        if diff:
+            raise ValueError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
+        _, other = load(args.compare, cfg=cfg.replace(param_dtype=args.dtype), progress=False)
+    report, stats, kept = ac.collect(params, cfg, stream, layers=layers, seq_len=args.seq_len, batch=args.batch,
+                                    max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots),
+                                    compare_params=other, progress=not args.json and sys.stderr.isatty())
+    report["source"] = args.ckpt or f"preset:{args.preset}"
+    from k3jax.checkpoint.load import peak_rss_bytes
+
+    report["peak_rss_bytes"] = peak_rss_bytes()
+    if args.plots:
+        report["plots"] = write_plots(args.plots, report, stats, kept, cfg)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{report['source']}: {report['tokens']:,} tokens, {cfg.num_experts} experts, "
+          f"top-{cfg.num_experts_per_token}")
+    print("layer  max/mean  maxvio  cv     unused  entropy bits  token spec (k/E)  stickiness  "
+          + ("drift sat/top1" if args.compare else ""))
+    for d in report["layers"]:
+        ts = d["token_specialization"]
+        line = (f"{d['layer']:5d}  {d['max_over_mean_load']:8.2f}  {d['maxvio']:6.2f}  {d['load_cv']:.3f}  "
+                f"{d['experts_unused']:6d}  {d['load_entropy_bits']:5.2f}/{d['max_entropy_bits']:.2f}    "
+                f"{ts['mean']:.3f} ({ts['random_baseline']:.3f})     {d['stickiness']['set']:.3f}")
+        if "drift" in d:
+            line += f"       {d['drift']['saturation']:.3f}/{d['drift']['top1']:.3f}"
+        print(line)
+    for a in report["cross_layer_agreement"]:
+        print(f"cross-layer agreement {a['layers'][0]}->{a['layers'][1]}: {a['agreement']:.3f}")
+    if args.plots:
+        print(f"plots: {', '.join(report['plots'])}")
+    return 0
+
+
+def write_plots(out_dir: str, report: dict, stats, kept, cfg) -> list[str]:
+    from k3jax.analysis import metrics as am
+    from k3jax.analysis import plots as ap
+
+    files = [ap.load_heatmap(report, os.path.join(out_dir, "load_heatmap.png")),
+             ap.load_histogram(report, os.path.join(out_dir, "load_histogram.png"))]
+    l0 = report["layers"][0]["layer"]
+    files.append(ap.coactivation_heatmap(am.coactivation(stats.coact[0], stats.load[0]), l0,
+                                        os.path.join(out_dir, f"coactivation_layer{l0}.png")))
+    files.append(ap.specialization_bars(report, os.path.join(out_dir, "specialization.png")))
+    if any("drift" in d for d in report["layers"]):
+        files.append(ap.drift_per_layer(report, os.path.join(out_dir, "drift.png")))
+    m = kept["mask"]
+    files.append(ap.colored_text_html(kept["tokens"][m], kept[l0]["ids"][m, 0], cfg.num_experts,
+                                     os.path.join(out_dir, f"top1_layer{l0}.html"), layer=l0))
+    return files
+
+
+def _run_static(args, layers) -> int:
+    from k3jax.analysis.static import static_router_analysis
+
+    if not args.ckpt:
+        raise ValueError("--static reads a checkpoint's router tensors: give --ckpt DIR")
+    from k3jax.config import from_hf
+
+    cfg = from_hf(os.path.join(args.ckpt, "config.json"), strict=args.strict_config)
+    rep = static_router_analysis(args.ckpt, layers, cfg=cfg)
+    if args.plots:
+        from k3jax.analysis import plots as ap
+
+        rep["plots"] = [ap.static_norms(rep, os.path.join(args.plots, "static_router.png"))]
+    if args.json:
+        print(json.dumps(rep))
+        return 0
+    print(f"{args.ckpt}: static router analysis of {len(rep['layers'])} layers; read {rep['bytes_read']:,} tensor "
+          f"bytes + {rep['header_bytes']:,} header bytes from {rep['shards_touched']} shards")
+    print("layer  router norm mean±std   cos mean / max   bias min / max")
+    for d in rep["layers"]:
+        n, c, b = d["router_norm"], d["cosine"], d["bias"]
+        print(f"{d['layer']:5d}  {n['mean']:9.4f}±{n['std']:.4f}   {c['mean']:+.3f} / {c['max']:+.3f}   "
+              f"{b['min']:+.4f} / {b['max']:+.4f}")
+    return 0
