@@ -5,7 +5,8 @@
     k3 route --ckpt DIR --static --json                            router/bias statistics only: reads 2 tensors/layer
     k3 route --ckpt A --compare B --text f.txt                     drift A -> B (router saturation, top-1 agreement)
 
-Text is read as bytes (the checkpoint tokenizer arrives with `k3 generate`); `--tokens` takes int32 [B, T] ids
+`--text` goes through the checkpoint's own tokenizer when its directory has one (`tiktoken.model`, SPEC §1.1a),
+else bytes (the presets, the shipped k3-mini); `--tokens` takes int32 [B, T] ids
 (rows right-padded with -1; the rows are concatenated into one stream). The stream is cut into independent windows
 of `--seq-len` tokens. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder
 layer and `load` the exact assignment counts.
@@ -72,8 +73,11 @@ def parse_mesh_arg(s: str | None):
     return make_mesh(shape)
 
 
-def read_stream(args, vocab: int) -> np.ndarray:
+def read_stream(args, vocab: int, tok=None) -> np.ndarray:
+    """The token stream of --text (through ``tok``, the checkpoint's tokenizer, or bytes) or --tokens."""
     if args.text:
+        from k3jax.tokenizer import ByteTokenizer
+
         try:
             with open(args.text, "rb") as f:
                 raw = f.read()
@@ -81,11 +85,13 @@ def read_stream(args, vocab: int) -> np.ndarray:
             raise ValueError(f"--text {args.text}: {e.strerror}") from None
         if not raw:
             raise ValueError(f"--text {args.text}: the file is empty")
-        t = np.frombuffer(raw, np.uint8).astype(np.int32)
-        if t.max() >= vocab:
-            raise ValueError(f"--text {args.text}: byte {int(t.max())} >= vocab {vocab} (a byte-level text needs a "
-                             "vocabulary of at least 256)")
-        return t
+        tok = tok or ByteTokenizer(vocab)
+        if isinstance(tok, ByteTokenizer):
+            return np.frombuffer(raw, np.uint8).astype(np.int32)  # any bytes, UTF-8 or not
+        try:
+            return np.asarray(tok.encode(raw.decode("utf-8")), np.int32)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--text {args.text}: not UTF-8 ({e})") from None
     try:
         t = np.load(args.tokens, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -141,10 +147,12 @@ def run(args) -> int:
         raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
     from k3jax.analysis import collect as ac
+    from k3jax.tokenizer import load_tokenizer
 
     cfg, params = _model(args)
     layers = ac.check_layers(cfg, layers)
-    stream = read_stream(args, cfg.vocab_size)
+    tok = load_tokenizer(args.ckpt, cfg.vocab_size) if args.text else None
+    stream = read_stream(args, cfg.vocab_size, tok)
     other = None
     if args.compare:
         from k3jax.checkpoint.load import load
@@ -163,7 +171,7 @@ def run(args) -> int:
 
     report["peak_rss_bytes"] = peak_rss_bytes()
     if args.plots:
-        report["plots"] = write_plots(args.plots, report, stats, kept, cfg)
+        report["plots"] = write_plots(args.plots, report, stats, kept, cfg, tok)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -186,7 +194,7 @@ def run(args) -> int:
     return 0
 
 
-def write_plots(out_dir: str, report: dict, stats, kept, cfg) -> list[str]:
+def write_plots(out_dir: str, report: dict, stats, kept, cfg, tok=None) -> list[str]:
     from k3jax.analysis import metrics as am
     from k3jax.analysis import plots as ap
 
@@ -199,8 +207,11 @@ def write_plots(out_dir: str, report: dict, stats, kept, cfg) -> list[str]:
     if any("drift" in d for d in report["layers"]):
         files.append(ap.drift_per_layer(report, os.path.join(out_dir, "drift.png")))
     m = kept["mask"]
+    decode = None
+    if tok is not None and tok.name != "bytes":
+        decode = lambda t: tok.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731
     files.append(ap.colored_text_html(kept["tokens"][m], kept[l0]["ids"][m, 0], cfg.num_experts,
-                                     os.path.join(out_dir, f"top1_layer{l0}.html"), layer=l0))
+                                     os.path.join(out_dir, f"top1_layer{l0}.html"), layer=l0, decode=decode))
     return files
 
 
