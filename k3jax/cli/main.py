@@ -1,6 +1,6 @@
 """`k3` — the k3jax command line.
 
-    k3 run   --preset k3-mini            forward pass + routing summary on a small preset (the main job)
+    k3 run                               the shipped k3-mini: held-out loss + routing summary (the main job)
     k3 plan  --preset kimi-k3 --json     parameters / bytes / per-device memory, without allocating anything
     k3 bench NAME --json                 benchmarks (k3 bench --list)
     k3 route --ckpt DIR --text F --json  routing analysis: loads, co-activation, specialization, drift

@@ -73,10 +73,10 @@ def parse_mesh_arg(s: str | None):
     return make_mesh(shape)
 
 
-def read_stream(args, vocab: int, tok=None) -> np.ndarray:
-    """The token stream of --text (through ``tok``, the checkpoint's tokenizer, or bytes) or --tokens."""
+def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
+    """(token stream, tokenizer) of --text (through the checkpoint's tokenizer, or bytes) or --tokens (None)."""
     if args.text:
-        from k3jax.tokenizer import ByteTokenizer
+        from k3jax.tokenizer import ByteTokenizer, load_tokenizer
 
         try:
             with open(args.text, "rb") as f:
@@ -85,11 +85,11 @@ def read_stream(args, vocab: int, tok=None) -> np.ndarray:
             raise ValueError(f"--text {args.text}: {e.strerror}") from None
         if not raw:
             raise ValueError(f"--text {args.text}: the file is empty")
-        tok = tok or ByteTokenizer(vocab)
+        tok = load_tokenizer(args.ckpt, vocab)
         if isinstance(tok, ByteTokenizer):
-            return np.frombuffer(raw, np.uint8).astype(np.int32)  # any bytes, UTF-8 or not
+            return np.frombuffer(raw, np.uint8).astype(np.int32), tok  # any bytes, UTF-8 or not
         try:
-            return np.asarray(tok.encode(raw.decode("utf-8")), np.int32)
+            return np.asarray(tok.encode(raw.decode("utf-8")), np.int32), tok
         except UnicodeDecodeError as e:
             raise ValueError(f"--text {args.text}: not UTF-8 ({e})") from None
     try:
@@ -105,7 +105,7 @@ def read_stream(args, vocab: int, tok=None) -> np.ndarray:
         raise ValueError(f"--tokens {args.tokens}: no token ids (only padding)")
     if valid.max() >= vocab:
         raise ValueError(f"--tokens {args.tokens}: id {int(valid.max())} >= vocab {vocab}")
-    return valid.astype(np.int32)
+    return valid.astype(np.int32), None
 
 
 def _model(args):
@@ -147,12 +147,9 @@ def run(args) -> int:
         raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
     from k3jax.analysis import collect as ac
-    from k3jax.tokenizer import load_tokenizer
-
     cfg, params = _model(args)
     layers = ac.check_layers(cfg, layers)
-    tok = load_tokenizer(args.ckpt, cfg.vocab_size) if args.text else None
-    stream = read_stream(args, cfg.vocab_size, tok)
+    stream, tok = read_stream(args, cfg.vocab_size)
     other = None
     if args.compare:
         from k3jax.checkpoint.load import load

@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint directory (default: the shipped k3-mini)")
     src.add_argument("--preset", help="random init of this preset instead")
-    p.add_argument("--tokens", type=int, default=32768, help="held-out bytes to score and route")
+    p.add_argument("--tokens", type=int, default=None, help="held-out bytes to score (default: the whole tail, "
+                   "209,715 bytes)")
+    p.add_argument("--route-tokens", type=int, default=32768, help="held-out bytes to route for the summary")
     p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=64,
                    help="window length (the shipped model was trained at 64)")
     p.add_argument("--batch", type=int, default=16, help="windows per forward pass")
@@ -65,19 +67,20 @@ def run(args) -> int:
     from k3jax.train import data as tdata
     from k3jax.train.evaluate import windowed_loss
 
-    if args.tokens < 2 or args.seq_len < 1 or args.batch < 1:
-        raise ValueError(f"--tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, {args.seq_len}, "
-                         f"{args.batch})")
+    if (args.tokens is not None and args.tokens < 2) or args.route_tokens < 2 or args.seq_len < 1 or args.batch < 1:
+        raise ValueError(f"--tokens and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, "
+                         f"{args.route_tokens}, {args.seq_len}, {args.batch})")
     source, cfg, params = _model(args)
     if cfg.vocab_size < 256:
         raise ValueError(f"{cfg.name!r} has vocab {cfg.vocab_size} < 256: byte-level text does not fit")
     _, held = tdata.split(tdata.load_corpus(None, max_bytes=4 << 20), 0.05)
-    text = held[:args.tokens].astype("int32")
     t0 = time.perf_counter()
-    nats, scored = windowed_loss(params, cfg, text, seq_len=args.seq_len, batch=args.batch)
+    nats, scored = windowed_loss(params, cfg, held[:args.tokens].astype("int32"), seq_len=args.seq_len,
+                                 batch=max(args.batch, 32))
     eval_s = time.perf_counter() - t0
-    report, stats, kept = ac.collect(params, cfg, text, seq_len=args.seq_len, batch=args.batch,
-                                    fields=("ids", "weights", "cutoff"), keep=not args.no_plots)
+    report, stats, kept = ac.collect(params, cfg, held[:args.route_tokens].astype("int32"), seq_len=args.seq_len,
+                                     batch=args.batch,
+                                     fields=("ids", "weights", "cutoff"), keep=not args.no_plots)
     routing = []
     for d in report["layers"]:
         l = d["layer"]
@@ -92,7 +95,7 @@ def run(args) -> int:
     out = {"model": source, "config": cfg.name, "params": count_params(params),
            "heldout_tokens_scored": scored, "heldout_nats_per_byte": nats,
            "heldout_bits_per_byte": nats / math.log(2), "unigram_entropy_nats": tdata.unigram_entropy(held),
-           "eval_s": round(eval_s, 2), "routing": routing}
+           "eval_s": round(eval_s, 2), "routed_tokens": report["tokens"], "routing": routing}
     if not args.no_plots:
         from k3jax.cli.route import write_plots
 
@@ -106,6 +109,7 @@ def run(args) -> int:
     print(f"held-out loss {nats / math.log(2):.3f} bits/byte ({nats:.3f} nats) on {scored:,} bytes of the stdlib "
           f"tail that training holds out (unigram entropy {out['unigram_entropy_nats'] / math.log(2):.3f} "
           f"bits/byte); {eval_s:.1f} s")
+    print(f"routing over the first {report['tokens']:,} held-out bytes:")
     print("layer  max/mean  cv     unused  entropy/max bits  token spec  top-1 weight  mean cutoff")
     for r in routing:
         print(f"{r['layer']:5d}  {r['max_over_mean_load']:8.2f}  {r['load_cv']:.3f}  {r['experts_unused']:6d}  "

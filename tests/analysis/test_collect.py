@@ -146,7 +146,7 @@ def test_bad_inputs_exit_2(ckpt, tmp_path, capsys):
     assert "empty" in capsys.readouterr().err
     (tmp_path / "t.txt").write_bytes(b"hello")
     assert main(["route", "--ckpt", ckpt, "--text", str(tmp_path / "t.txt")]) == 2  # vocab 97 < 256
-    assert "vocab 97" in capsys.readouterr().err
+    assert "at least 256 ids, got 97" in capsys.readouterr().err
     other = get_preset("k3-tiny", num_experts=16)
     save(random_params(other), other, tmp_path / "wide")
     np.save(tmp_path / "t.npy", stream(40))

@@ -12,10 +12,10 @@ SHIPPED = default_ckpt()
 
 @pytest.mark.skipif(SHIPPED is None, reason="the shipped k3-mini is not in this checkout")
 def test_main_job_on_the_shipped_model(tmp_path, capsys):
-    assert main(["run", "--tokens", "8192", "--plots", str(tmp_path), "--json"]) == 0
+    assert main(["run", "--tokens", "8192", "--route-tokens", "4096", "--plots", str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == SHIPPED and out["config"] == "hf-kimi_k3"
-    assert out["heldout_tokens_scored"] > 8000
+    assert out["heldout_tokens_scored"] > 8000 and out["routed_tokens"] == 4096
     assert out["heldout_nats_per_byte"] < 1.6 < out["unigram_entropy_nats"]  # trained, far below the unigram
     assert [r["layer"] for r in out["routing"]] == list(range(1, 9))
     for r in out["routing"]:
@@ -25,7 +25,7 @@ def test_main_job_on_the_shipped_model(tmp_path, capsys):
 
 
 def test_random_init_preset_and_text_output(capsys):
-    assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--no-plots"]) == 0
+    assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--route-tokens", "1024", "--no-plots"]) == 0
     text = capsys.readouterr().out
     assert "preset k3-mini (random init, seed 0)" in text and "bits/byte" in text
     assert text.count("\n") >= 3 + 8  # header lines + one line per MoE layer
@@ -33,7 +33,7 @@ def test_random_init_preset_and_text_output(capsys):
 
 @pytest.mark.parametrize("argv,words", [
     (["--preset", "k3-tiny"], "vocab 97 < 256"),
-    (["--preset", "k3-mini", "--tokens", "1"], "--tokens must be >= 2"),
+    (["--preset", "k3-mini", "--tokens", "1"], "--tokens and --route-tokens must be >= 2"),
     (["--preset", "nope"], "unknown preset"),
 ])
 def test_bad_input_exits_2(argv, words, capsys):
