@@ -147,18 +147,23 @@ def run(args) -> int:
         raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
     from k3jax.analysis import collect as ac
+    from k3jax.checkpoint.save import architecture_diff
+    from k3jax.config import from_hf, get_preset
+
+    # everything the flags can get wrong is checked on the configs, before any weight is read
+    cfg0 = get_preset(args.preset) if args.preset else from_hf(os.path.join(args.ckpt, "config.json"),
+                                                               strict=args.strict_config)
+    layers = ac.check_layers(cfg0, layers)
+    stream, tok = read_stream(args, cfg0.vocab_size)
+    if args.compare:
+        diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
+        if diff:
+            raise ValueError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
     cfg, params = _model(args)
-    layers = ac.check_layers(cfg, layers)
-    stream, tok = read_stream(args, cfg.vocab_size)
     other = None
     if args.compare:
         from k3jax.checkpoint.load import load
-        from k3jax.checkpoint.save import architecture_diff
-        from k3jax.config import from_hf
 
-        diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg)
-        if diff:
-            raise ValueError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
         _, other = load(args.compare, cfg=cfg.replace(param_dtype=args.dtype), progress=False)
     report, stats, kept = ac.collect(params, cfg, stream, layers=layers, seq_len=args.seq_len, batch=args.batch,
                                     max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots),
