@@ -28,15 +28,9 @@ from k3jax.train.evaluate import windowed_loss
 
 def spec_vs_shuffled(cfg, kept, layer, seed):
     m = kept["mask"]
-    toks, ids = kept["tokens"][m], kept[layer]["ids"][m]
-    sh = am.shuffle_labels(ids, cfg.num_experts, seed=seed)
-    occ = np.bincount(toks, minlength=cfg.vocab_size)
-    cls = am.byte_class(toks)
-    cocc = np.bincount(cls, minlength=len(am.BYTE_CLASSES))
-    k, E, V = cfg.num_experts_per_token, cfg.num_experts, cfg.vocab_size
-    return {"token_shuffled": am.specialization(am.specialization_counts(toks, sh, V, E), occ, k)["mean"],
-            "class_shuffled": am.specialization(am.specialization_counts(cls, sh, len(am.BYTE_CLASSES), E), cocc,
-                                               k)["mean"]}
+    b = am.shuffled_baseline(kept["tokens"][m], kept[layer]["ids"][m], cfg.num_experts, cfg.num_experts_per_token,
+                             seed=seed)
+    return {"token_shuffled": b["token"], "class_shuffled": b["byte_class"]}
 
 
 def main():

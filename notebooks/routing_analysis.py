@@ -103,13 +103,8 @@ init = json.load(open(init_path)) if os.path.exists(init_path) else None
 rows = []
 for d in report["layers"]:
     l = d["layer"]
-    sh = am.shuffle_labels(ids_by_layer[l], cfg.num_experts, seed=l)
-    occ = np.bincount(toks, minlength=cfg.vocab_size)
-    shuf = am.specialization(am.specialization_counts(toks, sh, cfg.vocab_size, cfg.num_experts), occ,
-                            cfg.num_experts_per_token)["mean"]
-    cls = am.byte_class(toks)
-    shuf_c = am.specialization(am.specialization_counts(cls, sh, len(am.BYTE_CLASSES), cfg.num_experts),
-                              np.bincount(cls, minlength=len(am.BYTE_CLASSES)), cfg.num_experts_per_token)["mean"]
+    base = am.shuffled_baseline(toks, ids_by_layer[l], cfg.num_experts, cfg.num_experts_per_token, seed=l)
+    shuf, shuf_c = base["token"], base["byte_class"]
     init_l = next((x for x in init["layers"] if x["layer"] == l), None) if init else None
     rows.append({"layer": l, "token": d["token_specialization"]["mean"], "token_shuffled": shuf,
                  "token_init": init_l["token_specialization"]["mean"] if init_l else None,

@@ -167,6 +167,20 @@ def shuffle_labels(ids, num_experts: int, seed: int = 0) -> np.ndarray:
     return np.take_along_axis(perms, flat, axis=1).reshape(a.shape)
 
 
+def shuffled_baseline(keys, ids, num_experts: int, k: int, *, seed: int = 0, min_count: int = 10) -> dict:
+    """Token and byte-class specialization means (``token``, ``byte_class``) of the label-shuffled routing
+    (``shuffle_labels``) of byte tokens ``keys`` [N] routed to ``ids`` [N, k]: the baseline a learned router must
+    beat besides k/E."""
+    kk = np.asarray(keys).reshape(-1).astype(np.int64)
+    sh = shuffle_labels(ids, num_experts, seed=seed)
+    V, cls = int(kk.max()) + 1, byte_class(kk)
+    nc = len(BYTE_CLASSES)
+    return {"token": specialization(specialization_counts(kk, sh, V, num_experts), np.bincount(kk, minlength=V), k,
+                                    min_count)["mean"],
+            "byte_class": specialization(specialization_counts(cls, sh, nc, num_experts),
+                                         np.bincount(cls, minlength=nc), k, min_count)["mean"]}
+
+
 # ------------------------------------------------------------------------------------------- agreement and drift
 
 def set_overlap(ids_a, ids_b) -> np.ndarray:
@@ -228,5 +242,6 @@ def qb_trajectory(metrics_path) -> dict:
 
 
 __all__ = ["BYTE_CLASSES", "byte_class", "coactivation", "coactivation_counts", "cross_layer_agreement", "drift",
-           "expert_load", "load_stats", "qb_trajectory", "set_overlap", "shuffle_labels", "specialization",
+           "expert_load", "load_stats", "qb_trajectory", "set_overlap", "shuffle_labels", "shuffled_baseline",
+           "specialization",
            "specialization_counts", "stickiness", "top_coactivated_pairs"]

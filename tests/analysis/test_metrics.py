@@ -137,3 +137,13 @@ def test_permuting_expert_labels_permutes_outputs_and_keeps_scalars(seed):
     assert am.stickiness(ids) == am.stickiness(pid)
     assert am.cross_layer_agreement(ids, ids[:, ::-1]) == am.cross_layer_agreement(pid, pid[:, ::-1])
     assert am.drift(ids, ids[::-1]) == am.drift(pid, pid[::-1])
+
+
+def test_shuffled_baseline_matches_its_definition():
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 200, 500)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(500)])
+    got = am.shuffled_baseline(keys, ids, E, K, seed=4)
+    sh = am.shuffle_labels(ids, E, seed=4)
+    want = am.specialization(am.specialization_counts(keys, sh, 200, E), np.bincount(keys, minlength=200), K)
+    assert got["token"] == want["mean"] and 0 < got["byte_class"] <= 1
