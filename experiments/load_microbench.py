@@ -29,7 +29,7 @@ def best(fn, reps: int = 5) -> float:
 
 
 def main(path: str) -> None:
-    from k3jax.checkpoint.load import aligned_empty, copy_T, host_transpose
+    from k3jax.checkpoint.host import aligned_empty, copy_T, host_transpose
 
     n = os.path.getsize(path)
     fd = os.open(path, os.O_RDONLY)

@@ -27,6 +27,7 @@ import numpy as np
 def main() -> None:
     from k3jax.checkpoint import load
     from k3jax.model import forward
+    from k3jax.sharding.mesh import make_mesh
     from k3jax.train import balance as bal
     from k3jax.train import data as tdata
 
@@ -44,7 +45,7 @@ def main() -> None:
     args = p.parse_args()
     modes = args.modes.split(",")
 
-    cfg, params = load(args.ckpt, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",)), progress=False)
+    cfg, params = load(args.ckpt, mesh=make_mesh({"expert": 1}, devices=jax.devices()[:1]), progress=False)
     E, k = cfg.num_experts, cfg.num_experts_per_token
     train, _ = tdata.split(tdata.load_corpus())
 
@@ -58,11 +59,11 @@ def main() -> None:
                                           seq_len=args.seq_len)[:, :-1])
 
     def stats(b_le, tokens):
-        p_b = bal.set_biases(params, b_le)
+        p_b = bal.set_biases(params, b_le, cfg)
         parts = [route_stats(p_b, b_le, tokens[i:i + args.chunk]) for i in range(0, tokens.shape[0], args.chunk)]
         return jax.tree.map(lambda *a: sum(a), *parts)
 
-    zero = jnp.zeros_like(bal.biases(params))
+    zero = jnp.zeros_like(bal.biases(params, cfg))
     # ideal: QB iterated on a pooled sample (statistics of several batches summed = one large step)
     fit = [batch(10_000 + i) for i in range(args.fit_batches)] if "ideal" in modes else []
     b_ideal = zero

@@ -55,10 +55,11 @@ def cmd_fit(args) -> None:
 
     from k3jax.checkpoint import load
     from k3jax.model import forward
+    from k3jax.sharding.mesh import make_mesh
     from k3jax.train import balance as bal
     from k3jax.train import data as tdata
 
-    cfg, params = load(args.ckpt, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",)), progress=False)
+    cfg, params = load(args.ckpt, mesh=make_mesh({"expert": 1}, devices=jax.devices()[:1]), progress=False)
     E, k = cfg.num_experts, cfg.num_experts_per_token
     train, _ = tdata.split(tdata.load_corpus())
 
@@ -71,14 +72,14 @@ def cmd_fit(args) -> None:
     toks = train[starts[:, None] + np.arange(args.seq_len)[None, :]].astype(np.int32)
 
     def pool(b):
-        p = bal.set_biases(params, jnp.asarray(b, jnp.float32))
+        p = bal.set_biases(params, jnp.asarray(b, jnp.float32), cfg)
         t0 = time.time()
         s = np.concatenate([np.asarray(scores_of(p, jnp.asarray(toks[i:i + 256])))
                             for i in range(0, len(toks), 256)], axis=1)
         print(f"routed {s.shape[1]} tokens in {time.time() - t0:.0f} s", flush=True)
         return s
 
-    b = np.zeros((len(bal.moe_layer_indices(params)), E))
+    b = np.zeros((len(bal.moe_layer_indices(cfg)), E))
     for o in range(args.outer):
         s = pool(b).astype(np.float64)
         before = ratio(loads(s, b, k))

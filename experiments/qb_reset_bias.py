@@ -17,13 +17,14 @@ import numpy as np
 
 def main(src: str, dst: str) -> None:
     from k3jax.checkpoint import load, save
+    from k3jax.sharding.mesh import make_mesh
     from k3jax.train import balance as bal
 
-    cfg, params = load(src, mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",)), progress=False)
-    b = bal.biases(params)
+    cfg, params = load(src, mesh=make_mesh({"expert": 1}, devices=jax.devices()[:1]), progress=False)
+    b = bal.biases(params, cfg)
     print(f"{src}: {b.shape[0]} MoE layers, bias range per layer before reset "
           f"{np.round(np.asarray(jnp.max(b, -1) - jnp.min(b, -1)), 3).tolist()}")
-    params = bal.set_biases(params, jnp.zeros_like(b))
+    params = bal.set_biases(params, jnp.zeros_like(b), cfg)
     save(jax.device_get(params), cfg, dst)
     print(f"wrote {dst} with zero biases")
 

@@ -1,6 +1,7 @@
 """The one frozen model config (``K3Config``), named presets and ``from_hf``.
 
-Only ``k3jax.model.transformer`` reads a ``K3Config``; inner layers get plain arguments (STYLE.md §3.4).
+Only the model (``k3jax/model/network.py``, ``decoder.py``) reads a ``K3Config``; blocks get plain arguments
+(STYLE.md §3.4).
 Family switches (SPEC §13) are fields, not code forks; they double as ablation knobs.
 
     >>> cfg = get_preset("kimi-k3")
@@ -274,28 +275,4 @@ def get_preset(name: str, **overrides) -> K3Config:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def param_count_estimate(cfg: K3Config) -> int:
-    """Closed-form total parameter count (used as a cross-check of the eval_shape planner)."""
-    d, H, D = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
-    kda = 3 * d * H * D + 3 * H * D * cfg.kda_conv_size + d * D + D * H * D + H * D + H + d * H + D + H * D * d
-    kda += d * H * D if cfg.kda_full_rank_gate else d * D + D * H * D
-    Hm = cfg.mla_num_heads
-    q = (d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * Hm * cfg.qk_head_dim) if cfg.q_lora_rank \
-        else d * Hm * cfg.qk_head_dim
-    mla = q + d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    mla += cfg.kv_lora_rank * Hm * (cfg.qk_nope_head_dim + cfg.v_head_dim) + Hm * cfg.v_head_dim * d
-    mla += d * Hm * cfg.v_head_dim if cfg.mla_output_gate else 0
-    w = cfg.moe_width
-    moe = cfg.num_experts * 3 * w * cfg.moe_intermediate_size + d * cfg.num_experts + cfg.num_experts
-    moe += 3 * d * cfg.shared_hidden
-    if cfg.is_latent_moe:
-        moe += 2 * d * w + (w if cfg.latent_moe_use_norm else 0)
-    norms = 2 * d + (4 * d if cfg.uses_attn_res else 0)
-    total = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2) + d + (2 * d if cfg.uses_attn_res else 0)
-    for l in range(cfg.num_layers):
-        total += (mla if cfg.is_mla(l) else kda) + norms
-        total += moe if cfg.is_moe(l) else 3 * d * cfg.intermediate_size
-    return total
-
-
-__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate", "param_count_estimate"]
+__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate"]

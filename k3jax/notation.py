@@ -8,6 +8,7 @@ Einsums are lower case, docstrings upper case. Top-k is ``A`` so it never collid
     L layers               W vocabulary               E routed experts
     A active experts / tok C chunk (KDA) / capacity   R low-rank latent (MLA q/kv LoRA, KDA f_a / g_a)
     P LatentMoE latent     M grouped-matmul rows (token-slots sorted by expert)
+    G stacked layer groups (k3jax/model/layout.py)   Wc short-conv taps (KDA)   X conv channels (N*K, head-major)
 
 Logical axis names (consumed by the sharding rules table; a layer attaches them to its parameters):
 """
@@ -30,4 +31,5 @@ LOGICAL_AXES = (
     "expert_mlp",  # routed expert hidden f
     "latent",  # LatentMoE latent width
     "norm",  # norm gains and 1-D vectors that are never sharded
+    "layers",  # the stacked axis of the repeating layer group (k3jax/model/layout.py)
 )

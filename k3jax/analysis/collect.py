@@ -51,7 +51,7 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
     unbiased sigmoid scores, ``biased`` [B, T, E] scores + bias (what selects), ``cutoff`` [B, T] the (k+1)-th
     biased score. Unrequested outputs (logits, other layers' routing) are dead code and not computed past the
     last requested layer."""
-    from k3jax.model import forward
+    from k3jax.model import forward, layer_view
 
     layers = check_layers(cfg, layers)
     bad = [f for f in fields if f not in FIELDS]
@@ -67,7 +67,7 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
             d = {}
             for f in fields:
                 if f == "biased":
-                    d[f] = r.scores + params["layers"][l]["moe"]["bias"].astype(r.scores.dtype)
+                    d[f] = r.scores + layer_view(params, cfg, l)["moe"]["bias"].astype(r.scores.dtype)
                 else:
                     d[f] = getattr(r, f)
             out[l] = d

@@ -20,8 +20,10 @@ import os
 
 import numpy as np
 
+from k3jax.checkpoint.container import INDEX_NAME, check_file_name, read_header
 from k3jax.checkpoint.errors import CheckpointError
-from k3jax.checkpoint.reader import FLOAT_DTYPES, INDEX_NAME, Checkpoint, check_file_name, read_header
+from k3jax.checkpoint.io import Checkpoint
+from k3jax.checkpoint.plan import FLOAT_DTYPES
 
 ROUTER = "block_sparse_moe.gate.weight"
 BIAS = "block_sparse_moe.gate.e_score_correction_bias"

@@ -2,6 +2,7 @@
 
     k3 bench kda --json            # T in {1024, 4096, 16384}, H = 4, K = V = 128, B = 1 (a few minutes on CPU)
     k3 bench kda --json --quick    # smoke run: T = 256, H = 2, K = V = 64 (seconds)
+    k3 bench kda --json --quick --seq 64 --heads 1 --head-dim 16 --chunk 16 --repeats 1   # the test's size
 
 Every time is jit-compiled, warmed once, then the median of ``--repeats`` runs. Inputs follow the K3 safe gate
 (g = -5 sigmoid(N(0, 1)), chunked path with gate_lower_bound = -5). FLOPs of the chunked algorithm, per head and
@@ -12,16 +13,23 @@ chunk of C tokens: 4 C^2 K (A_kk, A_qk) + C^2 (K + V) (unit-lower solve for W, U
 over the recurrence, divided by the rate of a batched [C, K] x [K, V] matmul (the algorithm's building block)
 measured in the same run: above 1, a 3x speedup is out of reach for any implementation of this algorithm on the
 machine that ran the bench.
+
+``ratios`` (per T): ``chunked_speedup_vs_recurrent_T*``, ``chunked_fraction_of_matmul_peak_T*`` and
+``speedup_3x_needs_over_batched_matmul_rate_T*``. Each ``results["T*"]`` also carries the correctness check of the
+timed paths: ``chunked_rel_rms_vs_recurrent`` and (where Pallas ran) ``pallas_rel_rms_vs_chunked``, each the larger
+rel-RMS of output and final state.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.bench.common import matmul_peak_flops, time_median
+from k3jax.ops.kda import SUB_CHUNK, kda_chunked
 
 FLOP_FORMULA = ("per token per head: 4*C*K + C*(K+V) + 6*K*V + 2*C*V "
                 "(A_kk + A_qk, unit-lower solve, W S + Q S + K^T V~, A_qk V~); C = chunk size")
@@ -41,6 +49,17 @@ def chunked_flops(T: int, H: int, K: int, V: int, C: int) -> float:
     return float(T * H * (4 * C * K + C * (K + V) + 6 * K * V + 2 * C * V))
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size", "gate_lower_bound", "sub_chunk"))
+def kda_chunked_jit(q, k, v, g, beta, initial_state=None, *, chunk_size=64, gate_lower_bound=None,
+                    sub_chunk=SUB_CHUNK):
+    """``k3jax.ops.kda.kda_chunked`` under jit with the default scale (moved here from ops/kda: a bench helper).
+
+    q, k, g: [B, T, N, K]; v: [B, T, N, V]; beta: [B, T, N]; initial_state: [B, N, K, V] or None.
+    """
+    return kda_chunked(q, k, v, g, beta, initial_state=initial_state, chunk_size=chunk_size,
+                       gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
+
+
 def _batched_matmul_rate(C, K, V, *, batch, reps):
     a = jax.random.normal(jax.random.key(2), (batch, C, K), jnp.float32)
     b = jax.random.normal(jax.random.key(3), (batch, K, V), jnp.float32)
@@ -57,6 +76,21 @@ def _inputs(key, B, T, H, K, V):
     g = -5.0 * jax.nn.sigmoid(jax.random.normal(ks[3], (B, T, H, K)))
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H)))
     return q, k, v, g, beta
+
+
+def _measure(fns: dict, x, *, reps: int, with_pallas: bool) -> dict:
+    """Times of one input set, and the correctness check: rel-RMS of chunked vs recurrent and Pallas vs chunked,
+    the larger of output and final state (both rungs run float32, so TOL["fp32_vs_fp64"] bounds them)."""
+    from k3jax.testing import rel_rms
+
+    r = {"recurrent_s": time_median(fns["recurrent"], *x, reps=reps),
+         "chunked_s": time_median(fns["chunked"], *x, reps=reps)}
+    rec, chk = fns["recurrent"](*x), fns["chunked"](*x)
+    r["chunked_rel_rms_vs_recurrent"] = max(rel_rms(a, b) for a, b in zip(chk, rec))
+    if with_pallas:
+        r["pallas_interpret_s"] = time_median(fns["pallas"], *x, reps=max(1, reps // 2))
+        r["pallas_rel_rms_vs_chunked"] = max(rel_rms(a, b) for a, b in zip(fns["pallas"](*x), chk))
+    return r
 
 
 def run(args) -> dict:
@@ -80,15 +114,13 @@ def run(args) -> dict:
     bmm_rate = _batched_matmul_rate(C, K, V, batch=H * 16, reps=repeats)
     print(f"batched [{C},{K}]x[{K},{V}] x{H * 16}: {bmm_rate / 1e9:.1f} GFLOP/s", file=sys.stderr)
 
-    rec = jax.jit(lambda *x: kda.kda_recurrent(*x))
-    chk = jax.jit(lambda *x: kda.kda_chunked(*x, chunk_size=C, gate_lower_bound=-5.0))
-    pal = jax.jit(lambda *x: kda_chunk(*x, chunk_size=C, gate_lower_bound=-5.0, interpret=True))
+    fns = {"recurrent": jax.jit(lambda *x: kda.kda_recurrent(*x)),
+           "chunked": jax.jit(lambda *x: kda.kda_chunked(*x, chunk_size=C, gate_lower_bound=-5.0)),
+           "pallas": jax.jit(lambda *x: kda_chunk(*x, chunk_size=C, gate_lower_bound=-5.0, interpret=True))}
     results, ratios = {}, {}
     for T in seqs:
         x = _inputs(jax.random.PRNGKey(T), B, T, H, K, V)
-        r = {"recurrent_s": time_median(rec, *x, reps=repeats), "chunked_s": time_median(chk, *x, reps=repeats)}
-        if T <= args.pallas_max_seq:
-            r["pallas_interpret_s"] = time_median(pal, *x, reps=max(1, repeats // 2))
+        r = _measure(fns, x, reps=repeats, with_pallas=T <= args.pallas_max_seq)
         fl = chunked_flops(T, H, K, V, C)
         r["chunked_flops"] = fl
         r["chunked_gflops_per_s"] = fl / r["chunked_s"] / 1e9

@@ -1,11 +1,11 @@
 """`k3 bench load` — checkpoint load throughput vs a raw sequential read of the same files, peak RSS, bytes read.
 
-For each checkpoint (k3-mini, and unless --quick a larger synthetic one closer to K3's I/O profile) the benchmark
-writes random params with ``save``, then in a fresh process with 8 simulated CPU devices:
+For each checkpoint (k3-mini or --preset, and unless --quick a larger synthetic one closer to K3's I/O profile) the
+benchmark writes random params with ``save``, then in a fresh process with 8 simulated CPU devices:
   1. reads every shard file sequentially once to warm the page cache, then times a second raw read (16 MiB chunks);
   2. loads once per mode untimed (``first_load_s``: jax runtime init, the abstract-tree trace and the transpose
-     programs, all cached per process), then times ``load`` onto a 1-D "expert" mesh of the 8 devices (experts split,
-     the rest replicated; best of ``--repeats``) in two modes:
+     programs, all cached per process), then times ``load`` onto ``make_mesh({"expert": 8})`` (experts split, the
+     rest replicated; best of ``--repeats``) in two modes:
        as_stored  ``load(dtype="bfloat16", keep_experts_packed=True)``: every tensor in its on-disk representation
                   (BF16 dense tensors transposed to k3jax's [in, out], MXFP4 experts packed) — the load itself;
        float32    ``load()`` with the preset's defaults: float32 params and MXFP4 experts dequantized on the host,
@@ -30,6 +30,11 @@ as 1×, so ≤ 2 means temporaries of at most one leaf). Where clear_refs is una
 
     k3 bench load --json
     k3 bench load --quick --json
+    k3 bench load --quick --preset k3-tiny --json     # the test's size
+
+``ratios``: ``throughput_vs_raw_read``, ``throughput_vs_raw_read_float32``, ``throughput_vs_fresh_buffer_read``,
+``peak_rss_over_largest_tensor`` (of the largest checkpoint). ``float32_result_unique_bytes`` is 4 bytes per
+parameter (``k3jax.model.count_params``) and ``bytes_read_per_process`` is the payload read once.
 """
 
 from __future__ import annotations
@@ -46,16 +51,18 @@ AS_STORED = {"dtype": "bfloat16", "keep_experts_packed": True}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--quick", action="store_true", help="k3-mini only, one repeat")
+    p.add_argument("--quick", action="store_true", help="the small checkpoint only, one repeat")
+    p.add_argument("--preset", default="k3-mini", help="the small checkpoint's preset (default k3-mini)")
     p.add_argument("--repeats", type=int, default=2)
 
 
-def _configs(quick: bool):
+def _configs(quick: bool, preset: str = "k3-mini"):
     from k3jax.config import get_preset
 
-    mini = get_preset("k3-mini")
+    small = get_preset(preset)
     if quick:
-        return [("k3-mini", mini)]
+        return [(preset, small)]
+    mini = get_preset("k3-mini")
     # Closer to K3's I/O profile than k3-mini (0.9 GB vs 37 MB): routed experts 64% of the file bytes (K3: 93%,
     # k3-mini: 34%) and each expert matrix a 1.4 MB MXFP4 tensor (K3: 5.5 MB, k3-mini: 15 KB) — per-tensor costs
     # (syscalls, Python, array creation) weigh on k3-mini's tiny tensors far more than on the release's.
@@ -63,7 +70,7 @@ def _configs(quick: bool):
                        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                        intermediate_size=2048, num_experts=16, num_experts_per_token=4, moe_intermediate_size=1536,
                        routed_expert_hidden_size=1792)
-    return [("k3-mini", mini), ("k3-io-synthetic", big)]
+    return [(preset, small), ("k3-io-synthetic", big)]
 
 
 def _write(cfg, d: str) -> None:
@@ -84,9 +91,9 @@ def _child(d: str, repeats: int) -> dict:
 
     import jax
     import numpy as np
-    from jax.sharding import Mesh
 
     from k3jax.checkpoint.load import load
+    from k3jax.sharding.mesh import make_mesh
 
     files = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
     size = sum(os.path.getsize(f) for f in files)
@@ -102,7 +109,7 @@ def _child(d: str, repeats: int) -> dict:
     def fresh_read() -> float:
         """The same reads into newly allocated buffers (one per file), as any loader's outputs must be: the kernel
         zero-fills each new page on first touch, a write pass the reused-buffer raw read does not pay."""
-        from k3jax.checkpoint.load import aligned_empty
+        from k3jax.checkpoint.host import aligned_empty
 
         t = time.perf_counter()
         for f in files:
@@ -117,7 +124,7 @@ def _child(d: str, repeats: int) -> dict:
     raw_read()  # warm the page cache
     raw_s = min(raw_read() for _ in range(repeats))
     fresh_s = min(fresh_read() for _ in range(repeats))
-    mesh = Mesh(np.array(jax.devices()), ("expert",))
+    mesh = make_mesh({"expert": jax.device_count()})
 
     def timed(**kw) -> tuple[float, dict]:
         stats = {}
@@ -154,12 +161,12 @@ def _child_mem(d: str, mode: str) -> dict:
     import gc
 
     import jax
-    import numpy as np
-    from jax.sharding import Mesh
 
-    from k3jax.checkpoint.load import current_rss_bytes, hwm_rss_bytes, load, reset_peak_rss
+    from k3jax.checkpoint.host import current_rss_bytes, hwm_rss_bytes, reset_peak_rss
+    from k3jax.checkpoint.load import load
+    from k3jax.sharding.mesh import make_mesh
 
-    mesh = Mesh(np.array(jax.devices()), ("expert",))
+    mesh = make_mesh({"expert": jax.device_count()})
     kw = AS_STORED if mode == "as_stored" else {}
     _, params = load(d, mesh=mesh, progress=False, **kw)  # warm-up: jax runtime, abstract tree
     jax.block_until_ready(params)
@@ -185,7 +192,7 @@ def _child_mem(d: str, mode: str) -> dict:
 def run(args) -> dict:
     results = {}
     with tempfile.TemporaryDirectory(prefix="k3bench-load-") as tmp:
-        for name, cfg in _configs(args.quick):
+        for name, cfg in _configs(args.quick, getattr(args, "preset", "k3-mini")):
             d = os.path.join(tmp, name)
             _write(cfg, d)
             env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")

@@ -3,8 +3,11 @@
     k3 bench mxfp4 --json            # K3 expert shape: K = 3584, N = 3072; M in {1, 16, 2048}
     k3 bench mxfp4 --json --quick    # small shapes, seconds on a laptop CPU
 
-bits per weight is measured on real packed arrays (uint8 codes + E8M0 scales); SPEC §10.4 says 4.25 (vs 16 for bf16).
-The MXFP4 path is jit(x @ mxfp4_unpack(packed, scale, bf16)ᵀ), which XLA fuses on CPU; times are medians.
+bits per weight is measured on real packed arrays (uint8 codes + E8M0 scales); SPEC §10.4 says 4.25 (vs 16 for bf16):
+``bytes`` is packed = N·K/2, scale = N·K/32, bf16 = 2·N·K. The MXFP4 path is jit(x @ mxfp4_unpack(packed, scale,
+bf16)ᵀ), which XLA fuses on CPU; times are medians. Correctness check: ``times["M*"]["mxfp4_rel_rms_vs_f64"]`` is the
+rel-RMS of that path vs x @ (dequantized weights)ᵀ in float64 (MXFP4 values are exact in bf16, so only the f32
+accumulation differs). ``ratios``: ``bits_per_weight``, ``bits_per_weight_bf16``, ``time_mxfp4_over_bf16_M*``.
 """
 
 from __future__ import annotations
@@ -13,18 +16,17 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.bench.common import time_median
 from k3jax.quant import mxfp4_pack, mxfp4_unpack
+from k3jax.testing import rel_rms
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes and few repeats (smoke test)")
     parser.add_argument("--reps", type=int, default=None, help="timed repeats per shape (default 10, quick 2)")
     parser.add_argument("--prefill-m", type=int, default=None, help="rows of the prefill shape (default 2048)")
-
-
-
 
 
 def run(args) -> dict:
@@ -41,12 +43,14 @@ def run(args) -> dict:
 
     mx_mm = jax.jit(lambda x, p, s: jnp.dot(x, mxfp4_unpack(p, s, jnp.bfloat16).T, preferred_element_type=jnp.float32))
     bf_mm = jax.jit(lambda x, w: jnp.dot(x, w.T, preferred_element_type=jnp.float32))
+    w_f64 = np.asarray(mxfp4_unpack(packed, scale, jnp.float32), np.float64)
     times = {}
     for M in (1, 16, prefill_m):
         x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
         t_mx = time_median(mx_mm, x, packed, scale, reps=reps)
         t_bf = time_median(bf_mm, x, w_bf16, reps=reps)
-        times[f"M{M}"] = {"mxfp4_s": t_mx, "bf16_s": t_bf}
+        err = rel_rms(mx_mm(x, packed, scale), np.asarray(x, np.float64) @ w_f64.T)
+        times[f"M{M}"] = {"mxfp4_s": t_mx, "bf16_s": t_bf, "mxfp4_rel_rms_vs_f64": err}
         print(f"M={M}: mxfp4 {t_mx * 1e3:.2f} ms, bf16 {t_bf * 1e3:.2f} ms", file=sys.stderr)
     ratios = {"bits_per_weight": bits, "bits_per_weight_bf16": bits_bf16}
     for m, t in times.items():

@@ -3,9 +3,13 @@ QK-Clip, Quantile Balancing) on k3-mini, against an XLA matmul peak measured in 
 
     k3 bench train --json              # k3-mini, batch 8 × 128 tokens, 3 timed steps
     k3 bench train --json --quick      # k3-tiny, batch 4 × 32 tokens (smoke test, CPU seconds)
+    k3 bench train --json --quick --layers 2 --batch 2 --seq-len 16 --reps 1   # the test's size: KDA + MLA/MoE
+
+``ratios``: ``mfu`` and ``tokens_per_s``. ``params`` is counted on the initialised tree (the test compares it with
+``k3jax.model.count_params``); ``loss`` is the step's loss on the random batch.
 
 MFU = flops_per_token · tokens/s / peak (k3jax.train.flops: 6 · active matmul params + attention); the peak is a
-jitted n×n matmul in the compute dtype (k3jax.bench.common). Times are medians of warm steps.
+jitted n×n matmul in the compute dtype (``k3jax.train.flops.matmul_peak_flops``). Times are medians of warm steps.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from k3jax.bench.common import matmul_peak_flops, time_median
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="k3-tiny, small batch (smoke test)")
     parser.add_argument("--preset", default=None, help="default k3-mini (k3-tiny with --quick)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="truncate the preset to this many layers, the last one MLA (default: the preset's)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
@@ -41,7 +47,8 @@ def run(args) -> dict:
     B = args.batch or (4 if quick else 8)
     T = args.seq_len or (32 if quick else 128)
     reps = args.reps or (2 if quick else 3)
-    cfg = get_preset(preset, qat=args.qat, compute_dtype=args.compute_dtype)
+    layers = {} if args.layers is None else {"num_layers": args.layers, "full_attn_layers": (args.layers,)}
+    cfg = get_preset(preset, qat=args.qat, compute_dtype=args.compute_dtype, **layers)
     params = init_params(cfg, jax.random.key(0))
     tx, _ = make_optimizer(params, OptimConfig(total_steps=1000))
     state = init_state(params, tx)
@@ -51,6 +58,7 @@ def run(args) -> dict:
     print(f"compiling the {preset} train step (B={B}, T={T}) ...", file=sys.stderr)
     t_step = time_median(lambda s: step(s, tokens, zero)[1]["loss"], state, reps=reps)  # state not donated: reusable
     tps = B * T / t_step
+    loss = float(step(state, tokens, zero)[1]["loss"])  # the first step's loss: finite, about ln(vocab) at init
     fpt = flops_per_token(cfg, params, T)
     peak = matmul_peak_flops(dtype=jnp.dtype(args.compute_dtype))
     mfu = fpt * tps / peak
@@ -60,9 +68,10 @@ def run(args) -> dict:
         "name": "train",
         "device": jax.devices()[0].device_kind,
         "backend": jax.default_backend(),
-        "shape": {"preset": preset, "batch": B, "seq_len": T, "quick": quick, "reps": reps, "qat": args.qat,
-                  "compute_dtype": args.compute_dtype},
+        "shape": {"preset": preset, "layers": cfg.num_layers, "batch": B, "seq_len": T, "quick": quick, "reps": reps,
+                  "qat": args.qat, "compute_dtype": args.compute_dtype},
         "times": {"step_s": t_step},
+        "loss": loss,
         "flops": {"per_token": fpt, "matmul_peak": peak, "achieved": fpt * tps},
         "params": int(sum(np.prod(x.shape) for x in jax.tree.leaves(params))),
         "ratios": {"mfu": mfu, "tokens_per_s": tps},

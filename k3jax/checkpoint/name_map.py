@@ -1,4 +1,9 @@
-"""The one table mapping k3jax parameter leaves to official HF tensors (SPEC §2.1, §11, §13).
+"""k3jax parameter leaves ↔ official HF tensors (SPEC §2.1, §11, §13), read from the blocks' own tables.
+
+Each block class (k3jax/layers/*, k3jax/model/decoder.py, k3jax/model/network.py) keeps ``HF``: per parameter its
+HF suffix and transform, per sub-block its infix. This module walks them over the abstract model, so a leaf added
+to a block is listed here with no edit. Paths are in the per-layer view (k3jax/model/layout.py): a decoder layer's
+leaves are ``("layers", l, ...)`` whether or not the state stacks that layer (``layout.leaf_location`` maps them).
 
 Two layouts, picked by ``default_layout(cfg)`` (or passed explicitly):
 
@@ -15,7 +20,7 @@ Two layouts, picked by ``default_layout(cfg)`` (or passed explicitly):
 The expert storage follows ``cfg.expert_format`` ("mxfp4" or "bf16") in either layout.
 
 ``hf_tensors(cfg)`` lists every checkpoint tensor as a ``TensorSpec`` in on-disk order (per shard: F32, BF16, U8,
-byte order of names within a dtype). ``from_hf`` / ``to_hf`` are the numpy transforms per tensor.
+byte order of names within a dtype). ``leaf_from_hf`` / ``leaf_to_hf`` are the numpy transforms per tensor.
 
     >>> from k3jax.config import get_preset
     >>> specs = hf_tensors(get_preset("k3-mini"))
@@ -29,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -80,95 +85,9 @@ class TensorSpec(NamedTuple):
         return 2 * n if self.part == "packed" else 0 if self.part == "scale" else n
 
 
-# --------------------------------------------------------------------------------------------------- the table
+# ------------------------------------------------------------------------------- the blocks' tables, walked
 
-class Rule(NamedTuple):
-    leaf: tuple[str, ...]  # path inside the block
-    hf: str  # HF suffix inside the block
-    transform: str
-    dtype: str  # "BF16" | "F32" | "F32k3" (F32 in the K3 layout, BF16 in Kimi-Linear) | "A_log"
-    when: Callable[[K3Config], bool] = lambda c: True
-    in_axes: int = 1
-
-
-def _lin(leaf, hf, when=lambda c: True, in_axes=1):
-    return Rule(leaf, hf, "linear", "BF16", when, in_axes)
-
-
-def _vec(leaf, hf, when=lambda c: True, dtype="BF16"):
-    return Rule(leaf, hf, "copy", dtype, when)
-
-
-_res = lambda c: c.uses_attn_res  # noqa: E731
-
-LAYER_RULES = (  # suffix after "<prefix>model.layers.{l}."
-    _vec(("input_norm",), "input_layernorm.weight"),
-    _vec(("post_norm",), "post_attention_layernorm.weight"),
-    _vec(("attn_res", "gain"), "self_attention_res_norm.weight", _res),
-    Rule(("attn_res", "query"), "self_attention_res_proj.weight", "row", "BF16", _res),
-    _vec(("mlp_res", "gain"), "mlp_res_norm.weight", _res),
-    Rule(("mlp_res", "query"), "mlp_res_proj.weight", "row", "BF16", _res),
-)
-KDA_RULES = (  # under layer["kda"], HF "self_attn."
-    _lin(("wq",), "q_proj.weight"),
-    _lin(("wk",), "k_proj.weight"),
-    _lin(("wv",), "v_proj.weight"),
-    Rule(("conv_q",), "q_conv1d.weight", "conv", "F32k3"),
-    Rule(("conv_k",), "k_conv1d.weight", "conv", "F32k3"),
-    Rule(("conv_v",), "v_conv1d.weight", "conv", "F32k3"),
-    _lin(("f_a",), "f_a_proj.weight"),
-    _lin(("f_b",), "f_b_proj.weight"),
-    Rule(("dt_bias",), "dt_bias", "flat", "F32"),
-    Rule(("A_log",), "A_log", "A_log", "F32"),
-    _lin(("w_beta",), "b_proj.weight"),
-    _lin(("w_gate",), "g_proj.weight", lambda c: c.kda_full_rank_gate),
-    _lin(("g_a",), "g_a_proj.weight", lambda c: not c.kda_full_rank_gate),
-    _lin(("g_b",), "g_b_proj.weight", lambda c: not c.kda_full_rank_gate),
-    _vec(("o_norm",), "o_norm.weight", dtype="F32k3"),
-    _lin(("wo",), "o_proj.weight", in_axes=2),
-)
-_qlora = lambda c: bool(c.q_lora_rank)  # noqa: E731
-MLA_RULES = (  # under layer["mla"], HF "self_attn."
-    _lin(("q_a",), "q_a_proj.weight", _qlora),
-    _vec(("q_a_norm",), "q_a_layernorm.weight", _qlora),
-    _lin(("q_b",), "q_b_proj.weight", _qlora),
-    _lin(("wq",), "q_proj.weight", lambda c: not c.q_lora_rank),
-    _lin(("kv_a",), "kv_a_proj_with_mqa.weight"),
-    _vec(("kv_a_norm",), "kv_a_layernorm.weight"),
-    _lin(("kv_b",), "kv_b_proj.weight"),
-    _lin(("w_gate",), "g_proj.weight", lambda c: c.mla_output_gate),
-    _lin(("wo",), "o_proj.weight", in_axes=2),
-)
-MLP_RULES = (  # under layer["mlp"], HF "mlp."
-    _lin(("w_gate",), "gate_proj.weight"),
-    _lin(("w_up",), "up_proj.weight"),
-    _lin(("w_down",), "down_proj.weight"),
-)
-_shared = lambda c: c.num_shared_experts > 0  # noqa: E731
-MOE_RULES = (  # under layer["moe"], HF "block_sparse_moe."
-    _lin(("router",), "gate.weight"),
-    _vec(("bias",), "gate.e_score_correction_bias", dtype="F32"),
-    _lin(("down",), "routed_expert_down_proj.weight", lambda c: c.is_latent_moe),
-    _lin(("up",), "routed_expert_up_proj.weight", lambda c: c.is_latent_moe),
-    _vec(("latent_norm",), "routed_expert_norm.weight", lambda c: c.is_latent_moe and c.latent_moe_use_norm),
-    _lin(("shared", "w_gate"), "shared_experts.gate_proj.weight", _shared),
-    _lin(("shared", "w_up"), "shared_experts.up_proj.weight", _shared),
-    _lin(("shared", "w_down"), "shared_experts.down_proj.weight", _shared),
-)
-EXPERT_LEAVES = ("w1", "w2", "w3")  # layer["moe"]["experts"][w] [E, in, out] ↔ "experts.{e}.{w}.*"
-GLOBAL_RULES = (  # after the layout prefix
-    _vec(("embed",), "model.embed_tokens.weight"),
-    _lin(("lm_head",), "lm_head.weight", lambda c: not c.tie_word_embeddings),
-    _vec(("final_norm",), "model.norm.weight"),
-    _vec(("out_res", "gain"), "model.output_attn_res_norm.weight", _res),
-    Rule(("out_res", "query"), "model.output_attn_res_proj.weight", "row", "BF16", _res),
-)
-BLOCKS = (  # (layer sub-dict, HF infix, rules, applies to layer l)
-    ("kda", "self_attn.", KDA_RULES, lambda c, l: not c.is_mla(l)),
-    ("mla", "self_attn.", MLA_RULES, lambda c, l: c.is_mla(l)),
-    ("mlp", "mlp.", MLP_RULES, lambda c, l: not c.is_moe(l)),
-    ("moe", "block_sparse_moe.", MOE_RULES, lambda c, l: c.is_moe(l)),
-)
+EXPERT_LEAVES = ("w1", "w2", "w3")  # moe.experts.w [E, in, out] ↔ "experts.{e}.{w}.*"
 LAYOUTS = {
     # prefix, A_log transform, dtype of the "F32k3" leaves
     "k3": ("language_model.", "a_log_pad", "F32"),
@@ -210,39 +129,68 @@ def mxfp4_shapes(in_dim: int, out_dim: int, name: str = "expert") -> tuple[tuple
     return (out_dim, in_dim // 2), (out_dim, in_dim // MX_GROUP)
 
 
+class HFLeafEntry(NamedTuple):
+    """One parameter of the model as the walk of the blocks' ``HF`` tables finds it."""
+
+    path: Path  # per-layer-view path: ("layers", l, ...) or a model-level path
+    name: str  # HF name after the layout prefix (expert tensors: the prefix of "{e}.{w}.*")
+    rule: object  # k3jax.layers.common.HFLeaf
+    shape: tuple[int, ...]  # the leaf's shape (one layer's, for stacked leaves)
+
+
+def _walk(module, name: str, path: Path, stacked: bool):
+    """Yield an HFLeafEntry for every Param under ``module``, reading each block class's ``HF`` table."""
+    from flax import nnx
+
+    table = getattr(type(module), "HF", None)
+    if table is None:
+        raise KeyError(f"name map: block {type(module).__name__} has no HF table")
+    for attr, value in vars(module).items():
+        if isinstance(value, nnx.Param):
+            if attr not in table:
+                raise KeyError(f"name map: {type(module).__name__}.HF has no entry for leaf {attr!r} "
+                               f"({'/'.join(map(str, (*path, attr)))})")
+            shape = tuple(value.shape)[1:] if stacked else tuple(value.shape)
+            yield HFLeafEntry((*path, attr), name + table[attr].suffix, table[attr], shape)
+        elif isinstance(value, nnx.Module):
+            if attr not in table:
+                raise KeyError(f"name map: {type(module).__name__}.HF has no entry for block {attr!r}")
+            if table[attr] is not None:  # None: decoder layers, named by layer index (model/layout.py)
+                yield from _walk(value, name + table[attr], (*path, attr), stacked)
+
+
 @functools.lru_cache(maxsize=16)
-def _leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
-    import jax
+def _entries(cfg: K3Config) -> tuple[tuple[HFLeafEntry, ...], dict[int, tuple[HFLeafEntry, ...]]]:
+    """(model-level entries, {layer: entries}) from the abstract model (``nnx.eval_shape``, no memory)."""
+    from k3jax.model import abstract_model, layout
 
-    from k3jax.model import abstract_params
-
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))
-    return {key_path(kp): tuple(x.shape) for kp, x in flat}
-
-
-def key_path(kp) -> Path:
-    """A jax key path (from ``tree_flatten_with_path``) as the plain tuple used in ``TensorSpec.path``."""
-    return tuple(k.idx if hasattr(k, "idx") else k.key for k in kp)
-
-
-_key_path = key_path  # older name, used by callers
+    model = abstract_model(cfg)
+    lay = layout(cfg)
+    glob = tuple(_walk(model, "", (), False))
+    layers = {}
+    for l in range(cfg.num_layers):
+        (section, *rest), g = lay.locate(l)
+        module = getattr(model, section)
+        for k in rest:
+            module = getattr(module, k) if isinstance(k, str) else module[k]
+        layers[l] = tuple(_walk(module, f"model.layers.{l}.", ("layers", l), g is not None))
+    return glob, layers
 
 
 def leaf_shapes(cfg: K3Config) -> dict[Path, tuple[int, ...]]:
-    """``{leaf path: shape}`` for every leaf of ``abstract_params(cfg)`` (cached; allocates nothing)."""
-    return dict(_leaf_shapes(cfg))
+    """``{per-layer-view path: shape}`` for every parameter (allocates nothing)."""
+    glob, layers = _entries(cfg)
+    return {e.path: e.shape for e in (*glob, *(e for es in layers.values() for e in es))}
 
 
 # ---------------------------------------------------------------------------------------------------- listing
 
-def _spec(cfg, layout, rule: Rule, path: Path, name: str, layer) -> TensorSpec:
-    shapes = _leaf_shapes(cfg)
-    if path not in shapes:
-        raise KeyError(f"name map: leaf {'/'.join(map(str, path))} (for {name}) is missing from the params tree")
+def _spec(layout: str, e: HFLeafEntry, layer) -> TensorSpec:
+    rule = e.rule
     transform = LAYOUTS[layout][1] if rule.transform == "A_log" else rule.transform
     dtype = LAYOUTS[layout][2] if rule.dtype == "F32k3" else rule.dtype
-    return TensorSpec(name, dtype, hf_shape(transform, shapes[path], rule.in_axes), path, transform, layer,
-                      rule.in_axes)
+    name = LAYOUTS[layout][0] + e.name
+    return TensorSpec(name, dtype, hf_shape(transform, e.shape, rule.in_axes), e.path, transform, layer, rule.in_axes)
 
 
 def layer_tensors(cfg: K3Config, l: int, layout: str | None = None, expert_format: str | None = None
@@ -250,44 +198,35 @@ def layer_tensors(cfg: K3Config, l: int, layout: str | None = None, expert_forma
     """The tensors of decoder layer ``l`` in on-disk order (F32, BF16, U8; byte order of names)."""
     layout = layout or default_layout(cfg)
     fmt = expert_format or cfg.expert_format
-    pre = f"{LAYOUTS[layout][0]}model.layers.{l}."
-    out = [_spec(cfg, layout, r, ("layers", l, *r.leaf), pre + r.hf, l) for r in LAYER_RULES if r.when(cfg)]
-    for block, infix, rules, applies in BLOCKS:
-        if applies(cfg, l):
-            out += [_spec(cfg, layout, r, ("layers", l, block, *r.leaf), pre + infix + r.hf, l)
-                    for r in rules if r.when(cfg)]
-    if cfg.is_moe(l):
-        out += _expert_tensors(cfg, l, pre + "block_sparse_moe.experts.", fmt)
+    out = []
+    for e in _entries(cfg)[1][l]:
+        if e.rule.transform == "expert":
+            out += _expert_tensors(e, LAYOUTS[layout][0] + e.name[: -len(e.rule.suffix)], l, fmt)
+        else:
+            out.append(_spec(layout, e, l))
     out.sort(key=lambda s: order_key(s.name, s.dtype))
     return out
 
 
-def _expert_tensors(cfg: K3Config, l: int, pre: str, fmt: str) -> list[TensorSpec]:
-    shapes = _leaf_shapes(cfg)
-    out = []
-    for w in EXPERT_LEAVES:
-        path = ("layers", l, "moe", "experts", w)
-        if path not in shapes:
-            raise KeyError(f"name map: leaf {'/'.join(map(str, path))} is missing from the params tree")
-        E, din, dout = shapes[path]
-        if fmt == "mxfp4":
-            pshape, sshape = mxfp4_shapes(din, dout, f"layer {l} experts.{w}")
-            for e in range(E):
-                out.append(TensorSpec(f"{pre}{e}.{w}.weight_packed", "U8", pshape, path, "mxfp4", l, 1, e, "packed"))
-                out.append(TensorSpec(f"{pre}{e}.{w}.weight_scale", "U8", sshape, path, "mxfp4", l, 1, e, "scale"))
-        elif fmt == "bf16":
-            out += [TensorSpec(f"{pre}{e}.{w}.weight", "BF16", (dout, din), path, "expert", l, 1, e)
-                    for e in range(E)]
-        else:
-            raise ValueError(f"unknown expert_format {fmt!r}; known: mxfp4, bf16")
-    return out
+def _expert_tensors(e: HFLeafEntry, pre: str, l: int, fmt: str) -> list[TensorSpec]:
+    w, path = e.rule.suffix, e.path
+    E, din, dout = e.shape
+    if fmt == "mxfp4":
+        pshape, sshape = mxfp4_shapes(din, dout, f"layer {l} experts.{w}")
+        out = []
+        for x in range(E):
+            out.append(TensorSpec(f"{pre}{x}.{w}.weight_packed", "U8", pshape, path, "mxfp4", l, 1, x, "packed"))
+            out.append(TensorSpec(f"{pre}{x}.{w}.weight_scale", "U8", sshape, path, "mxfp4", l, 1, x, "scale"))
+        return out
+    if fmt == "bf16":
+        return [TensorSpec(f"{pre}{x}.{w}.weight", "BF16", (dout, din), path, "expert", l, 1, x) for x in range(E)]
+    raise ValueError(f"unknown expert_format {fmt!r}; known: mxfp4, bf16")
 
 
 def global_tensors(cfg: K3Config, layout: str | None = None) -> list[TensorSpec]:
     """The model-level tensors (one shard after the layers), in on-disk order."""
     layout = layout or default_layout(cfg)
-    pre = LAYOUTS[layout][0]
-    out = [_spec(cfg, layout, r, r.leaf, pre + r.hf, None) for r in GLOBAL_RULES if r.when(cfg)]
+    out = [_spec(layout, e, None) for e in _entries(cfg)[0]]
     out.sort(key=lambda s: order_key(s.name, s.dtype))
     return out
 
@@ -361,11 +300,11 @@ def np_dtype(hf_dtype: str):
 
 
 def leaf_shape(spec: TensorSpec, cfg: K3Config) -> tuple[int, ...]:
-    """Shape of the k3jax leaf ``spec`` belongs to (the whole [E, in, out] stack for experts)."""
-    return _leaf_shapes(cfg)[spec.path]
+    """Shape of the k3jax leaf ``spec`` belongs to (one layer's; the whole [E, in, out] stack for experts)."""
+    return leaf_shapes(cfg)[spec.path]
 
 
-def from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
+def leaf_from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
     """HF tensor → k3jax leaf value (numpy, HF dtype kept). ``shape`` is the leaf shape; for a BF16 expert it is
     the one-expert [in, out] slice. MXFP4 pairs go through ``expert_from_hf``."""
     a = np.asarray(array)
@@ -384,7 +323,7 @@ def from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
     return a.reshape(shape)  # copy, row, conv, flat, a_log_4d
 
 
-def to_hf(value, spec: TensorSpec) -> np.ndarray:
+def leaf_to_hf(value, spec: TensorSpec) -> np.ndarray:
     """k3jax leaf value → HF tensor in the checkpoint dtype. For a BF16 expert pass the whole [E, in, out] stack
     (or one [in, out] slice); MXFP4 pairs go through ``expert_to_hf``."""
     x = np.asarray(value)
@@ -424,7 +363,7 @@ def expert_to_hf(weight, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(packed, np.uint8), np.asarray(scale, np.uint8)
 
 
-__all__ = ["TensorSpec", "Rule", "LAYOUTS", "default_layout", "hf_tensors", "layer_tensors", "global_tensors",
+__all__ = ["TensorSpec", "HFLeafEntry", "LAYOUTS", "default_layout", "hf_tensors", "layer_tensors", "global_tensors",
            "shard_tensors", "shard_of", "shard_file_of", "num_shards", "has_vision_shards", "hf_shape",
-           "mxfp4_shapes", "leaf_shapes", "leaf_shape", "key_path", "from_hf", "to_hf", "expert_from_hf",
+           "mxfp4_shapes", "leaf_shapes", "leaf_shape", "leaf_from_hf", "leaf_to_hf", "expert_from_hf",
            "expert_to_hf", "np_dtype"]

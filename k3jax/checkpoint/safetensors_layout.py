@@ -22,13 +22,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 # dtype -> (rank in the official header order, item size in bytes). K3 uses exactly these three (SPEC §11.6).
-DTYPES = {"F32": (0, 4), "BF16": (1, 2), "U8": (2, 1)}
+K3_HEADER_DTYPES = {"F32": (0, 4), "BF16": (1, 2), "U8": (2, 1)}
 
 
 def itemsize(dtype: str) -> int:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not used by the K3 checkpoint format; known: {', '.join(DTYPES)}")
-    return DTYPES[dtype][1]
+    if dtype not in K3_HEADER_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not used by the K3 checkpoint format; "
+                         f"known: {', '.join(K3_HEADER_DTYPES)}")
+    return K3_HEADER_DTYPES[dtype][1]
 
 
 def nbytes(dtype: str, shape: Sequence[int]) -> int:
@@ -38,7 +39,7 @@ def nbytes(dtype: str, shape: Sequence[int]) -> int:
 def order_key(name: str, dtype: str) -> tuple[int, bytes]:
     """Official header / data order: dtype rank first, then byte-lexicographic name."""
     itemsize(dtype)
-    return DTYPES[dtype][0], name.encode("utf-8")
+    return K3_HEADER_DTYPES[dtype][0], name.encode("utf-8")
 
 
 def shard_file_name(k: int, total: int) -> str:
@@ -102,4 +103,4 @@ def shard_layout(entries: Iterable[tuple[str, str, Sequence[int]]]) -> ShardLayo
     return ShardLayout(header=header, names=tuple(names), offsets=tuple(offsets), payload_bytes=pos)
 
 
-__all__ = ["DTYPES", "itemsize", "nbytes", "order_key", "shard_file_name", "ShardLayout", "shard_layout"]
+__all__ = ["K3_HEADER_DTYPES", "itemsize", "nbytes", "order_key", "shard_file_name", "ShardLayout", "shard_layout"]

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,12 +25,12 @@ import tempfile
 import numpy as np
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.container import INDEX_NAME, MANIFEST_NAME, read_header, sha256_file
 from k3jax.checkpoint.errors import CheckpointError
-from k3jax.checkpoint.reader import INDEX_NAME, read_header
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
 from k3jax.config import K3Config
+from k3jax.quant import pack_experts
 
-MANIFEST_NAME = "SHA256SUMS"  # `sha256sum -c` format: "<hex>  <file>"
 # K3Config fields that are runtime choices, never part of an HF config.
 RUNTIME_FIELDS = ("name", "moe_impl", "kda_impl", "kda_chunk_size", "mla_block_size", "qat", "qat_weight_rule",
                   "qat_act_rule", "param_dtype", "compute_dtype", "mla_norm_eps")
@@ -98,40 +97,46 @@ def _host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def pack_experts(w_eio: np.ndarray, name: str = "experts") -> tuple[np.ndarray, np.ndarray]:
-    """Dense stack [E, in, out] → (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32]), compressed-tensors
-    "even" rule (SPEC §10.2–10.3)."""
-    import jax.numpy as jnp
-
-    from k3jax.quant import experts_to_packed
-
-    p, s = experts_to_packed(jnp.asarray(w_eio), rule="even", name=name)
-    return np.asarray(p, np.uint8), np.asarray(s, np.uint8)
-
-
 class _ShardValues:
-    """Per-shard conversion k3jax leaf → HF tensor bytes; each expert stack is packed once per shard."""
+    """Per-shard conversion k3jax leaf → HF tensor bytes; each expert stack is packed once per shard.
 
-    def __init__(self, params):
-        self.params = params
+    Specs address the per-layer view (``("layers", l, ...)``); a stacked leaf is read once to host and row l taken
+    from it (a numpy view)."""
+
+    def __init__(self, params, cfg: K3Config):
+        self.params, self.cfg = params, cfg
         self._packed: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._hosts: dict[tuple, np.ndarray] = {}
+
+    def _view(self, path: tuple) -> np.ndarray:
+        """Host value of the per-layer-view leaf ``path``."""
+        from k3jax.model import leaf_location
+
+        spath, g = leaf_location(path, self.cfg)
+        if spath not in self._hosts:
+            self._hosts[spath] = _host(_leaf(self.params, spath))
+        x = self._hosts[spath]
+        return x if g is None else x[g]
 
     def get(self, spec: nm.TensorSpec) -> np.ndarray:
         if spec.transform == "mxfp4":
             path = spec.path
             if path not in self._packed:
-                experts = _leaf(self.params, path[:-1])
+                from k3jax.model import leaf_location
+
+                experts = _leaf(self.params, leaf_location(path[:-1], self.cfg)[0])
                 w = path[-1]
                 if f"{w}_packed" in experts:
-                    self._packed[path] = (_host(experts[f"{w}_packed"]).astype(np.uint8, copy=False),
-                                          _host(experts[f"{w}_scale"]).astype(np.uint8, copy=False))
-                else:
-                    self._packed[path] = pack_experts(_host(experts[w]), spec.name)
+                    self._packed[path] = (self._view((*path[:-1], f"{w}_packed")).astype(np.uint8, copy=False),
+                                          self._view((*path[:-1], f"{w}_scale")).astype(np.uint8, copy=False))
+                else:  # compressed-tensors "even" rule (SPEC §10.2–10.3)
+                    p, s = pack_experts(self._view(path), rule="even", name=spec.name)
+                    self._packed[path] = (np.asarray(p, np.uint8), np.asarray(s, np.uint8))
             p, s = self._packed[path]
             return p[spec.expert] if spec.part == "packed" else s[spec.expert]
-        value = _host(_leaf(self.params, spec.path))
+        value = self._view(spec.path)
         try:
-            return nm.to_hf(value, spec)
+            return nm.leaf_to_hf(value, spec)
         except ValueError as e:
             raise CheckpointError(f"cannot convert leaf {'/'.join(map(str, spec.path))}: {e}",
                                   tensor=spec.name) from None
@@ -154,14 +159,6 @@ def _write_shard(path: str, specs: list, values: _ShardValues) -> int:
     if os.path.getsize(path) != lay.file_bytes:
         raise CheckpointError(f"wrote {os.path.getsize(path)} bytes, expected {lay.file_bytes}", file=path)
     return lay.payload_bytes
-
-
-def sha256_file(path: str, chunk: int = 16 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
 
 
 def index_json(weight_map: dict[str, str], total_size: int) -> bytes:
@@ -202,7 +199,7 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
             from tqdm import tqdm
             it = tqdm(shards, desc="save", unit="shard")
         for fname, specs in it:
-            total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params))
+            total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params, cfg))
             weight_map.update((s.name, fname) for s in specs)
             files.append(fname)
         if nm.has_vision_shards(cfg, layout) and vision_from is not None:
@@ -234,5 +231,4 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 
-__all__ = ["MANIFEST_NAME", "architecture", "architecture_diff", "config_json", "index_json", "pack_experts", "save",
-           "sha256_file"]
+__all__ = ["architecture", "architecture_diff", "config_json", "index_json", "save"]

@@ -14,8 +14,8 @@ import os
 import shutil
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.container import INDEX_NAME
 from k3jax.checkpoint.errors import CheckpointError
-from k3jax.checkpoint.reader import INDEX_NAME
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
 from k3jax.checkpoint.save import config_json, index_json
 

@@ -6,12 +6,16 @@ object is printed on stdout (progress goes to stderr).
 
     k3 bench --list
     k3 bench kda --json
+
+The Pallas kernels' GPU checks are scripts with their own exit codes, not entries here:
+``python -m k3jax.bench.gpu_kda`` and ``python -m k3jax.bench.gpu_mxfp4`` (one JSON object; 0 ok, 1 failed, 2 no GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 

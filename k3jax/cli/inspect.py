@@ -40,18 +40,19 @@ def checkpoint_dir(args) -> str:
 def inspect(path: str, check_data: bool = False, strict_config: bool = False) -> dict:
     from k3jax.checkpoint import name_map as nm
     from k3jax.checkpoint.errors import CheckpointError
-    from k3jax.checkpoint.reader import A_LOG_TRANSFORMS, open_checkpoint, validate
+    from k3jax.checkpoint.io import open_checkpoint
+    from k3jax.checkpoint.plan import A_LOG_TRANSFORMS, plan_load
     from k3jax.config import from_hf
 
     ck = open_checkpoint(path)
     report: dict = {}
     cfg = from_hf(os.path.join(path, "config.json"), strict=strict_config, report=report)
-    plan = validate(ck, cfg)
+    plan = plan_load(ck, cfg)
     for spec_entries in plan.leaves.values():
         for s, e in spec_entries:
             if s.transform in A_LOG_TRANSFORMS:
                 try:
-                    nm.from_hf(ck.read_entry(e), s, (cfg.kda_num_heads,))
+                    nm.leaf_from_hf(ck.read_entry(e), s, (cfg.kda_num_heads,))
                 except ValueError as err:
                     raise CheckpointError(str(err).removeprefix(f"{s.name}: "), file=e.file, tensor=s.name) from None
             elif check_data and s.part == "scale":

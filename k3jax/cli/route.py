@@ -169,7 +169,7 @@ def run(args) -> int:
                                     max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots),
                                     compare_params=other, progress=not args.json and sys.stderr.isatty())
     report["source"] = args.ckpt or f"preset:{args.preset}"
-    from k3jax.checkpoint.load import peak_rss_bytes
+    from k3jax.checkpoint.host import peak_rss_bytes
 
     report["peak_rss_bytes"] = peak_rss_bytes()
     if args.plots:

@@ -1,27 +1,43 @@
-"""One KDA token mixer (SPEC §4.1) as a pure function over the ``init_kda`` parameter dict.
+"""One KDA token mixer (SPEC §4.1) as an NNX block that owns its parameters.
 
-    y, cache = kda_layer(p, x_btd, gate_lower_bound=-5.0, eps=1e-5, impl="chunked")
+    blk = KDA(d=384, num_heads=6, head_dim=64, conv_size=4, full_rank_gate=True, gate_lower_bound=-5.0,
+              dtype=jnp.float32, rngs=nnx.Rngs(0))
+    y, cache = blk(x_btd, eps=1e-5, impl="chunked", chunk_size=64)
 
 Steps: q/k/v projections -> three separate causal depthwise convs (tap W-1 hits the current token) -> SiLU ->
 per-head l2norm of q and k -> forget gate g per head AND key channel from (x f_a) f_b (no activation between),
 fp32 -> beta = sigmoid(x w_beta) -> KDA core -> gated RMSNorm per head over K (shared o_norm, eps on the mean)
 times sigmoid(x w_gate) (or the low-rank sigmoid((x g_a) g_b)) -> wo.
 
-Cache (SPEC §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, W-1, N*K]}``, the last
-W-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache, T == 1
-takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The returned
-cache always describes the state after the last token.
+Parameters (N heads, K head dim, R = K the f_a / g_a rank, Wc conv taps): wq/wk/wv [D, N, K]; conv_q/k/v
+[N*K, Wc] (head-major channels); f_a [D, R]; f_b [R, N, K]; dt_bias [N, K]; A_log [N]; w_beta [D, N];
+w_gate [D, N, K] (full rank) or g_a [D, R] + g_b [R, N, K]; o_norm [K]; wo [N, K, D].
+Gate init follows fla (SPEC §4.2): safe gate A_log = 0, softplus gate A_log = log U(1, 16);
+dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1). Conv weights: PyTorch Conv1d default (kaiming-uniform,
+fan_in = kernel size for a depthwise conv).
+
+Cache (SPEC §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, Wc-1, N*K]}``, the
+last Wc-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache,
+T == 1 takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The
+returned cache always describes the state after the last token.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.layers import backends
+from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.norms import acc_dtype
 
 IMPLS = ("recurrent", "chunked", "pallas")
+
+_QKV = ("embed", "heads", "head_dim")
 
 
 def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound):
@@ -36,61 +52,112 @@ def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lowe
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def kda_layer(p, x, *, gate_lower_bound: float | None, eps: float, impl: str = "chunked",
-              chunk_size: int = 64, cache: dict | None = None):
-    """KDA token mixer.
+class KDA(nnx.Module):
+    """Kimi Delta Attention token mixer; HF module ``self_attn.``."""
 
-    Args:
-      p: ``init_kda`` dict: wq/wk/wv [D, N, K], conv_q/k/v [N*K, W], f_a [D, R], f_b [R, N, K], dt_bias [N, K],
-        A_log [N], w_beta [D, N], w_gate [D, N, K] or g_a [D, R] + g_b [R, N, K], o_norm [K], wo [N, K, D].
-      x: [B, T, D] normed layer input, any float dtype.
-      gate_lower_bound: -5.0 for the K3 safe gate, None for the Kimi-Linear softplus gate (SPEC §4.2).
-      eps: RMSNorm eps of the gated output norm (``rms_norm_eps``).
-      impl: "recurrent" | "chunked" | "pallas" (interpret mode off-GPU).
-      cache: None or a cache dict (module docstring).
-    Returns: y [B, T, D] in x.dtype, the new cache.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if x.ndim != 3:
-        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
-    B, T, D = x.shape
-    Dw, N, K = p["wq"].shape
-    if Dw != D:
-        raise ValueError(f"x width {D} does not match wq {tuple(p['wq'].shape)}")
-    ct = kda_ops.compute_dtype(x.dtype)
-    mm = lambda eq, a, b: jnp.einsum(eq, a, b, preferred_element_type=ct)  # noqa: E731
-    cache = cache or {}
+    HF = {
+        "wq": HFLeaf("q_proj.weight"),
+        "wk": HFLeaf("k_proj.weight"),
+        "wv": HFLeaf("v_proj.weight"),
+        "conv_q": HFLeaf("q_conv1d.weight", "conv", "F32k3"),
+        "conv_k": HFLeaf("k_conv1d.weight", "conv", "F32k3"),
+        "conv_v": HFLeaf("v_conv1d.weight", "conv", "F32k3"),
+        "f_a": HFLeaf("f_a_proj.weight"),
+        "f_b": HFLeaf("f_b_proj.weight"),
+        "dt_bias": HFLeaf("dt_bias", "flat", "F32"),
+        "A_log": HFLeaf("A_log", "A_log", "F32"),
+        "w_beta": HFLeaf("b_proj.weight"),
+        "w_gate": HFLeaf("g_proj.weight"),
+        "g_a": HFLeaf("g_a_proj.weight"),
+        "g_b": HFLeaf("g_b_proj.weight"),
+        "o_norm": vec("o_norm.weight", "F32k3"),
+        "wo": HFLeaf("o_proj.weight", in_axes=2),
+    }
 
-    def conv_branch(w_dnk, w_conv, tail):
-        u = mm("btd,dnk->btnk", x, w_dnk).reshape(B, T, -1)                # head-major columns (SPEC §2.1)
-        return kda_ops.causal_conv_silu(u, w_conv, tail)
+    def __init__(self, *, d: int, num_heads: int, head_dim: int, conv_size: int, full_rank_gate: bool,
+                 gate_lower_bound: float | None, dtype=jnp.float32, rngs: nnx.Rngs):
+        N, K = num_heads, head_dim
+        f32 = at_least_f32(dtype)
+        self.gate_lower_bound = gate_lower_bound
+        bound = 1.0 / math.sqrt(conv_size)
 
-    q, tq = conv_branch(p["wq"], p["conv_q"], cache.get("conv_q"))
-    k, tk = conv_branch(p["wk"], p["conv_k"], cache.get("conv_k"))
-    v, tv = conv_branch(p["wv"], p["conv_v"], cache.get("conv_v"))
-    q = kda_ops.l2norm(q.reshape(B, T, N, K))
-    k = kda_ops.l2norm(k.reshape(B, T, N, K))
-    v = v.reshape(B, T, N, -1)
-    raw = mm("btr,rnk->btnk", mm("btd,dr->btr", x, p["f_a"]), p["f_b"])     # no activation between
-    if gate_lower_bound is None:
-        g = kda_ops.gate_softplus(raw, p["dt_bias"], p["A_log"])
-    else:
-        g = kda_ops.gate_safe(raw, p["dt_bias"], p["A_log"], gate_lower_bound)
-    beta = jax.nn.sigmoid(mm("btd,dn->btn", x, p["w_beta"]))
-    scale = K ** -0.5
-    state = cache.get("state")
-    if state is not None and T == 1:
-        o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
-    else:
-        o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
-                     gate_lower_bound=gate_lower_bound)
-    o = o.astype(ct)
-    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * p["o_norm"].astype(ct)
-    if "w_gate" in p:
-        gate = mm("btd,dnk->btnk", x, p["w_gate"])
-    else:
-        gate = mm("btr,rnk->btnk", mm("btd,dr->btr", x, p["g_a"]), p["g_b"])
-    o = o * jax.nn.sigmoid(gate)
-    y = mm("btnk,nkd->btd", o, p["wo"])
-    return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv}
+        def conv():
+            return param(jax.random.uniform(rngs.params(), (N * K, conv_size), f32, -bound, bound),
+                         ("heads", "conv_tap"))  # channels are head-major, so they shard like heads
+
+        self.wq = param(normal(rngs, (d, N, K), dtype), _QKV)
+        self.wk = param(normal(rngs, (d, N, K), dtype), _QKV)
+        self.wv = param(normal(rngs, (d, N, K), dtype), _QKV)
+        self.conv_q, self.conv_k, self.conv_v = conv(), conv(), conv()
+        self.f_a = param(normal(rngs, (d, K), dtype), ("embed", "kda_rank"))
+        self.f_b = param(normal(rngs, (K, N, K), dtype), ("kda_rank", "heads", "head_dim"))
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (N, K), f32, math.log(1e-3), math.log(1e-1)))
+        self.dt_bias = param((dt + jnp.log(-jnp.expm1(-dt))).astype(f32), ("heads", "head_dim"))  # softplus^-1
+        if gate_lower_bound is None:
+            A_log = jnp.log(jax.random.uniform(rngs.params(), (N,), f32, 1.0, 16.0))
+        else:
+            A_log = jnp.zeros((N,), f32)
+        self.A_log = param(A_log, ("heads",))
+        self.w_beta = param(normal(rngs, (d, N), dtype), ("embed", "heads"))
+        if full_rank_gate:
+            self.w_gate = param(normal(rngs, (d, N, K), dtype), _QKV)
+        else:
+            self.g_a = param(normal(rngs, (d, K), dtype), ("embed", "kda_rank"))
+            self.g_b = param(normal(rngs, (K, N, K), dtype), ("kda_rank", "heads", "head_dim"))
+        self.o_norm = param(jnp.ones((K,), f32), ("norm",))
+        self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
+
+    def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None):
+        """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
+
+        eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
+        (interpret mode off-GPU); cache: None or a cache dict (module docstring)."""
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if x.ndim != 3:
+            raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
+        B, T, D = x.shape
+        Dw, N, K = self.wq.shape
+        if Dw != D:
+            raise ValueError(f"x width {D} does not match wq {tuple(self.wq.shape)}")
+        ct = acc_dtype(x.dtype)
+        mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
+        cache = cache or {}
+
+        def conv_branch(w_dnk, w_conv, tail):
+            u = mm("btd,dnk->btnk", x, w_dnk).reshape(B, T, -1)                # head-major columns (SPEC §2.1)
+            return kda_ops.causal_conv_silu(u, w_conv[...], tail)
+
+        q, tq = conv_branch(self.wq, self.conv_q, cache.get("conv_q"))
+        k, tk = conv_branch(self.wk, self.conv_k, cache.get("conv_k"))
+        v, tv = conv_branch(self.wv, self.conv_v, cache.get("conv_v"))
+        q = kda_ops.l2norm(q.reshape(B, T, N, K))
+        k = kda_ops.l2norm(k.reshape(B, T, N, K))
+        v = v.reshape(B, T, N, -1)
+        raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],
+                         preferred_element_type=ct)                                  # no activation between
+        if self.gate_lower_bound is None:
+            g = kda_ops.gate_softplus(raw, self.dt_bias[...], self.A_log[...])
+        else:
+            g = kda_ops.gate_safe(raw, self.dt_bias[...], self.A_log[...], self.gate_lower_bound)
+        beta = jax.nn.sigmoid(mm("btd,dn->btn", x, self.w_beta))
+        scale = K ** -0.5
+        state = cache.get("state")
+        if state is not None and T == 1:
+            o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
+        else:
+            o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
+                         gate_lower_bound=self.gate_lower_bound)
+        o = o.astype(ct)
+        o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
+        if hasattr(self, "w_gate"):
+            gate = mm("btd,dnk->btnk", x, self.w_gate)
+        else:
+            gate = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.g_a), self.g_b[...],
+                              preferred_element_type=ct)
+        o = o * jax.nn.sigmoid(gate)
+        y = jnp.einsum("btnk,nkd->btd", o, self.wo[...], preferred_element_type=ct)
+        return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv}
+
+
+__all__ = ["IMPLS", "KDA"]

@@ -1,14 +1,18 @@
-"""Stable LatentMoE (SPEC §7.1) and the standard Kimi-Linear MoE (SPEC §13), one function.
+"""Stable LatentMoE (SPEC §7.1) and the standard Kimi-Linear MoE (SPEC §13), one NNX block.
 
     s, ids, w, α = route(x)                          router on FULL-width x; bias selects only
     z = x @ W_down                                   latent ℓ (LatentMoE) — or z = x (standard)
     u = Σ_a w_a · E_{ids_a}(z)                       SiTU-GLU / SwiGLU experts, dropless
     y = RMSNorm(u; latent_norm) @ W_up + Shared(x)   (standard MoE: y = u + Shared(x))
 
-``dispatch`` picks the expert computation: "sorted" (ragged_dot, the default) or "dense" (reference). A callable
-``experts_fn(z, ids, weights, w1, w3, w2, act, act_quant=...)`` may be passed instead (expert parallelism plugs in
-here). QAT (SPEC §10.7) fake-quantizes the expert weights (MXFP4, blocks along `in`) and the expert GEMM inputs
-(MXFP8) with straight-through gradients.
+Parameters (E routed experts, P their width — the latent ℓ, or D —, F expert hidden): router [D, E];
+bias [E] (the Quantile-Balancing buffer, float32, not trained); experts.w1 / w3 [E, P, F], experts.w2 [E, F, P];
+shared: a GLU of hidden num_shared · F (absent if 0); down [D, P], up [P, D], latent_norm [P] (LatentMoE only).
+
+``dispatch`` picks the expert computation: "sorted" (ragged_dot, the default), "ragged", "tiled" or "dense"
+(reference). A callable ``experts_fn(z, ids, weights, w1, w3, w2, act, act_quant=...)`` may be passed instead
+(expert parallelism plugs in here). QAT (SPEC §10.7) fake-quantizes the expert weights (MXFP4, blocks along `in`)
+and the expert GEMM inputs (MXFP8) with straight-through gradients.
 """
 
 from __future__ import annotations
@@ -16,46 +20,99 @@ from __future__ import annotations
 from functools import partial
 
 import jax.numpy as jnp
+from flax import nnx
 
-from k3jax.layers.ffn import glu_ffn
+from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
+from k3jax.layers.ffn import GLU
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
 from k3jax.ops.norms import acc_dtype, rms_norm
 from k3jax.ops.routing import Routing, route
 
+QAT_MODES = ("off", "weights", "weights+acts")
 
-def moe_layer(p, x, *, top_k: int, act: str, beta1: float = 4.0, beta2: float = 25.0, renormalize: bool = True,
-              scaling_factor: float = 1.0, norm_eps: float = 1e-5, dispatch="sorted", qat: str = "off",
-              qat_weight_rule: str = "even", qat_act_rule: str = "ceil") -> tuple:
-    """x [B, T, D] (normed FFN input) → (y [B, T, D], Routing with [B, T, ...] leading axes)."""
-    B, T, D = x.shape
-    cdt = x.dtype
-    acc = acc_dtype(cdt)
-    x2 = x.reshape(B * T, D)
-    r = route(x2, p["router"], p["bias"], top_k=top_k, renormalize=renormalize, scaling_factor=scaling_factor)
-    latent = "down" in p
-    z = jnp.einsum("md,dp->mp", x2, p["down"].astype(cdt), preferred_element_type=acc).astype(cdt) if latent else x2
-    w1, w3, w2 = p["experts"]["w1"], p["experts"]["w3"], p["experts"]["w2"]
-    act_quant = None
-    if qat != "off":
-        from k3jax.ops import mx  # imported lazily: the plain model never touches MX code
 
-        w1 = mx.fake_quant_mxfp4(w1, axis=1, rule=qat_weight_rule)
-        w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
-        w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
-        if qat == "weights+acts":
-            act_quant = partial(mx.fake_quant_mxfp8, axis=-1, rule=qat_act_rule)
-    experts_fn = EXPERT_IMPLS[dispatch] if isinstance(dispatch, str) else dispatch
-    glu = partial(glu_activation, act=act, beta1=beta1, beta2=beta2)
-    u = experts_fn(z, r.ids, r.weights, w1, w3, w2, glu, act_quant=act_quant)
-    if latent:
-        if "latent_norm" in p:
-            u = rms_norm(u, p["latent_norm"], norm_eps)
-        y = jnp.einsum("mp,pd->md", u.astype(cdt), p["up"].astype(cdt), preferred_element_type=acc)
-    else:
-        y = u
-    if "shared" in p:
-        y = y + glu_ffn(p["shared"], x2, act=act, beta1=beta1, beta2=beta2).astype(acc)
-    routing = Routing(ids=r.ids.reshape(B, T, -1), weights=r.weights.reshape(B, T, -1),
-                      scores=r.scores.reshape(B, T, -1), cutoff=r.cutoff.reshape(B, T))
-    return y.reshape(B, T, D).astype(cdt), routing
+class Experts(nnx.Module):
+    """The routed-expert stacks [E, in, out]; HF ``experts.{e}.w{1,2,3}`` (one tensor, or an MXFP4 pair, per
+    expert: the name map expands the ``expert`` transform)."""
+
+    HF = {"w1": HFLeaf("w1", "expert"), "w3": HFLeaf("w3", "expert"), "w2": HFLeaf("w2", "expert")}
+
+    def __init__(self, *, num_experts: int, width: int, hidden: int, width_axis: str, dtype, rngs: nnx.Rngs):
+        E, P, F = num_experts, width, hidden
+        self.w1 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
+        self.w3 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
+        self.w2 = param(normal(rngs, (E, F, P), dtype), ("experts", "expert_mlp", width_axis))
+
+
+class MoE(nnx.Module):
+    """Routed experts + shared experts (+ the LatentMoE projections); HF module ``block_sparse_moe.``."""
+
+    HF = {
+        "router": HFLeaf("gate.weight"),
+        "bias": vec("gate.e_score_correction_bias", "F32"),
+        "experts": "experts.",
+        "shared": "shared_experts.",
+        "down": HFLeaf("routed_expert_down_proj.weight"),
+        "up": HFLeaf("routed_expert_up_proj.weight"),
+        "latent_norm": vec("routed_expert_norm.weight"),
+    }
+
+    def __init__(self, *, d: int, num_experts: int, expert_hidden: int, num_shared: int, latent: int | None,
+                 latent_norm: bool, dtype=jnp.float32, rngs: nnx.Rngs):
+        E, F = num_experts, expert_hidden
+        P = latent if latent is not None else d
+        self.router = param(normal(rngs, (d, E), dtype), ("embed", "experts"))
+        self.bias = param(jnp.zeros((E,), at_least_f32(dtype)), ("experts",))
+        self.experts = Experts(num_experts=E, width=P, hidden=F, width_axis="latent" if latent else "embed",
+                               dtype=dtype, rngs=rngs)
+        if num_shared:
+            self.shared = GLU(d=d, hidden=num_shared * F, dtype=dtype, rngs=rngs)
+        if latent is not None:
+            self.down = param(normal(rngs, (d, P), dtype), ("embed", "latent"))
+            self.up = param(normal(rngs, (P, d), dtype), ("latent", "embed"))
+            if latent_norm:
+                self.latent_norm = param(jnp.ones((P,), dtype), ("norm",))
+
+    def __call__(self, x, *, top_k: int, act: str, beta1: float = 4.0, beta2: float = 25.0,
+                 renormalize: bool = True, scaling_factor: float = 1.0, norm_eps: float = 1e-5, dispatch="sorted",
+                 qat: str = "off", qat_weight_rule: str = "even", qat_act_rule: str = "ceil") -> tuple:
+        """x [B, T, D] (normed FFN input) → (y [B, T, D], Routing with [B, T, ...] leading axes)."""
+        if qat not in QAT_MODES:
+            raise ValueError(f"qat must be one of {QAT_MODES}, got {qat!r}")
+        B, T, D = x.shape
+        cdt = x.dtype
+        acc = acc_dtype(cdt)
+        x2 = x.reshape(B * T, D)
+        r = route(x2, self.router[...], self.bias[...], top_k=top_k, renormalize=renormalize,
+                  scaling_factor=scaling_factor)
+        latent = hasattr(self, "down")
+        z = (jnp.einsum("md,dp->mp", x2, self.down[...].astype(cdt), preferred_element_type=acc).astype(cdt)
+             if latent else x2)
+        w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]
+        act_quant = None
+        if qat != "off":
+            from k3jax.ops import mx  # imported lazily: the plain model never touches MX code
+
+            w1 = mx.fake_quant_mxfp4(w1, axis=1, rule=qat_weight_rule)
+            w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
+            w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
+            if qat == "weights+acts":
+                act_quant = partial(mx.fake_quant_mxfp8, axis=-1, rule=qat_act_rule)
+        experts_fn = EXPERT_IMPLS[dispatch] if isinstance(dispatch, str) else dispatch
+        glu = partial(glu_activation, act=act, beta1=beta1, beta2=beta2)
+        u = experts_fn(z, r.ids, r.weights, w1, w3, w2, glu, act_quant=act_quant)
+        if latent:
+            if hasattr(self, "latent_norm"):
+                u = rms_norm(u, self.latent_norm[...], norm_eps)
+            y = jnp.einsum("mp,pd->md", u.astype(cdt), self.up[...].astype(cdt), preferred_element_type=acc)
+        else:
+            y = u
+        if hasattr(self, "shared"):
+            y = y + self.shared(x2, act=act, beta1=beta1, beta2=beta2).astype(acc)
+        routing = Routing(ids=r.ids.reshape(B, T, -1), weights=r.weights.reshape(B, T, -1),
+                          scores=r.scores.reshape(B, T, -1), cutoff=r.cutoff.reshape(B, T))
+        return y.reshape(B, T, D).astype(cdt), routing
+
+
+__all__ = ["Experts", "MoE", "QAT_MODES"]

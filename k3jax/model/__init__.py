@@ -1,6 +1,32 @@
-"""The K3 network: parameter tree (params.py) and forward pass (transformer.py)."""
+"""The K3 network as Flax NNX modules (network.py, decoder.py), its stacked layout (layout.py) and the functional
+face over the parameter state (functional.py)."""
 
-from k3jax.model.params import abstract_params, count_params, init_params
-from k3jax.model.transformer import forward, hidden_states, lm_loss
+from k3jax.model.functional import (
+    abstract_model,
+    abstract_params,
+    count_params,
+    forward,
+    graphdef,
+    hidden_states,
+    init_params,
+    lm_loss,
+    merge,
+    mla_dims,
+    param_axes,
+)
+from k3jax.model.layout import (
+    Layout,
+    gather_layers,
+    layer_kind,
+    layer_view,
+    layout,
+    leaf_location,
+    map_layers,
+    restack,
+    unstack,
+)
+from k3jax.model.network import K3Model
 
-__all__ = ["init_params", "abstract_params", "count_params", "forward", "hidden_states", "lm_loss"]
+__all__ = ["K3Model", "Layout", "abstract_model", "abstract_params", "count_params", "forward", "gather_layers",
+           "graphdef", "hidden_states", "init_params", "layer_kind", "layer_view", "layout", "leaf_location", "lm_loss",
+           "map_layers", "merge", "mla_dims", "param_axes", "restack", "unstack"]

@@ -33,6 +33,10 @@ and pass the cotangent through unchanged (identity, saturation included) via ``j
 ``x + stop_gradient(qdq(x) - x)`` without its rounding (that sum is not exactly qdq(x) in bf16, and turns -0 into +0).
 They accept a last block shorter than 32 along ``axis`` (padded with zeros, which never change a block max); the
 packed storage in k3jax.quant requires whole blocks.
+
+This module is the one home of the element codes: E2M1 rounding and decoding, nibble packing (``pack_codes`` /
+``unpack_codes``: low nibble = even column) and the host lookup tables the numpy decoders use (``E2M1_VALUES``,
+``E2M1_BYTE_LO`` / ``_HI`` / ``_PAIR``, ``E8M0_VALUES``). Kernels import it; storage layouts live in k3jax.quant.
 """
 
 from __future__ import annotations
@@ -49,8 +53,19 @@ BLOCK_SIZE = 32
 SCALE_RULES = ("floor", "ceil", "even")
 SCALE_NAN = 0xFF
 
-# E2M1 code -> value; bit 3 = sign, bits 2-1 = exponent (bias 1), bit 0 = mantissa. Code 8 is -0.
+# Host (numpy) tables, read-only. E2M1 code -> value; bit 3 = sign, bits 2-1 = exponent (bias 1), bit 0 = mantissa.
+# Code 8 is -0.
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+# packed byte -> value of its low nibble (even column) / high nibble (odd column) / both [256, 2]: one gather per value
+E2M1_BYTE_LO = E2M1_VALUES[np.arange(256) & 0xF]
+E2M1_BYTE_HI = E2M1_VALUES[np.arange(256) >> 4]
+E2M1_BYTE_PAIR = np.stack([E2M1_BYTE_LO, E2M1_BYTE_HI], axis=-1)
+with np.errstate(over="ignore"):  # E8M0 byte b -> 2^(b-127), exact in float32 (2^-127 is a subnormal); 0xFF = NaN
+    E8M0_VALUES = np.ldexp(np.float64(1), np.arange(256) - 127).astype(np.float32)
+E8M0_VALUES[SCALE_NAN] = np.nan
+for _table in (E2M1_VALUES, E2M1_BYTE_LO, E2M1_BYTE_HI, E2M1_BYTE_PAIR, E8M0_VALUES):
+    _table.flags.writeable = False
+del _table
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,18 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
     m = (c & 1).astype(jnp.float32)
     mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0)))
     return jnp.where((c & 8) != 0, -mag, mag).astype(dtype)
+
+
+def pack_codes(codes: jax.Array) -> jax.Array:
+    """uint8 E2M1 codes [..., n] (n even) -> bytes [..., n/2]: byte j = code 2j | code 2j+1 << 4 (low nibble = even
+    column, SPEC §10.3)."""
+    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return c[..., 0] | (c[..., 1] << 4)
+
+
+def unpack_codes(packed: jax.Array) -> jax.Array:
+    """bytes [..., m] -> uint8 E2M1 codes [..., 2m] (low nibble first); inverse of ``pack_codes``."""
+    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------

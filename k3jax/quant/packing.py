@@ -5,7 +5,13 @@
     W[.., c]      = E2M1(code[.., c]) * 2^(scale[.., c // 32] - 127)
 
 k3jax keeps routed experts as dense stacks [E, in, out] (w1, w3: [E, P, F]; w2: [E, F, P]); the checkpoint keeps
-the torch orientation per expert, packed along ``in``: [E, out, in/2] + [E, out, in/32].
+the torch orientation per expert, packed along ``in``: [E, out, in/2] + [E, out, in/32]. ``pack_experts`` and
+``unpack_experts`` are the one conversion between the two (export, the QAT round trip, tests).
+
+Export of QAT-trained experts is lossless because the MoE layer's weight fake-quant (``qat_weight_rule``, "even" by
+default = compressed-tensors) blocks along ``in`` as the packing does: for a master stack w,
+``unpack_experts(*pack_experts(w)) == fake_quant_mxfp4(w, axis=1)`` bit for bit, which is what the QAT model
+computed with. The element codes and nibble packing themselves live in k3jax.ops.mx.
 """
 
 from __future__ import annotations
@@ -35,17 +41,6 @@ def check_packed(packed, scale, *, name: str = "weight") -> None:
                          f"(expected packed [..., n/2] and scale [..., n/32] with n a multiple of {mx.BLOCK_SIZE})")
 
 
-def pack_codes(codes: jax.Array) -> jax.Array:
-    """uint8 E2M1 codes [..., n] -> bytes [..., n/2], low nibble = even column."""
-    c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return c[..., 0] | (c[..., 1] << 4)
-
-
-def unpack_codes(packed: jax.Array) -> jax.Array:
-    """bytes [..., m] -> uint8 E2M1 codes [..., 2m] (low nibble first)."""
-    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
 def mxfp4_pack(w: jax.Array, *, rule: str = "even") -> tuple[jax.Array, jax.Array]:
     """Quantize and pack ``w`` [..., n] (n % 32 == 0, blocks along the last axis).
 
@@ -53,13 +48,13 @@ def mxfp4_pack(w: jax.Array, *, rule: str = "even") -> tuple[jax.Array, jax.Arra
     """
     _check_float("w", w)
     codes, scale = mx.mxfp4_quantize(w, axis=-1, rule=rule)
-    return pack_codes(codes), scale
+    return mx.pack_codes(codes), scale
 
 
 def mxfp4_unpack(packed: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Exact dequantization of (packed [..., n/2], scale [..., n/32]) to ``dtype`` [..., n]."""
     check_packed(packed, scale)
-    return mx.mxfp4_dequantize(unpack_codes(packed), scale, axis=-1, dtype=dtype)
+    return mx.mxfp4_dequantize(mx.unpack_codes(packed), scale, axis=-1, dtype=dtype)
 
 
 def mxfp8_pack(x: jax.Array, *, rule: str = "ceil", fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
@@ -80,8 +75,9 @@ def mxfp8_unpack(data: jax.Array, scale: jax.Array, dtype=jnp.float32, *, fmt: s
     return mx.mxfp8_dequantize(elems, scale, axis=-1, dtype=dtype)
 
 
-def experts_to_packed(w_eio: jax.Array, *, rule: str = "even", name: str = "experts") -> tuple[jax.Array, jax.Array]:
-    """Dense expert stack [E, in, out] -> (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32]) (checkpoint)."""
+def pack_experts(w_eio: jax.Array, *, rule: str = "even", name: str = "experts") -> tuple[jax.Array, jax.Array]:
+    """Dense expert stack [E, in, out] (jax or numpy) -> (packed uint8 [E, out, in/2], scale uint8 [E, out, in/32]),
+    the checkpoint layout; ``rule="even"`` reproduces compressed-tensors bytes. ``name`` goes into error messages."""
     if w_eio.ndim != 3:
         raise ValueError(f"{name}: expected an expert stack [E, in, out], got shape {w_eio.shape}")
     if w_eio.shape[1] % mx.BLOCK_SIZE:
@@ -89,9 +85,9 @@ def experts_to_packed(w_eio: jax.Array, *, rule: str = "even", name: str = "expe
     return mxfp4_pack(jnp.swapaxes(w_eio, 1, 2), rule=rule)
 
 
-def packed_to_experts(packed_eon: jax.Array, scale_eog: jax.Array, dtype=jnp.float32,
-                      *, name: str = "experts") -> jax.Array:
-    """Checkpoint layout [E, out, in/2] + [E, out, in/32] -> dense expert stack [E, in, out] (exact)."""
+def unpack_experts(packed_eon: jax.Array, scale_eog: jax.Array, dtype=jnp.float32,
+                   *, name: str = "experts") -> jax.Array:
+    """Checkpoint layout [E, out, in/2] + [E, out, in/32] -> dense expert stack [E, in, out] in ``dtype`` (exact)."""
     check_packed(packed_eon, scale_eog, name=name)
     if packed_eon.ndim != 3:
         raise ValueError(f"{name}: expected packed [E, out, in/2], got shape {packed_eon.shape}")

@@ -1,7 +1,10 @@
 """Float64 NumPy reference of the K3 network (SPEC §1.3, §3, §5, §6, §7, §13), written from the spec with plain
 loops over tokens, heads and experts. KDA layers use k3jax.reference.kda.
 
-    logits = ref_forward(params, tokens, cfg)   # params: the k3jax tree (any array type), tokens [B, T]
+    logits = ref_forward(view, tokens, cfg)     # view: {"layers": [layer dict, ...], "embed", ...} (any array
+                                                # type), e.g. k3jax.model.unstack(state, cfg); tokens [B, T]
+
+The oracle reads one dict per decoder layer and knows nothing of how the model stores (stacks) them.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ def ref_forward(params, tokens, cfg: K3Config, routing: dict | None = None):
     (k+1)-th biased score)]]} for every MoE layer."""
     from k3jax.reference.kda import kda_layer as kda_ref
 
+    if not isinstance(params.get("layers"), list | tuple):
+        raise ValueError("ref_forward takes the per-layer view {'layers': [...], ...} (k3jax.model.unstack)")
     P = f64(params)
     tokens = np.asarray(tokens)
     eps = cfg.rms_norm_eps

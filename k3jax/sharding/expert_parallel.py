@@ -134,7 +134,8 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
 
 
 class ExpertParallel:
-    """An ``experts_fn`` for ``moe_layer(dispatch=...)`` that runs the routed experts expert-parallel on ``mesh``.
+    """An ``experts_fn`` for the MoE block (``MoE(...)(x, dispatch=...)``) that runs the routed experts
+    expert-parallel on ``mesh``.
 
     Token rows are sharded over the mesh axes that ``rules`` maps "batch" to (minus ``tensor``); expert stacks over
     the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp".

@@ -1,13 +1,14 @@
-"""Sharding as data (STYLE.md §3.6): ONE table logical axis → mesh axes (a column per strategy), and ONE table
-parameter path → logical axes. Nothing else in k3jax maps names to mesh axes.
+"""Sharding as data (STYLE.md §3.6): ONE table logical axis → mesh axes (a column per strategy). The logical axes of
+each parameter live on the parameter itself (the ``axes`` metadata its block attaches, k3jax/layers/common.py).
+Nothing else in k3jax maps names to mesh axes.
 
     specs = param_specs(cfg, "ep_tp", mesh)          # PartitionSpec per leaf of abstract_params(cfg)
     shard = param_shardings(cfg, "ep_tp", mesh)      # NamedSharding per leaf (needs a real Mesh)
 
 Rules of the game:
 - every name of ``notation.LOGICAL_AXES`` has a row in every column; a missing or unknown name is a ValueError;
-- every parameter leaf must match a path pattern of ``PARAM_AXES`` exactly (layer indices dropped); a parameter
-  with no rule is a ValueError — nothing is replicated by default;
+- every parameter carries one logical axis per dimension (stacked leaves lead with ``layers``); a leaf the model
+  does not have is a ValueError — nothing is replicated by default;
 - a mesh axis shards at most one dimension of an array: when two dimensions of one array map to the same mesh axis,
   the FIRST dimension (left to right) keeps it and the later one is left unsharded (e.g. ``moe.down [embed, latent]``
   under ``fsdp``: embed → fsdp, latent → replicated). ``param_specs`` never emits a spec naming an axis twice;
@@ -25,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import K3Config
 from k3jax.notation import LOGICAL_AXES
+from k3jax.pytree import key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 
 # --------------------------------------------------------------------------------------------------------------
@@ -48,75 +50,12 @@ _TABLE = {
     "expert_mlp": (None,   None,            None,                      "tensor",                  "tensor"),
     "latent":     (None,   "fsdp",          None,                      None,                      "fsdp"),
     "norm":       (None,   None,            None,                      None,                      None),
+    "layers":     (None,   None,            None,                      None,                      None),
 }
 STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp")
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     s: {name: col[i] for name, col in _TABLE.items()} for i, s in enumerate(STRATEGIES)
 }
-
-# --------------------------------------------------------------------------------------------------------------
-# parameter path (dict keys, list indices dropped) → logical axis per dimension. "@moe_width" is the routed-expert
-# width: "latent" for LatentMoE (K3), "embed" for a standard MoE whose experts act on full-width x (Kimi-Linear).
-_QKV = ("embed", "heads", "head_dim")
-_OUT = ("heads", "head_dim", "embed")
-_NORM = ("norm",)
-PARAM_AXES: dict[tuple[str, ...], tuple[str, ...]] = {
-    ("embed",): ("vocab", "embed"),
-    ("lm_head",): ("embed", "vocab"),
-    ("final_norm",): _NORM,
-    ("out_res", "gain"): _NORM,
-    ("out_res", "query"): _NORM,
-    ("layers", "input_norm"): _NORM,
-    ("layers", "post_norm"): _NORM,
-    ("layers", "attn_res", "gain"): _NORM,
-    ("layers", "attn_res", "query"): _NORM,
-    ("layers", "mlp_res", "gain"): _NORM,
-    ("layers", "mlp_res", "query"): _NORM,
-    # KDA (SPEC §4.1); conv_* are [N*K, Wc] with the channel dim head-major, so it shards like heads.
-    ("layers", "kda", "wq"): _QKV,
-    ("layers", "kda", "wk"): _QKV,
-    ("layers", "kda", "wv"): _QKV,
-    ("layers", "kda", "w_gate"): _QKV,
-    ("layers", "kda", "conv_q"): ("heads", "conv_tap"),
-    ("layers", "kda", "conv_k"): ("heads", "conv_tap"),
-    ("layers", "kda", "conv_v"): ("heads", "conv_tap"),
-    ("layers", "kda", "f_a"): ("embed", "kda_rank"),
-    ("layers", "kda", "f_b"): ("kda_rank", "heads", "head_dim"),
-    ("layers", "kda", "g_a"): ("embed", "kda_rank"),
-    ("layers", "kda", "g_b"): ("kda_rank", "heads", "head_dim"),
-    ("layers", "kda", "dt_bias"): ("heads", "head_dim"),
-    ("layers", "kda", "A_log"): ("heads",),
-    ("layers", "kda", "w_beta"): ("embed", "heads"),
-    ("layers", "kda", "o_norm"): _NORM,
-    ("layers", "kda", "wo"): _OUT,
-    # gated MLA (SPEC §5.1)
-    ("layers", "mla", "q_a"): ("embed", "q_lora"),
-    ("layers", "mla", "q_a_norm"): _NORM,
-    ("layers", "mla", "q_b"): ("q_lora", "heads", "head_dim"),
-    ("layers", "mla", "wq"): _QKV,
-    ("layers", "mla", "kv_a"): ("embed", "kv_lora"),
-    ("layers", "mla", "kv_a_norm"): _NORM,
-    ("layers", "mla", "kv_b"): ("kv_lora", "heads", "head_dim"),
-    ("layers", "mla", "w_gate"): _QKV,
-    ("layers", "mla", "wo"): _OUT,
-    # dense FFN and shared experts
-    ("layers", "mlp", "w_gate"): ("embed", "mlp"),
-    ("layers", "mlp", "w_up"): ("embed", "mlp"),
-    ("layers", "mlp", "w_down"): ("mlp", "embed"),
-    ("layers", "moe", "shared", "w_gate"): ("embed", "mlp"),
-    ("layers", "moe", "shared", "w_up"): ("embed", "mlp"),
-    ("layers", "moe", "shared", "w_down"): ("mlp", "embed"),
-    # LatentMoE (SPEC §7.1)
-    ("layers", "moe", "router"): ("embed", "experts"),
-    ("layers", "moe", "bias"): ("experts",),
-    ("layers", "moe", "down"): ("embed", "latent"),
-    ("layers", "moe", "up"): ("latent", "embed"),
-    ("layers", "moe", "latent_norm"): _NORM,
-    ("layers", "moe", "experts", "w1"): ("experts", "@moe_width", "expert_mlp"),
-    ("layers", "moe", "experts", "w3"): ("experts", "@moe_width", "expert_mlp"),
-    ("layers", "moe", "experts", "w2"): ("experts", "expert_mlp", "@moe_width"),
-}
-
 
 def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
     """Validate a rules column (a strategy name or a {logical axis: mesh axes} dict) and normalise each value to a
@@ -142,29 +81,6 @@ def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
             raise ValueError(f"rule table {name}: logical axis {logical!r} names a mesh axis twice: {t}")
         out[logical] = t
     return out
-
-
-def _path_keys(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-
-
-def path_str(path) -> str:
-    return ".".join(str(k) for k in _path_keys(path))
-
-
-def leaf_logical_axes(path, ndim: int, cfg: K3Config) -> tuple[str, ...]:
-    """Logical axes of the parameter at ``path`` (a jax key path or a tuple of keys)."""
-    keys = _path_keys(path) if path and not isinstance(path[0], (str, int)) else tuple(path)
-    pattern = tuple(k for k in keys if not isinstance(k, int))
-    if pattern not in PARAM_AXES:
-        raise ValueError(f"no sharding rule for parameter {'.'.join(map(str, keys))} (pattern {pattern}); "
-                         "add it to k3jax/sharding/rules.py PARAM_AXES")
-    width = "latent" if cfg.is_latent_moe else "embed"
-    axes = tuple(width if a == "@moe_width" else a for a in PARAM_AXES[pattern])
-    if len(axes) != ndim:
-        raise ValueError(f"sharding rule for {'.'.join(map(str, keys))} has {len(axes)} axes {axes}, "
-                         f"but the parameter has {ndim} dimensions")
-    return axes
 
 
 def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "array") -> PartitionSpec:
@@ -196,28 +112,32 @@ def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "a
     return PartitionSpec(*out)
 
 
-def param_logical_axes(cfg: K3Config, params=None):
-    """Tree of logical-axis tuples, one per parameter leaf (default tree: ``abstract_params(cfg)``)."""
-    if params is None:
-        from k3jax.model import abstract_params
-
-        params = abstract_params(cfg)
-    return jax.tree_util.tree_map_with_path(lambda p, x: leaf_logical_axes(p, len(x.shape), cfg), params)
-
-
 def param_specs(cfg: K3Config, rules, mesh, params=None):
-    """PartitionSpec per parameter leaf. ``mesh``: a Mesh, AbstractMesh or {axis: size} dict."""
-    get_rules(rules)  # validate the table once, before any leaf
-    if params is None:
-        from k3jax.model import abstract_params
+    """PartitionSpec per parameter leaf, from the logical axes each block attached to its Params
+    (``k3jax.model.param_axes``). ``mesh``: a Mesh, AbstractMesh or {axis: size} dict. ``params`` (optional) is
+    a tree with the model's structure whose leaf shapes are used instead of the abstract ones."""
+    from k3jax.model import abstract_params, param_axes
 
-        params = abstract_params(cfg)
+    get_rules(rules)  # validate the table once, before any leaf
+    params = abstract_params(cfg) if params is None else params
+    axes = param_axes(cfg)
 
     def one(path, x):
-        logical = leaf_logical_axes(path, len(x.shape), cfg)
+        logical = _get(axes, key_names(path))
+        if len(logical) != len(x.shape):
+            raise ValueError(f"{path_str(path)}: logical axes {logical} do not match shape {tuple(x.shape)}")
         return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path))
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _get(tree, keys):
+    try:
+        for k in keys:
+            tree = tree[k]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"no parameter {'.'.join(map(str, keys))} in the model; its axes are unknown") from None
+    return tree
 
 
 def param_shardings(cfg: K3Config, rules, mesh: jax.sharding.Mesh, params=None):

@@ -22,26 +22,29 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from k3jax.model import gather_layers, map_layers
 from k3jax.sharding.qb import QB_BINS, center, qb_bias_from_hist, qb_histogram
 
 MODES = ("qb", "sign", "aux", "off")
 
 
-def moe_layer_indices(params) -> list[int]:
-    return [l for l, lp in enumerate(params["layers"]) if "moe" in lp]
+def moe_layer_indices(cfg) -> list[int]:
+    """0-based indices of the MoE layers, in the order forward() reports their routing."""
+    return [l for l in range(cfg.num_layers) if cfg.is_moe(l)]
 
 
-def biases(params):
+def biases(params, cfg):
     """[L_moe, E] float32: the current selection biases, in layer order."""
-    return jnp.stack([params["layers"][l]["moe"]["bias"] for l in moe_layer_indices(params)])
+    return gather_layers(params, cfg, moe_layer_indices(cfg), lambda lp: lp["moe"]["bias"])
 
 
-def set_biases(params, b_le):
-    layers = list(params["layers"])
-    for i, l in enumerate(moe_layer_indices(params)):
-        moe = dict(layers[l]["moe"], bias=b_le[i].astype(layers[l]["moe"]["bias"].dtype))
-        layers[l] = dict(layers[l], moe=moe)
-    return dict(params, layers=layers)
+def set_biases(params, b_le, cfg):
+    """params with the MoE layers' biases replaced by the rows of ``b_le`` [L_moe, E] (layer order)."""
+
+    def one(lp, b):
+        return dict(lp, moe=dict(lp["moe"], bias=b.astype(lp["moe"]["bias"].dtype)))
+
+    return map_layers(params, cfg, moe_layer_indices(cfg), one, b_le)
 
 
 def micro_stats(routing, b_le, num_experts: int, *, mode: str, bins: int = QB_BINS) -> dict:

@@ -4,7 +4,8 @@
     x = batch_at(train, seed=0, step=17, batch=16, seq_len=128)   # [16, 129] int32; inputs x[:, :-1]
 
 Because ``batch_at`` depends only on (seed, step), a resumed run sees exactly the batches an uninterrupted run
-would (the data position IS the step). Vocabularies smaller than 256 (k3-tiny: 97) see ``byte % vocab``.
+would (the data position IS the step). Vocabularies smaller than 256 (k3-tiny: 97) see ``byte % vocab``. Windows
+of the held-out split, and their loss, are ``k3jax.train.evaluate``'s.
 """
 
 from __future__ import annotations
@@ -71,13 +72,6 @@ def batch_at(tokens: np.ndarray, *, seed: int, step: int, batch: int, seq_len: i
     return x % vocab if vocab < 256 else x
 
 
-def eval_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 256) -> np.ndarray:
-    """[num, seq_len + 1] evenly spaced held-out windows (the same every eval)."""
-    starts = np.linspace(0, len(tokens) - seq_len - 1, num).astype(np.int64)
-    x = tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
-    return x % vocab if vocab < 256 else x
-
-
 def unigram_entropy(tokens: np.ndarray, vocab: int = 256) -> float:
     """Unigram (byte-frequency) entropy in nats: the loss of the best context-free predictor."""
     t = tokens.astype(np.int64) % vocab if vocab < 256 else tokens.astype(np.int64)
@@ -86,4 +80,4 @@ def unigram_entropy(tokens: np.ndarray, vocab: int = 256) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-__all__ = ["batch_at", "check_size", "eval_windows", "load_corpus", "split", "unigram_entropy"]
+__all__ = ["batch_at", "check_size", "load_corpus", "split", "unigram_entropy"]

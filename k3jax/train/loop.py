@@ -6,9 +6,8 @@ metrics JSONL, NaN/Inf skipping, SIGTERM handling and a final export in the offi
 
 Exact resume: the batch of step s is a pure function of (seed, s) (``k3jax.train.data.batch_at``), and the
 checkpoint holds params (QB biases included), optimizer state, step, RNG and the bad-step streak. Re-running the
-same command with the same ``ckpt_dir`` continues from the latest committed checkpoint and ends with parameters
-bit-identical to an uninterrupted run. Orbax commits atomically (tmp dir + rename), so a run killed during an async
-save resumes from the previous step that was saved.
+same command with the same ``ckpt_dir`` continues from the latest committed checkpoint (``k3jax.train.ckpt``) and
+ends with parameters bit-identical to an uninterrupted run.
 
 Everything the user can get wrong (preset, corpus, batch divisibility, steps, --init config) is checked before the
 first compile and raises ValueError (`k3 train` → exit 2).
@@ -22,7 +21,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ConfigError, K3Config, get_preset
+from k3jax.sharding import make_mesh
 from k3jax.train import data as tdata
+from k3jax.train.ckpt import load_checkpoint_params, manager, restore_state, save_state
+from k3jax.train.evaluate import Windows, heldout_loss, make_scorer, spaced_windows
+from k3jax.train.flops import flops_per_token, matmul_peak_flops
 from k3jax.train.optim import OptimConfig, make_optimizer, schedule
-from k3jax.train.step import StepSpec, init_state, make_eval_step, make_train_step
+from k3jax.train.step import StepSpec, init_state, make_train_step
 
 # Fields that change which batches / updates a run produces: a resume with different values is refused.
 _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
@@ -152,116 +157,70 @@ def validate(tc: TrainConfig, n_dev: int) -> None:
 
 
 def make_data_mesh(n: int | None) -> Mesh:
+    """The data-parallel mesh over the first ``n`` devices (default: all), in ``jax.devices()`` order; its fsdp,
+    expert and tensor axes have size 1, so ``P("data")`` / ``P(None, "data")`` shard over the ``n`` devices."""
     devs = jax.devices()
     n = len(devs) if n is None else n
     if not 1 <= n <= len(devs):
         raise ValueError(f"--devices {n}: {len(devs)} device(s) available")
-    return Mesh(np.array(devs[:n]), ("data",))
-
-
-# ---------------------------------------------------------------------------------------------------- checkpoints
-
-
-def _manager(directory: str, tc: TrainConfig):
-    import orbax.checkpoint as ocp
-
-    opts = ocp.CheckpointManagerOptions(max_to_keep=tc.keep, enable_async_checkpointing=tc.async_ckpt,
-                                        create=True)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=opts)
-
-
-def _flat(state: dict) -> dict:
-    """Orbax-friendly view: the optimizer state (NamedTuples with empty MaskedNodes) is saved as its leaf list."""
-    return dict(state, opt=jax.tree.leaves(state["opt"]))
-
-
-def save_state(mngr, state: dict, meta: dict, *, force: bool = False) -> None:
-    import orbax.checkpoint as ocp
-
-    step = int(state["step"])
-    # The train step donates its state; give the (async) writer its own buffers so the next step cannot overwrite
-    # arrays that are still being serialized (on CPU a host view of a device buffer may be zero-copy).
-    state = jax.tree.map(jnp.copy, state)
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_flat(state)),
-                                            meta=ocp.args.JsonSave(meta)), force=force)
-
-
-def restore_state(mngr, like: dict, step: int | None = None) -> tuple[dict, dict]:
-    """(state, meta) restored into the shapes, dtypes and shardings of ``like`` (a freshly initialised state)."""
-    import orbax.checkpoint as ocp
-
-    step = mngr.latest_step() if step is None else step
-    flat = _flat(like)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), flat)
-    r = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                   meta=ocp.args.JsonRestore()))
-    st = dict(r["state"])
-    st["opt"] = jax.tree.unflatten(jax.tree.structure(like["opt"]), st["opt"])
-    return st, r["meta"]
-
-
-def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
-    """(step, params as numpy) of a training checkpoint, on any device count (for comparisons, export, tests)."""
-    import orbax.checkpoint as ocp
-
-    mngr = ocp.CheckpointManager(os.path.abspath(ckpt_dir))
-    step = mngr.latest_step() if step is None else step
-    mngr.close()
-    if step is None:
-        raise ValueError(f"{ckpt_dir}: no committed checkpoint")
-    path = os.path.join(os.path.abspath(ckpt_dir), str(step), "state")
-    ck = ocp.PyTreeCheckpointer()
-    meta = ck.metadata(path)
-    tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    r = ck.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
-    return step, r["params"]
+    return make_mesh({"data": n}, devices=devs[:n])
 
 
 # -------------------------------------------------------------------------------------------------------- the loop
 
 
 class _Sigterm:
-    def __init__(self):
-        self.hit = False
-        self.prev = None
+    """``with _Sigterm() as term``: ``term.hit`` turns True on SIGTERM; the previous handler is restored on exit."""
+
+    hit = False
 
     def __enter__(self):
         try:
-            self.prev = signal.signal(signal.SIGTERM, self._handler)
+            self.prev = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "hit", True))
         except ValueError:  # not the main thread: no handler (the run is then only stopped by its caller)
             self.prev = None
         return self
-
-    def _handler(self, signum, frame):
-        self.hit = True
 
     def __exit__(self, *exc):
         if self.prev is not None:
             signal.signal(signal.SIGTERM, self.prev)
 
 
-def _init_params(cfg: K3Config, tc: TrainConfig, repl: NamedSharding):
-    from k3jax.model import init_params
+@dataclass
+class _Run:
+    """One run's context: filled by ``_prepare`` (checks and data), ``_build`` (state and jitted functions),
+    ``_resume`` and ``_open_outputs``; the step loop reads it and advances ``state`` / ``last_good``."""
 
-    if tc.init:
-        from k3jax.checkpoint.load import load
+    tc: TrainConfig
+    cfg: K3Config
+    mesh: Mesh
+    log: Callable[[str], None]
+    train_toks: np.ndarray
+    eval_set: Windows
+    vocab: int
+    held_entropy: float
+    state: dict | None = None
+    step_fn: Callable | None = None
+    score: Callable | None = None
+    batch_sh: NamedSharding | None = None
+    lr_at: Callable | None = None
+    mngr: Any = None
+    meta: dict = field(default_factory=dict)
+    start: int = 0
+    last_good: int | None = None
+    flops_tok: float | None = None
+    peak: float | None = None
+    mfile: Any = None
+    bar: Any = None
 
-        _, params = load(tc.init, cfg=cfg, shardings=lambda *a: repl, dtype=jnp.float32, progress=False,
-                         strict_config=tc.strict_config)
-        return params
-    return jax.jit(lambda k: init_params(cfg, k), out_shardings=repl)(jax.random.key(tc.seed))
+    def write(self, rec: dict) -> None:
+        if self.mfile is not None:
+            self.mfile.write(json.dumps(rec) + "\n")
+            self.mfile.flush()
 
 
-def _to_json(x):
-    a = np.asarray(x)
-    return a.item() if a.ndim == 0 else a.tolist()
-
-
-def train(tc: TrainConfig, *, log=None) -> dict:
-    """Run (or resume) training. Returns a summary dict; writes metrics JSONL / checkpoints / export as configured."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    # 1. every user-facing check, before any compute
+def _prepare(tc: TrainConfig, log) -> _Run:
+    """Every user-facing check, before any compute; loads and splits the corpus."""
     try:
         cfg = resolve_model(tc)
     except ConfigError as e:
@@ -276,147 +235,200 @@ def train(tc: TrainConfig, *, log=None) -> dict:
     vocab = min(cfg.vocab_size, 256)
     if cfg.vocab_size < 256:
         log(f"vocab {cfg.vocab_size} < 256: tokens are byte % {cfg.vocab_size}")
-    held_entropy = tdata.unigram_entropy(held, vocab)
+    # the periodic eval's fixed windows: eval_windows rounded down to a multiple of the devices (at least one each)
+    eval_set = spaced_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
+                              vocab=vocab)
+    return _Run(tc=tc, cfg=cfg, mesh=mesh, log=log, train_toks=train_toks, eval_set=eval_set, vocab=vocab,
+                held_entropy=tdata.unigram_entropy(held, vocab))
 
-    # 2. model, optimizer, state
-    repl = NamedSharding(mesh, P())
-    batch_sh = NamedSharding(mesh, P(None, "data"))
-    total = tc.total_steps or tc.steps
-    ocfg = OptimConfig(lr=tc.lr, total_steps=total, mode=tc.optimizer)
+
+def _init_params(cfg: K3Config, tc: TrainConfig, repl: NamedSharding):
+    from k3jax.model import init_params
+
+    if tc.init:
+        from k3jax.checkpoint.load import load
+
+        _, params = load(tc.init, cfg=cfg, shardings=lambda *a: repl, dtype=jnp.float32, progress=False,
+                         strict_config=tc.strict_config)
+        return params
+    return jax.jit(lambda k: init_params(cfg, k), out_shardings=repl)(jax.random.key(tc.seed))
+
+
+def _build(run: _Run) -> None:
+    """Parameters (replicated), optimizer, train state, the jitted train step and the held-out scorer."""
+    tc, cfg = run.tc, run.cfg
+    repl = NamedSharding(run.mesh, P())
+    run.batch_sh = NamedSharding(run.mesh, P(None, "data"))  # [M, b, T + 1]: the b sequences are data-parallel
+    ocfg = OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
     params = _init_params(cfg, tc, repl)
     tx, _ = make_optimizer(params, ocfg)
-    state = jax.jit(lambda p: init_state(p, tx, tc.seed), out_shardings=repl)(params)
+    run.state = jax.jit(lambda p: init_state(p, tx, tc.seed), out_shardings=repl)(params)
     del params
     spec = StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, qb_ema=tc.qb_ema, aux_alpha=tc.aux_alpha,
                     qk_clip=tc.qk_clip, qk_tau=tc.qk_tau)
-    state_sh = jax.tree.map(lambda _: repl, state)
-    step_fn = jax.jit(make_train_step(cfg, tx, spec), in_shardings=(state_sh, batch_sh, None),
-                      out_shardings=(state_sh, None), donate_argnums=0)
-    ev_sh = NamedSharding(mesh, P("data"))
-    eval_fn = jax.jit(make_eval_step(cfg), in_shardings=(state_sh["params"], ev_sh))
-    lr_at = schedule(tc.lr, ocfg)
+    state_sh = jax.tree.map(lambda _: repl, run.state)
+    run.step_fn = jax.jit(make_train_step(cfg, tx, spec), in_shardings=(state_sh, run.batch_sh, None),
+                          out_shardings=(state_sh, None), donate_argnums=0)
+    run.score = make_scorer(cfg, params_sharding=state_sh["params"], batch_sharding=NamedSharding(run.mesh, P("data")))
+    run.lr_at = schedule(tc.lr, ocfg)
+    run.meta = {"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
 
-    mngr = _manager(tc.ckpt_dir, tc) if tc.ckpt_dir else None
-    meta = {"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
-    start = 0
-    if mngr is not None and mngr.latest_step() is not None:
-        state, old_meta = restore_state(mngr, state)
-        diff = resume_diff(old_meta.get("train", {}), meta["train"])
-        if diff and tc.fork:
-            log(f"fork: resuming with changed {', '.join(diff)}")
-        elif diff:
-            raise ValueError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
-                             "use a fresh --ckpt-dir")
-        start = int(state["step"])
-        log(f"resumed from {tc.ckpt_dir} at step {start}")
-    last_good = start if mngr is not None and mngr.latest_step() is not None else None
 
-    flops_tok = peak = None
+def _resume(run: _Run) -> None:
+    """Continue from the latest checkpoint in --ckpt-dir, if any, refusing changed run settings unless --fork."""
+    tc = run.tc
+    run.mngr = manager(tc.ckpt_dir, keep=tc.keep, async_save=tc.async_ckpt) if tc.ckpt_dir else None
+    if run.mngr is None or run.mngr.latest_step() is None:
+        return
+    run.state, old_meta = restore_state(run.mngr, run.state)
+    diff = resume_diff(old_meta.get("train", {}), run.meta["train"])
+    if diff and tc.fork:
+        run.log(f"fork: resuming with changed {', '.join(diff)}")
+    elif diff:
+        raise ValueError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
+                         "use a fresh --ckpt-dir")
+    run.start = int(run.state["step"])
+    run.log(f"resumed from {tc.ckpt_dir} at step {run.start}")
+    run.last_good = run.start
+
+
+def _open_outputs(run: _Run) -> None:
+    """MFU terms and the metrics file (--metrics), the progress bar; writes the metrics' start record."""
+    tc = run.tc
     if tc.metrics:
-        from k3jax.bench.common import matmul_peak_flops
-        from k3jax.train.flops import flops_per_token
-
-        flops_tok = flops_per_token(cfg, state["params"], tc.seq_len)
-        peak = tc.peak_flops or matmul_peak_flops(dtype=jnp.dtype(tc.compute_dtype))
-    mfile = open(tc.metrics, "a", encoding="utf-8") if tc.metrics else None  # noqa: SIM115
-    b = tc.batch // tc.micro_batches
-    ev_windows = tdata.eval_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
-                                    vocab=vocab)
-
-    def evaluate(params) -> float:
-        tot = cnt = 0.0
-        for i in range(0, len(ev_windows), b):
-            chunk = ev_windows[i:i + b]
-            if len(chunk) % n_dev:
-                chunk = chunk[: len(chunk) // n_dev * n_dev]
-            if not len(chunk):
-                continue
-            s, c = eval_fn(params, jax.device_put(chunk, ev_sh))
-            tot, cnt = tot + float(s), cnt + float(c)
-        return tot / cnt
-
-    def write(rec):
-        if mfile is not None:
-            mfile.write(json.dumps(rec) + "\n")
-            mfile.flush()
-
-    bar = None
+        run.flops_tok = flops_per_token(run.cfg, run.state["params"], tc.seq_len)
+        run.peak = tc.peak_flops or matmul_peak_flops(dtype=jnp.dtype(tc.compute_dtype))
+    run.mfile = open(tc.metrics, "a", encoding="utf-8") if tc.metrics else None  # noqa: SIM115
     if tc.progress if tc.progress is not None else sys.stderr.isatty():
         from tqdm import tqdm
-        bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", file=sys.stderr)
-    write({"event": "start", "step": start, "heldout_unigram_entropy": held_entropy, "devices": n_dev,
-           "flops_per_token": flops_tok, "peak_flops": peak, "model": cfg.name, "qat": tc.qat})
-    summary = {"start_step": start, "heldout_unigram_entropy": held_entropy, "skipped_steps": [], "evals": [],
-               "losses": [], "qk_clip_events": 0, "stopped": None}
-    step = start
+        run.bar = tqdm(total=tc.steps, initial=run.start, desc="train", unit="step", file=sys.stderr)
+    run.write({"event": "start", "step": run.start, "heldout_unigram_entropy": run.held_entropy,
+               "devices": run.mesh.devices.size, "flops_per_token": run.flops_tok, "peak_flops": run.peak,
+               "model": run.cfg.name, "qat": tc.qat})
+
+
+def _to_json(x):
+    a = np.asarray(x)
+    return a.item() if a.ndim == 0 else a.tolist()
+
+
+def _step_record(run: _Run, m: dict, step: int, dt: float) -> dict:
+    """The metrics record of (1-based) ``step`` from the step's metrics ``m`` and its wall time ``dt``."""
+    tc = run.tc
+    tps = tc.batch * tc.seq_len / dt
+    clipped = np.argwhere(m["qk_clipped"])
+    return {"step": step, "loss": float(m["ce"]), "total_loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+            "finite": bool(m["finite"]), "lr": float(run.lr_at(step - 1)), "tokens_per_s": tps,
+            "mfu": run.flops_tok * tps / run.peak if run.peak else None,
+            "load_max_over_mean": _to_json(m["load_ratio"]), "qb_bias_range": _to_json(m["bias_range"]),
+            "mla_max_logit": _to_json(np.max(m["max_logit"], axis=-1)) if m["max_logit"].size else [],
+            "qk_clip_events": [[int(i), int(h), float(m["max_logit"][i, h])] for i, h in clipped]}
+
+
+def _note_step(run: _Run, rec: dict, summary: dict) -> None:
+    """Summary bookkeeping and log lines for skipped (non-finite) steps and QK-Clip events."""
+    step, n_clipped = rec["step"], len(rec["qk_clip_events"])
+    summary["losses"].append(rec["loss"])
+    summary["qk_clip_events"] += n_clipped
+    if not rec["finite"]:
+        summary["skipped_steps"].append(step)
+        run.log(f"step {step}: non-finite loss or gradient (loss {rec['total_loss']}, grad norm "
+                f"{rec['grad_norm']}); update skipped")
+    if n_clipped:
+        run.log(f"step {step}: QK-Clip on {n_clipped} head(s) (τ = {run.tc.qk_tau})")
+
+
+def _stop_diverged(run: _Run, rec: dict, summary: dict, bad: int) -> None:
+    """``bad`` (the non-finite streak) reached --max-bad-steps: write the record and raise TrainingStoppedError."""
+    step = rec["step"]
+    run.write(rec)
+    where = (f"last good checkpoint: step {run.last_good} in {run.tc.ckpt_dir}" if run.last_good is not None
+             else "no checkpoint was written")
+    summary.update(stopped="non-finite", step=step, params=run.state["params"])
+    err = TrainingStoppedError(f"stopped at step {step}: {bad} non-finite steps in a row "
+                               f"(steps {list(range(step - bad + 1, step + 1))}); {where}")
+    err.summary = summary
+    raise err
+
+
+def _evaluate(run: _Run) -> float:
+    """Held-out loss (nats per token) over the run's fixed eval windows, a micro-batch at a time."""
+    b = run.tc.batch // run.tc.micro_batches
+    return heldout_loss(run.state["params"], run.eval_set, batch=b, score=run.score)[0]
+
+
+def _finish_step(run: _Run, rec: dict, summary: dict, term: _Sigterm) -> bool:
+    """Eval, metrics record, progress, checkpoint and SIGTERM handling after one step; False: stop the loop."""
+    tc, step = run.tc, rec["step"]
+    bad = int(run.state["bad_streak"])
+    if bad >= tc.max_bad_steps:
+        _stop_diverged(run, rec, summary, bad)
+    if step % tc.eval_every == 0 or step == tc.steps:
+        rec["eval_loss"] = _evaluate(run)
+        summary["evals"].append((step, rec["eval_loss"]))
+    run.write(rec)
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
+    if run.mngr is not None and bad == 0 and (step % tc.ckpt_every == 0 or step == tc.steps or term.hit):
+        save_state(run.mngr, run.state, run.meta, force=term.hit or step == tc.steps)
+        run.last_good = step
+    if not term.hit:
+        return True
+    summary["stopped"] = "sigterm"
+    run.write({"event": "sigterm", "step": step, "checkpoint": run.last_good})
+    run.log(f"SIGTERM: saved step {run.last_good} to {tc.ckpt_dir}; exiting" if run.mngr is not None
+            else "SIGTERM: no --ckpt-dir, exiting without a checkpoint")
+    return False
+
+
+def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
+    """Steps ``run.start + 1 .. tc.steps`` (or until SIGTERM); returns the last step taken."""
+    tc = run.tc
+    b = tc.batch // tc.micro_batches
     poison = {int(s) for s in tc.poison_steps}
+    step = run.start
+    while step < tc.steps:
+        x = tdata.batch_at(run.train_toks, seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len,
+                           vocab=run.vocab).reshape(tc.micro_batches, b, tc.seq_len + 1)
+        t0 = time.perf_counter()
+        run.state, m = run.step_fn(run.state, jax.device_put(x, run.batch_sh),
+                                   jnp.float32(np.nan if step + 1 in poison else 0.0))
+        m = jax.device_get(m)
+        dt = time.perf_counter() - t0
+        step += 1
+        rec = _step_record(run, m, step, dt)
+        _note_step(run, rec, summary)
+        if not _finish_step(run, rec, summary, term):
+            break
+    return step
+
+
+def train(tc: TrainConfig, *, log=None) -> dict:
+    """Run (or resume) training. Returns a summary dict; writes metrics JSONL / checkpoints / export as configured."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    run = _prepare(tc, log)
+    _build(run)
+    _resume(run)
+    _open_outputs(run)
+    summary = {"start_step": run.start, "heldout_unigram_entropy": run.held_entropy, "skipped_steps": [],
+               "evals": [], "losses": [], "qk_clip_events": 0, "stopped": None}
     try:
         with _Sigterm() as term:
-            while step < tc.steps:
-                x = tdata.batch_at(train_toks, seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len,
-                                   vocab=vocab).reshape(tc.micro_batches, b, tc.seq_len + 1)
-                t0 = time.perf_counter()
-                state, m = step_fn(state, jax.device_put(x, batch_sh),
-                                   jnp.float32(np.nan if step + 1 in poison else 0.0))
-                m = jax.device_get(m)
-                dt = time.perf_counter() - t0
-                step += 1
-                tps = tc.batch * tc.seq_len / dt
-                clipped = np.argwhere(m["qk_clipped"])
-                rec = {"step": step, "loss": float(m["ce"]), "total_loss": float(m["loss"]),
-                       "grad_norm": float(m["grad_norm"]), "finite": bool(m["finite"]), "lr": float(lr_at(step - 1)),
-                       "tokens_per_s": tps, "mfu": flops_tok * tps / peak if peak else None,
-                       "load_max_over_mean": _to_json(m["load_ratio"]), "qb_bias_range": _to_json(m["bias_range"]),
-                       "mla_max_logit": _to_json(np.max(m["max_logit"], axis=-1)) if m["max_logit"].size else [],
-                       "qk_clip_events": [[int(i), int(h), float(m["max_logit"][i, h])] for i, h in clipped]}
-                summary["losses"].append(rec["loss"])
-                summary["qk_clip_events"] += len(clipped)
-                if not rec["finite"]:
-                    summary["skipped_steps"].append(step)
-                    log(f"step {step}: non-finite loss or gradient (loss {rec['total_loss']}, grad norm "
-                        f"{rec['grad_norm']}); update skipped")
-                if len(clipped):
-                    log(f"step {step}: QK-Clip on {len(clipped)} head(s) (τ = {tc.qk_tau})")
-                bad = int(state["bad_streak"])
-                if bad >= tc.max_bad_steps:
-                    write(rec)
-                    where = (f"last good checkpoint: step {last_good} in {tc.ckpt_dir}" if last_good is not None
-                             else "no checkpoint was written")
-                    summary.update(stopped="non-finite", step=step, params=state["params"])
-                    err = TrainingStoppedError(f"stopped at step {step}: {bad} non-finite steps in a row "
-                                               f"(steps {list(range(step - bad + 1, step + 1))}); {where}")
-                    err.summary = summary
-                    raise err
-                if step % tc.eval_every == 0 or step == tc.steps:
-                    rec["eval_loss"] = evaluate(state["params"])
-                    summary["evals"].append((step, rec["eval_loss"]))
-                write(rec)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-                if mngr is not None and bad == 0 and (step % tc.ckpt_every == 0 or step == tc.steps or term.hit):
-                    save_state(mngr, state, meta, force=term.hit or step == tc.steps)
-                    last_good = step
-                if term.hit:
-                    summary["stopped"] = "sigterm"
-                    write({"event": "sigterm", "step": step, "checkpoint": last_good})
-                    log(f"SIGTERM: saved step {last_good} to {tc.ckpt_dir}; exiting" if mngr is not None
-                        else "SIGTERM: no --ckpt-dir, exiting without a checkpoint")
-                    break
+            step = _step_loop(run, summary, term)
     finally:
-        if mngr is not None:
-            mngr.wait_until_finished()
-            mngr.close()
-        if bar is not None:
-            bar.close()
-        if mfile is not None:
-            mfile.close()
+        if run.mngr is not None:
+            run.mngr.wait_until_finished()
+            run.mngr.close()
+        if run.bar is not None:
+            run.bar.close()
+        if run.mfile is not None:
+            run.mfile.close()
 
     summary.update(step=step, final_loss=summary["losses"][-1] if summary["losses"] else None,
-                   final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None)
-    summary["params"] = state["params"]
+                   final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None, params=run.state["params"])
     if tc.export and summary["stopped"] is None:
-        summary["export"] = export(state["params"], cfg, tc.export)
+        summary["export"] = export(run.state["params"], run.cfg, tc.export)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")
     return summary

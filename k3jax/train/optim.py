@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN  # noqa: N817
 
+from k3jax.pytree import key_names
+
 MODES = ("per_head", "full", "adamw")
 
 
@@ -68,15 +70,27 @@ _ADAM_NODECAY = {"input_norm", "post_norm", "final_norm", "o_norm", "q_a_norm", 
                  "A_log", "dt_bias"}
 
 
-def _names(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-
-
 def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
-    """(label, MuonDimensionNumbers or None, reshape or None) for one parameter. Unknown leaves are an error."""
-    names = _names(path)
+    """(label, MuonDimensionNumbers or None, reshape or None) for one parameter. Unknown leaves are an error.
+
+    Leaves of the stacked layer groups (path under ``groups``, k3jax/model/layout.py) are optimized one layer at a
+    time: ``make_optimizer`` hands the transforms the G slices of the leading ``layers`` axis, so each layer gets
+    exactly the update (and the Newton–Schulz) it got as an unstacked leaf. For such a leaf — whole, or a slice
+    whose path ends in its stack index — this is one layer's rule."""
+    names = key_names(path)
+    shape = tuple(leaf.shape)
+    if names and names[0] == "groups":
+        if isinstance(names[-1], int):  # one layer's slice (make_optimizer's per-layer view)
+            names = names[:-1]
+        else:  # the whole stacked leaf [G, ...]
+            shape = shape[1:]
+    return _layer_rule(names, shape, mode, kvb_split)
+
+
+def _layer_rule(names: tuple, shape: tuple, mode: str, kvb_split: str):
     last = names[-1]
     parent = names[-2] if len(names) >= 2 else None
+    ndim = len(shape)
     if last == "bias" and parent == "moe":
         return "frozen", None, None
     if last in _ADAM_DECAY:
@@ -85,16 +99,16 @@ def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
         return "adam_nodecay", None, None
     if mode == "adamw":
         return "adam_decay", None, None
-    if parent == "experts" and leaf.ndim == 3:  # [E, in, out]: per expert
+    if parent == "experts" and ndim == 3:  # [E, in, out]: per expert
         return "muon", MDN(reduction_axis=1, output_axis=2), None
-    if leaf.ndim == 2:
+    if ndim == 2:
         return "muon", MDN(0, 1), None
-    if leaf.ndim == 3:
+    if ndim == 3:
         key = (parent, last)
         if mode == "per_head" and key in _PER_HEAD:  # [in, N, X]
             return "muon", MDN(reduction_axis=0, output_axis=2), None
         if mode == "per_head" and key == ("mla", "kv_b"):
-            r, n, hx = leaf.shape
+            r, n, hx = shape
             if kvb_split == "joint":
                 return "muon", MDN(reduction_axis=0, output_axis=2), None
             if hx % 2:
@@ -103,7 +117,7 @@ def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
         if last == "wo":  # [N, V, D]: the head axis is on the input side, not split
             return "muon", MDN(reduction_axis=(0, 1), output_axis=2), None
         return "muon", MDN(reduction_axis=0, output_axis=(1, 2)), None
-    raise ValueError(f"no optimizer rule for parameter {'/'.join(map(str, names))} with shape {leaf.shape}")
+    raise ValueError(f"no optimizer rule for parameter {'/'.join(map(str, names))} with shape {tuple(shape)}")
 
 
 def _rules(params, cfg: OptimConfig):
@@ -133,9 +147,27 @@ def _reshaping(inner: optax.GradientTransformation, shapes) -> optax.GradientTra
     return optax.GradientTransformation(init, update)
 
 
+def _stacked_mask(params):
+    return jax.tree_util.tree_map_with_path(lambda p, _: key_names(p)[0] == "groups", params)
+
+
+def _split(tree, stacked):
+    """Stacked leaves [G, ...] → tuples of their G layer slices (the per-layer view the transforms run on)."""
+    return jax.tree.map(lambda s, x: tuple(x[g] for g in range(x.shape[0])) if s else x, stacked, tree)
+
+
+def _unsplit(tree, stacked):
+    return jax.tree.map(lambda s, x: jnp.stack(x) if s else x, stacked, tree)
+
+
 def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
-    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree)."""
-    rules = _rules(params, cfg)
+    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree).
+
+    Stacked leaves are updated per layer (see ``leaf_rule``): per-layer Muon is then bit-identical to the
+    unstacked model's, where one batched Newton–Schulz over [G, ...] differs in the last bits."""
+    stacked = _stacked_mask(params)
+    view = _split(params, stacked)
+    rules = _rules(view, cfg)
     labels = jax.tree.map(lambda r: r[0], rules, is_leaf=_is_rule)
     shapes = jax.tree.map(lambda r: r[2], rules, is_leaf=_is_rule)
     lr = schedule(cfg.lr, cfg)
@@ -152,11 +184,23 @@ def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
         adam_learning_rate=adam_lr, adam_b2=cfg.adam_b2)  # no leaf reaches muon's internal AdamW branch
     adamw = lambda wd: optax.adamw(adam_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,  # noqa: E731
                                    weight_decay=wd, nesterov=False)
-    tx = optax.partition(
+    inner = optax.partition(
         {"muon": _reshaping(muon, shapes), "adam_decay": adamw(cfg.weight_decay), "adam_nodecay": adamw(0.0),
          "frozen": optax.set_to_zero()},
         labels)
-    return tx, labels
+
+    def init(p):
+        return inner.init(_split(p, stacked))
+
+    def update(updates, state, p=None):
+        new, state = inner.update(_split(updates, stacked), state, None if p is None else _split(p, stacked))
+        return _unsplit(new, stacked), state
+
+    return optax.GradientTransformation(init, update), _unsplit_labels(labels, stacked)
+
+
+def _unsplit_labels(labels, stacked):
+    return jax.tree.map(lambda s, x: x[0] if s else x, stacked, labels)
 
 
 def group_sizes(labels, params) -> dict:

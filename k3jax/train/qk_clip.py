@@ -10,19 +10,16 @@
 The score is bilinear in (q, k): q^N·k^N scales by sqrt(γ)·sqrt(γ) and q^R·k^R by γ·1, so recomputing the step's
 largest logit with the clipped weights gives exactly τ (up to fp rounding). KDA layers need no clip (L2-normed q, k).
 
-    new_params, clip = qk_clip(params, max_logits, tau=100.0)   # clip: {"gamma": [L_mla, N], "clipped": [L_mla, N]}
+    new_params, clip = qk_clip(params, max_logits, cfg, tau=100.0)
+    # clip: {"gamma": [L_mla, N], "clipped": [L_mla, N]}
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from k3jax.layers.mla import mla_dims
-
-
-def mla_layer_indices(params) -> list[int]:
-    """0-based indices of the layers that hold an "mla" mixer, in the order forward() reports their max logits."""
-    return [l for l, lp in enumerate(params["layers"]) if "mla" in lp]
+from k3jax.config import K3Config
+from k3jax.model import map_layers, mla_dims
 
 
 def clip_factors(max_logit_n, tau: float):
@@ -33,9 +30,10 @@ def clip_factors(max_logit_n, tau: float):
     return gamma, clipped
 
 
-def clip_mla(p, gamma_n):
-    """Rescale one MLA layer's query and key columns per head by γ (see module docstring)."""
-    N, Hn, Hr, V = mla_dims(p)
+def clip_mla(p, gamma_n, dims):
+    """Rescale one MLA layer's query and key columns per head by γ (see module docstring). ``dims``: the model's
+    ``mla_dims(cfg)`` (N, Hn, Hr, V)."""
+    N, Hn, Hr, V = dims
     sq = jnp.sqrt(gamma_n)
     q_scale = jnp.concatenate([jnp.broadcast_to(sq[:, None], (N, Hn)),
                                jnp.broadcast_to(gamma_n[:, None], (N, Hr))], axis=1)  # [N, Hn + Hr]
@@ -47,30 +45,26 @@ def clip_mla(p, gamma_n):
     return out
 
 
-def qk_clip(params, max_logits, *, tau: float = 100.0):
+def qk_clip(params, max_logits, cfg: K3Config, *, tau: float = 100.0):
     """Apply QK-Clip to every MLA layer of ``params``.
 
     Args:
       params: the k3jax parameter tree (after the optimizer update).
       max_logits: one [N] (or [..., N], reduced with max) array per MLA layer, in layer order — the step's max.
+      cfg: the model config (layer layout and MLA dims come from the model).
       tau: the clip threshold τ.
     Returns: (params, {"gamma": [L_mla, N] float32, "clipped": [L_mla, N] bool}).
     """
-    idx = mla_layer_indices(params)
+    idx = list(cfg.mla_layers)
     if len(idx) != len(max_logits):
         raise ValueError(f"{len(max_logits)} max-logit arrays for {len(idx)} MLA layers")
-    layers = list(params["layers"])
-    gammas, clips = [], []
-    for l, s in zip(idx, max_logits):
-        s = jnp.max(s.reshape(-1, s.shape[-1]), axis=0)
-        gamma, clipped = clip_factors(s, tau)
-        layers[l] = dict(layers[l], mla=clip_mla(layers[l]["mla"], gamma))
-        gammas.append(gamma)
-        clips.append(clipped)
-    out = dict(params, layers=layers)
     if not idx:
-        return out, {"gamma": jnp.zeros((0, 0), jnp.float32), "clipped": jnp.zeros((0, 0), bool)}
-    return out, {"gamma": jnp.stack(gammas), "clipped": jnp.stack(clips)}
+        return params, {"gamma": jnp.zeros((0, 0), jnp.float32), "clipped": jnp.zeros((0, 0), bool)}
+    dims = mla_dims(cfg)
+    s = jnp.stack([jnp.max(m.reshape(-1, m.shape[-1]), axis=0) for m in max_logits])
+    gamma, clipped = clip_factors(s, tau)
+    out = map_layers(params, cfg, idx, lambda lp, g: dict(lp, mla=clip_mla(lp["mla"], g, dims)), gamma)
+    return out, {"gamma": gamma, "clipped": clipped}
 
 
-__all__ = ["qk_clip", "clip_factors", "clip_mla", "mla_layer_indices"]
+__all__ = ["qk_clip", "clip_factors", "clip_mla"]

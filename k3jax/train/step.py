@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from k3jax.model import forward
+from k3jax.model import forward, unstack
 from k3jax.train import balance as bal
-from k3jax.train.qk_clip import mla_layer_indices, qk_clip
+from k3jax.train.qk_clip import qk_clip
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ def make_train_step(cfg, tx, spec: StepSpec):
 
     def step(state, tokens, poison):
         params = state["params"]
-        moe_idx = bal.moe_layer_indices(params)
-        n_mla = len(mla_layer_indices(params))
-        b_le = bal.biases(params) if moe_idx else jnp.zeros((0, E), jnp.float32)
+        moe_idx = bal.moe_layer_indices(cfg)
+        n_mla = len(cfg.mla_layers)
+        b_le = bal.biases(params, cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
 
         def micro(carry, tok):
             (loss, (ce, aux)), g = grad_fn(params, tok)
@@ -102,23 +102,23 @@ def make_train_step(cfg, tx, spec: StepSpec):
         scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
         g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
         loss, ce = loss * scale, ce * scale
-        gnorm = optax.tree.norm(g)
+        gnorm = optax.tree.norm(unstack(g, cfg))  # per-layer view: the same summation order as one leaf per layer
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
 
         updates, opt = tx.update(g, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         clip = {"gamma": jnp.ones((n_mla, N), jnp.float32), "clipped": jnp.zeros((n_mla, N), bool)}
         if spec.qk_clip and n_mla:
-            new_params, clip = qk_clip(new_params, list(ml), tau=spec.qk_tau)
+            new_params, clip = qk_clip(new_params, list(ml), cfg, tau=spec.qk_tau)
         if moe_idx:
             new_b = bal.new_biases(stats, b_le, mode=spec.balance, top_k=cfg.num_experts_per_token,
                                    sign_gamma=spec.sign_gamma, qb_ema=spec.qb_ema)
-            new_params = bal.set_biases(new_params, new_b)
+            new_params = bal.set_biases(new_params, new_b, cfg)
 
         new_state = {"params": _select(finite, new_params, params), "opt": _select(finite, opt, state["opt"]),
                      "step": state["step"] + 1, "rng": state["rng"],
                      "bad_streak": jnp.where(finite, 0, state["bad_streak"] + 1).astype(jnp.int32)}
-        b_next = bal.biases(new_state["params"]) if moe_idx else b_le
+        b_next = bal.biases(new_state["params"], cfg) if moe_idx else b_le
         metrics = {"loss": loss, "ce": ce, "grad_norm": gnorm, "finite": finite,
                    "load_ratio": bal.load_ratio(stats["loads"]) if moe_idx else jnp.zeros((0,)),
                    "bias_range": (jnp.max(b_next, -1) - jnp.min(b_next, -1)) if moe_idx else jnp.zeros((0,)),
@@ -128,15 +128,4 @@ def make_train_step(cfg, tx, spec: StepSpec):
     return step
 
 
-def make_eval_step(cfg):
-    """(params, tokens [b, T+1]) -> summed token cross-entropy and token count (bias frozen: no update here)."""
-
-    def ev(params, tokens):
-        logits = forward(params, tokens[:, :-1], cfg)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-        return jnp.sum(ce), jnp.float32(ce.size)
-
-    return ev
-
-
-__all__ = ["StepSpec", "init_state", "make_eval_step", "make_loss", "make_train_step"]
+__all__ = ["StepSpec", "init_state", "make_loss", "make_train_step"]

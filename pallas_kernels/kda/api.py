@@ -2,7 +2,8 @@
 
 Forward: the Pallas kernel (``kernel.py``). Backward: the VJP of the jnp chunked path
 (``k3jax.ops.kda.kda_chunked``), recomputed from the saved inputs; the kernel has no backward of its own yet.
-``interpret`` reaches ``pallas_call``; it defaults to True off-GPU.
+``interpret`` reaches ``pallas_call``; it defaults to True off-GPU. Input and tiling checks are the jnp rung's
+(``k3jax.ops.kda.validate_inputs``, ``check_chunking``), so both reject the same arguments.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.norms import acc_dtype
 from pallas_kernels.kda.kernel import BlockSizes, kda_fwd_pallas
 
 
@@ -23,20 +25,20 @@ def _default_interpret() -> bool:
 def in_chunk_sums(g, *, chunk: int, sub_chunk: int):
     """The decay sums the kernel needs, each a direct sum of the g it spans (no cancellation).
 
-    g: [B, Tp, H, K] (Tp a multiple of chunk). Returns
-      lr  [B, Tp, H, K]: sum_{r0 < t <= i} g_t within the 16-row sub-chunk (r0 its first row),
-      rex [B, Tp, H, K]: sum_{j < t < r0 + c} g_t within the sub-chunk,
-      gcs [B, Tp, H, K]: sum_{chunk start <= t <= i} g_t,
-      tot [B, Tp / c, H, K]: per-sub-chunk totals.
+    g: [B, Tp, N, K] (Tp a multiple of chunk). Returns
+      lr  [B, Tp, N, K]: sum_{r0 < t <= i} g_t within the 16-row sub-chunk (r0 its first row),
+      rex [B, Tp, N, K]: sum_{j < t < r0 + c} g_t within the sub-chunk,
+      gcs [B, Tp, N, K]: sum_{chunk start <= t <= i} g_t,
+      tot [B, Tp / c, N, K]: per-sub-chunk totals.
     """
-    B, Tp, H, K = g.shape
+    B, Tp, N, K = g.shape
     c = sub_chunk
-    gs = g.reshape(B, Tp // c, c, H, K)
+    gs = g.reshape(B, Tp // c, c, N, K)
     first = (jnp.arange(c) == 0)[None, None, :, None, None]
-    lr = jnp.cumsum(jnp.where(first, 0.0, gs), axis=2).reshape(B, Tp, H, K)
+    lr = jnp.cumsum(jnp.where(first, 0.0, gs), axis=2).reshape(B, Tp, N, K)
     rev = jax.lax.cumsum(gs, axis=2, reverse=True)
-    rex = jnp.concatenate([rev[:, :, 1:], jnp.zeros_like(rev[:, :, :1])], axis=2).reshape(B, Tp, H, K)
-    gcs = jnp.cumsum(g.reshape(B, Tp // chunk, chunk, H, K), axis=2).reshape(B, Tp, H, K)
+    rex = jnp.concatenate([rev[:, :, 1:], jnp.zeros_like(rev[:, :, :1])], axis=2).reshape(B, Tp, N, K)
+    gcs = jnp.cumsum(g.reshape(B, Tp // chunk, chunk, N, K), axis=2).reshape(B, Tp, N, K)
     tot = jnp.sum(gs, axis=2)
     return lr, rex, gcs, tot
 
@@ -46,10 +48,10 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
     bs = BlockSizes(chunk=chunk, sub_chunk=sub_chunk, block_v=block_v)
 
     def forward(q, k, v, g, beta, h0):
-        B, T, H, K = q.shape
+        T = q.shape[1]
         Tp = -(-T // chunk) * chunk
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        ct = kda_ops.compute_dtype(q.dtype)
+        ct = acc_dtype(q.dtype)
         # Padding with g = 0, beta = 0, q = k = v = 0 is a no-op for the state; padded outputs are dropped.
         qp, kp, vp = pad(q), pad(k), pad(v)
         gp, bp = pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32))
@@ -79,25 +81,23 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-              gate_lower_bound: float | None = None, sub_chunk: int = 16, block_v: int = 64,
+              gate_lower_bound: float | None = None, sub_chunk: int = kda_ops.SUB_CHUNK, block_v: int = 64,
               interpret: bool | None = None):
     """Chunked KDA with a Pallas forward kernel; same contract as ``k3jax.ops.kda.kda_chunked``.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log decay <= 0; beta: [B, T, H] in [0, 1];
-    initial_state: [B, H, K, V] K-first fp32 (zeros if None). Returns o [B, T, H, V] (q.dtype) and the final
-    state [B, H, K, V] (fp32; float64 inputs are computed in fp32 inside the kernel).
+    q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] log decay <= 0; beta: [B, T, N] in [0, 1];
+    initial_state: [B, N, K, V] K-first fp32 (zeros if None). Returns o [B, T, N, V] (q.dtype) and the final
+    state [B, N, K, V] in ``acc_dtype(q.dtype)`` (float64 inputs are computed in fp32 inside the kernel).
     Unbounded gates (gate_lower_bound None) use in-sub-chunk differences of sums for the exact diagonal decays;
     see README.md "Known limits".
     """
     kda_ops.validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
-    kda_ops._check_bound_and_sub_chunk(gate_lower_bound, sub_chunk)
-    if chunk_size % sub_chunk:
-        raise ValueError(f"chunk_size {chunk_size} must be a multiple of sub_chunk {sub_chunk}")
-    B, T, H, K = q.shape
+    kda_ops.check_chunking(chunk_size, sub_chunk, gate_lower_bound)
+    B, T, N, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
     interpret = _default_interpret() if interpret is None else bool(interpret)
-    h0 = jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None else initial_state
+    h0 = jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None else initial_state
     f = _make(scale, chunk_size, sub_chunk, block_v, None if gate_lower_bound is None else float(gate_lower_bound),
               interpret)
     return f(q, k, v, g, beta, h0)

@@ -1,6 +1,6 @@
 """Pallas forward kernel for chunked KDA (SPEC §4.4, §4.5); see README.md for the math and tiling.
 
-Grid (B, H, V / block_v), all parallel. One program owns one (batch, head, value tile) and walks the chunks of
+Grid (B, N, V / block_v), all parallel. One program owns one (batch, head, value tile) and walks the chunks of
 its sequence in an in-kernel ``lax.fori_loop`` carrying the state tile S [K, block_v] in fp32. (A sequential grid
 axis would do on TPU, but GPU grid programs run concurrently, so the chunk loop lives inside the kernel.)
 Columns of the state are independent, so value tiles only duplicate the cheap A_kk / W work.
@@ -44,7 +44,7 @@ def _dot_tn(a, b):  # a.T @ b
 
 
 def _exp_flushed(x):
-    # fp32 only in the kernel: see k3jax.ops.kda._exp_flushed (subnormal products).
+    # fp32 only in the kernel: see _exp_flushed in k3jax/ops/kda/chunked.py (subnormal products).
     return jnp.exp(jnp.where(x < -20.0, -jnp.inf, x))
 
 
@@ -63,8 +63,99 @@ def _invert_unit_lower(L, c):
     return T
 
 
+def _load_chunk(in_refs, ic, bs: BlockSizes):
+    """Chunk ``ic`` as fp32 lists over its n sub-chunks (rows [c, K] / [c, V], beta [c, 1], g_r0 and tot [1, K]),
+    plus the row factors a = exp(lr) and the column factors kf = k exp(rex)."""
+    q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref = in_refs
+    C, c = bs.chunk, bs.sub_chunk
+    n = C // c
+    base = ic * C
+    rows = lambda ref, I: ref[pl.ds(base + I * c, c), :].astype(jnp.float32)  # noqa: E731
+    x = {name: [rows(ref, I) for I in range(n)]
+         for name, ref in (("qs", q_ref), ("ks", k_ref), ("vs", v_ref), ("lr", lr_ref), ("rex", rex_ref),
+                           ("gcs", gcs_ref))}
+    x["bts"] = [beta_ref[pl.ds(base + I * c, c)].astype(jnp.float32)[:, None] for I in range(n)]
+    x["g_r0"] = [g_ref[pl.ds(base + I * c, 1), :].astype(jnp.float32) for I in range(n)]      # [1, K]
+    x["tot"] = [tot_ref[pl.ds(ic * n + M, 1), :].astype(jnp.float32) for M in range(n)]      # [1, K]
+    x["a"] = [_exp_flushed(lr) for lr in x["lr"]]
+    x["kf"] = [x["ks"][J] * _exp_flushed(x["rex"][J]) for J in range(n)]
+    return base, x
+
+
+def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl):
+    """A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I) as dicts keyed (I, J), anchored at r0(I)."""
+    qs, ks, bts, lr, tot = x["qs"], x["ks"], x["bts"], x["lr"], x["tot"]
+    Akk, Aqk = {}, {}
+    for I in range(n):
+        ka, qa = ks[I] * x["a"][I], qs[I] * x["a"][I]
+        for J in range(I):
+            between = x["g_r0"][I]
+            for M in range(J + 1, I):
+                between = between + tot[M]
+            y = x["kf"][J] * _exp_flushed(between)                   # k_j exp(G_r0(I) - G_j)
+            Akk[I, J] = bts[I] * _dot_nt(ka, y)
+            Aqk[I, J] = scale * _dot_nt(qa, y)
+        if gate_lower_bound is not None:
+            delta = gate_lower_bound * (c - 1) / 2.0             # past-row anchor G_r0 + delta
+            right = ks[I] * jnp.exp(delta - lr[I])
+            left = jnp.exp(lr[I] - delta)
+            dkk = _dot_nt(ks[I] * left, right)
+            dqk = _dot_nt(qs[I] * left, right)
+        else:                                                     # exact pairwise decays
+            diff = lr[I][:, None, :] - lr[I][None, :, :]          # [c, c, K]
+            decay = _exp_flushed(jnp.where(incl[:, :, None], diff, -jnp.inf))
+            kk = ks[I][None, :, :] * decay
+            dkk = jnp.sum(ks[I][:, None, :] * kk, axis=-1)
+            dqk = jnp.sum(qs[I][:, None, :] * kk, axis=-1)
+        Akk[I, I] = jnp.where(strict, bts[I] * dkk, 0.0)
+        Aqk[I, I] = jnp.where(incl, scale * dqk, 0.0)
+    return Akk, Aqk
+
+
+def _solve_and_write(x, Akk, Aqk, S, o_ref, base, n: int, c: int, scale: float):
+    """W, U by block forward substitution, Ṽ = U - W S, and O = s (Q ⊙ Γ) S + A_qk Ṽ written to o_ref.
+    Returns Ṽ as a list over sub-chunks."""
+    qs, ks, vs, bts = x["qs"], x["ks"], x["vs"], x["bts"]
+    W, U, v_new = [], [], []
+    for I in range(n):
+        gam = _exp_flushed(x["gcs"][I])                            # exp(G_i)
+        r_w = bts[I] * ks[I] * gam
+        r_u = bts[I] * vs[I]
+        for M in range(I):
+            r_w = r_w - _dot(Akk[I, M], W[M])
+            r_u = r_u - _dot(Akk[I, M], U[M])
+        Tinv = _invert_unit_lower(Akk[I, I], c)
+        W.append(_dot(Tinv, r_w))
+        U.append(_dot(Tinv, r_u))
+        v_new.append(U[I] - _dot(W[I], S))
+        o = _dot(scale * qs[I] * gam, S)
+        for J in range(I + 1):
+            o = o + _dot(Aqk[I, J], v_new[J])
+        o_ref[pl.ds(base + I * c, c), :] = o.astype(o_ref.dtype)
+    return v_new
+
+
+def _next_state(x, v_new, S, n: int, kr, kc):
+    """S <- exp(G_last) ⊙ S + sum_I (K_I ⊙ exp(G_last - G))ᵀ Ṽ_I."""
+    tot = x["tot"]
+    g_last = tot[0]
+    for M in range(1, n):
+        g_last = g_last + tot[M]
+    # Column vector exp(G_last)[K, 1] without a transpose: pick the diagonal of a broadcast.
+    decay_col = jnp.sum(jnp.where(kr == kc, _exp_flushed(g_last), 0.0), axis=1, keepdims=True)
+    S_new = decay_col * S
+    for I in range(n):
+        suf = jnp.zeros_like(g_last)
+        for M in range(I + 1, n):
+            suf = suf + tot[M]
+        kd = x["ks"][I] * _exp_flushed(x["rex"][I] + suf)          # k_j exp(G_last - G_j)
+        S_new = S_new + _dot_tn(kd, v_new[I])
+    return S_new
+
+
 def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
                     o_ref, ht_ref, *, num_chunks, bs: BlockSizes, K: int, scale: float, gate_lower_bound):
+    """One (batch, head, value tile): a fori_loop over the chunks, carrying the state tile S [K, block_v]."""
     C, c = bs.chunk, bs.sub_chunk
     n = C // c
     ri = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -73,76 +164,13 @@ def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_r
     incl = ri >= ci
     kr = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
     kc = jax.lax.broadcasted_iota(jnp.int32, (K, K), 1)
+    in_refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref)
 
     def chunk_body(ic, S):
-        base = ic * C
-        rows = lambda ref, I: ref[pl.ds(base + I * c, c), :].astype(jnp.float32)  # noqa: E731
-        qs = [rows(q_ref, I) for I in range(n)]
-        ks = [rows(k_ref, I) for I in range(n)]
-        vs = [rows(v_ref, I) for I in range(n)]
-        lr = [rows(lr_ref, I) for I in range(n)]
-        rex = [rows(rex_ref, I) for I in range(n)]
-        gcs = [rows(gcs_ref, I) for I in range(n)]
-        bts = [beta_ref[pl.ds(base + I * c, c)].astype(jnp.float32)[:, None] for I in range(n)]
-        g_r0 = [g_ref[pl.ds(base + I * c, 1), :].astype(jnp.float32) for I in range(n)]      # [1, K]
-        tot = [tot_ref[pl.ds(ic * n + M, 1), :].astype(jnp.float32) for M in range(n)]      # [1, K]
-        a = [_exp_flushed(x) for x in lr]
-        kf = [ks[J] * _exp_flushed(rex[J]) for J in range(n)]
-        # A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I), anchored at r0(I).
-        Akk, Aqk = {}, {}
-        for I in range(n):
-            ka, qa = ks[I] * a[I], qs[I] * a[I]
-            for J in range(I):
-                between = g_r0[I]
-                for M in range(J + 1, I):
-                    between = between + tot[M]
-                y = kf[J] * _exp_flushed(between)                    # k_j exp(G_r0(I) - G_j)
-                Akk[I, J] = bts[I] * _dot_nt(ka, y)
-                Aqk[I, J] = scale * _dot_nt(qa, y)
-            if gate_lower_bound is not None:
-                delta = gate_lower_bound * (c - 1) / 2.0             # past-row anchor G_r0 + delta
-                right = ks[I] * jnp.exp(delta - lr[I])
-                left = jnp.exp(lr[I] - delta)
-                dkk = _dot_nt(ks[I] * left, right)
-                dqk = _dot_nt(qs[I] * left, right)
-            else:                                                     # exact pairwise decays
-                diff = lr[I][:, None, :] - lr[I][None, :, :]          # [c, c, K]
-                decay = _exp_flushed(jnp.where(incl[:, :, None], diff, -jnp.inf))
-                kk = ks[I][None, :, :] * decay
-                dkk = jnp.sum(ks[I][:, None, :] * kk, axis=-1)
-                dqk = jnp.sum(qs[I][:, None, :] * kk, axis=-1)
-            Akk[I, I] = jnp.where(strict, bts[I] * dkk, 0.0)
-            Aqk[I, I] = jnp.where(incl, scale * dqk, 0.0)
-        # W, U by block forward substitution; then the state-dependent part.
-        W, U, v_new = [], [], []
-        for I in range(n):
-            gam = _exp_flushed(gcs[I])                                 # exp(G_i)
-            r_w = bts[I] * ks[I] * gam
-            r_u = bts[I] * vs[I]
-            for M in range(I):
-                r_w = r_w - _dot(Akk[I, M], W[M])
-                r_u = r_u - _dot(Akk[I, M], U[M])
-            Tinv = _invert_unit_lower(Akk[I, I], c)
-            W.append(_dot(Tinv, r_w))
-            U.append(_dot(Tinv, r_u))
-            v_new.append(U[I] - _dot(W[I], S))
-            o = _dot(scale * qs[I] * gam, S)
-            for J in range(I + 1):
-                o = o + _dot(Aqk[I, J], v_new[J])
-            o_ref[pl.ds(base + I * c, c), :] = o.astype(o_ref.dtype)
-        g_last = tot[0]
-        for M in range(1, n):
-            g_last = g_last + tot[M]
-        # Column vector exp(G_last)[K, 1] without a transpose: pick the diagonal of a broadcast.
-        decay_col = jnp.sum(jnp.where(kr == kc, _exp_flushed(g_last), 0.0), axis=1, keepdims=True)
-        S_new = decay_col * S
-        for I in range(n):
-            suf = jnp.zeros_like(g_last)
-            for M in range(I + 1, n):
-                suf = suf + tot[M]
-            kd = ks[I] * _exp_flushed(rex[I] + suf)                  # k_j exp(G_last - G_j)
-            S_new = S_new + _dot_tn(kd, v_new[I])
-        return S_new
+        base, x = _load_chunk(in_refs, ic, bs)
+        Akk, Aqk = _a_blocks(x, n, c, scale, gate_lower_bound, strict, incl)
+        v_new = _solve_and_write(x, Akk, Aqk, S, o_ref, base, n, c, scale)
+        return _next_state(x, v_new, S, n, kr, kc)
 
     S0 = h0_ref[...].astype(jnp.float32)
     S = jax.lax.fori_loop(0, num_chunks, chunk_body, S0)
@@ -153,11 +181,11 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
                    interpret: bool):
     """Raw kernel launch. All time axes are padded to a multiple of bs.chunk.
 
-    q, k, g, lr, rex, gcs: [B, Tp, H, K]; v: [B, Tp, H, V]; beta: [B, Tp, H]; tot: [B, Tp / c, H, K];
-    h0: [B, H, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). Returns o [B, Tp, H, V]
-    (q.dtype) and the final state [B, H, K, V] fp32.
+    q, k, g, lr, rex, gcs: [B, Tp, N, K]; v: [B, Tp, N, V]; beta: [B, Tp, N]; tot: [B, Tp / c, N, K];
+    h0: [B, N, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). Returns o [B, Tp, N, V]
+    (q.dtype) and the final state [B, N, K, V] fp32.
     """
-    B, Tp, H, K = q.shape
+    B, Tp, N, K = q.shape
     V = v.shape[-1]
     bv = min(bs.block_v, V)
     if V % bv:
@@ -165,22 +193,22 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
     nsub = Tp // bs.sub_chunk
     kernel = functools.partial(_kda_fwd_kernel, num_chunks=Tp // bs.chunk, bs=bs, K=K, scale=float(scale),
                                gate_lower_bound=gate_lower_bound)
-    tk = pl.BlockSpec((None, Tp, None, K), lambda b, h, j: (b, 0, h, 0))
-    tv = pl.BlockSpec((None, Tp, None, bv), lambda b, h, j: (b, 0, h, j))
+    tk = pl.BlockSpec((None, Tp, None, K), lambda b, n, j: (b, 0, n, 0))
+    tv = pl.BlockSpec((None, Tp, None, bv), lambda b, n, j: (b, 0, n, j))
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
         kernel,
-        grid=(B, H, V // bv),
+        grid=(B, N, V // bv),
         in_specs=[tk, tk, tv, tk,
-                  pl.BlockSpec((None, Tp, None), lambda b, h, j: (b, 0, h)),
+                  pl.BlockSpec((None, Tp, None), lambda b, n, j: (b, 0, n)),
                   tk, tk, tk,
-                  pl.BlockSpec((None, nsub, None, K), lambda b, h, j: (b, 0, h, 0)),
-                  pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))],
-        out_specs=[tv, pl.BlockSpec((None, None, K, bv), lambda b, h, j: (b, h, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)],
+                  pl.BlockSpec((None, nsub, None, K), lambda b, n, j: (b, 0, n, 0)),
+                  pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
+        out_specs=[tv, pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, N, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
         interpret=interpret,
         name="kda_chunk_fwd",
         **kwargs,

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from k3jax.ops import mx
+
 SCALE_GROUP_BYTES = 16  # 32 elements per scale = 16 packed bytes
 
 
@@ -53,18 +55,10 @@ def _decode_tile(bytes_u8, scale_u8, dtype):
     """
     bn, half = bytes_u8.shape
     b = bytes_u8.astype(jnp.int32)
-    s = scale_u8.astype(jnp.int32)
-    scale_bits = jnp.where(s == 0, 0x00400000, jnp.where(s == 255, 0x7FC00000, s << 23))
-    scale = lax.bitcast_convert_type(scale_bits, jnp.float32)  # [bn, bk/32]
+    scale = mx.e8m0_to_float(scale_u8)  # [bn, bk/32] float32, from the bit pattern
     scale = jnp.broadcast_to(scale[:, :, None], (bn, half // SCALE_GROUP_BYTES, SCALE_GROUP_BYTES)).reshape(bn, half)
-
-    def decode(c):  # E2M1 code -> value by arithmetic (no table lookups in the kernel)
-        e = (c >> 1) & 3
-        m = (c & 1).astype(jnp.float32)
-        mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 3, 4.0, jnp.where(e == 2, 2.0, 1.0)))
-        return jnp.where((c & 8) != 0, -mag, mag)
-
-    return (decode(b & 15) * scale).astype(dtype), (decode(b >> 4) * scale).astype(dtype)
+    # E2M1 code -> value by arithmetic (no table lookups in the kernel); low nibble = even column
+    return (mx.e2m1_decode(b & 15) * scale).astype(dtype), (mx.e2m1_decode(b >> 4) * scale).astype(dtype)
 
 
 def _tile_product(xe, xo, bytes_u8, scale_u8):

@@ -14,8 +14,7 @@ from k3jax.ops import mx
 
 def dequantize_packed(packed, scale, dtype=jnp.float32):
     """Packed [..., N, K/2] + scale [..., N, K/32] -> W [..., N, K] (exact)."""
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return mx.mxfp4_dequantize(codes, scale, axis=-1, dtype=dtype)
+    return mx.mxfp4_dequantize(mx.unpack_codes(packed), scale, axis=-1, dtype=dtype)
 
 
 def mxfp4_matmul_reference(x, packed, scale):

@@ -14,7 +14,7 @@ from k3jax.checkpoint.load import load
 from k3jax.checkpoint.save import save
 from k3jax.cli.main import main
 from k3jax.config import get_preset
-from k3jax.model import forward
+from k3jax.model import forward, layer_view, restack, unstack
 from k3jax.reference.model import ref_forward
 from k3jax.sharding.mesh import make_mesh
 from k3jax.testing import random_params
@@ -65,7 +65,7 @@ def test_ids_equal_the_float64_reference_model(loaded, capsys):
     s = stream(2 * SEQ, seed=1)
     _, _, kept = ac.collect(params, cfg, s, seq_len=SEQ, batch=2, keep=True)
     routing = {}
-    ref_forward(params, s.reshape(2, SEQ), cfg, routing=routing)
+    ref_forward(unstack(params, cfg), s.reshape(2, SEQ), cfg, routing=routing)
     total = excused = mismatched = 0
     for l in (1, 2, 3, 4):
         got = kept[l]["ids"][kept["mask"]]
@@ -95,10 +95,11 @@ def test_mesh_routing_equals_single_device(loaded):
 
 def test_compare_reports_drift(ckpt, loaded, tmp_path, capsys):
     cfg, params = loaded
-    other = jax.tree.map(lambda x: x, params)
-    other["layers"][2]["moe"] = dict(params["layers"][2]["moe"])  # layer 2 ranks experts in reverse
-    other["layers"][2]["moe"]["router"] = -params["layers"][2]["moe"]["router"]
-    other["layers"][2]["moe"]["bias"] = -params["layers"][2]["moe"]["bias"]
+    view = unstack(params, cfg)
+    moe = layer_view(params, cfg, 2)["moe"]
+    layers = list(view["layers"])
+    layers[2] = dict(layers[2], moe=dict(moe, router=-moe["router"], bias=-moe["bias"]))  # layer 2: experts reversed
+    other = restack(dict(view, layers=layers), cfg)
     d2 = tmp_path / "other"
     save(other, cfg, d2)
     s = stream()
@@ -116,15 +117,15 @@ def test_static_reads_only_router_and_bias_bytes(ckpt):
     E, d = CFG.num_experts, CFG.hidden_size
     assert r["bytes_read"] == 2 * (E * d * 2 + E * 4)  # BF16 router + F32 bias, two layers
     assert r["shards_touched"] == 2
-    from k3jax.checkpoint.reader import read_header
+    from k3jax.checkpoint.container import read_header
 
     hb = sum(8 + read_header(os.path.join(ckpt, f)).header_len for f in ("model-00002-of-000006.safetensors",
                                                                          "model-00004-of-000006.safetensors"))
     assert r["header_bytes"] == hb
-    _, params = load(ckpt, progress=False)
-    W = np.asarray(params["layers"][1]["moe"]["router"], np.float64).T  # [E, d]
+    cfg, params = load(ckpt, progress=False)
+    W = np.asarray(layer_view(params, cfg, 1)["moe"]["router"], np.float64).T  # [E, d]
     np.testing.assert_allclose(r["layers"][0]["router_norm"]["mean"], np.linalg.norm(W, axis=1).mean(), rtol=1e-12)
-    b = np.asarray(params["layers"][1]["moe"]["bias"], np.float64)
+    b = np.asarray(layer_view(params, cfg, 1)["moe"]["bias"], np.float64)
     assert r["layers"][0]["bias"]["range"] == pytest.approx(b.max() - b.min())
 
 

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from k3jax.analysis.static import static_router_analysis
-from k3jax.checkpoint.reader import read_header
+from k3jax.checkpoint.container import read_header
 from k3jax.checkpoint.sparse import MIN_FREE_BYTES, make_sparse_checkpoint
 
 K3 = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "k3")

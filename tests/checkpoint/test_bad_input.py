@@ -10,9 +10,10 @@ import pytest
 import safetensors.numpy
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.container import INDEX_NAME, SAFETENSORS_DTYPES
 from k3jax.checkpoint.errors import CheckpointError
+from k3jax.checkpoint.io import BYTES_READ, open_checkpoint
 from k3jax.checkpoint.load import load
-from k3jax.checkpoint.reader import BYTES_READ, DTYPES, INDEX_NAME, open_checkpoint
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
 from k3jax.testing import random_params
@@ -46,7 +47,7 @@ def rewrite(d, fname, drop=(), add=(), change=None, index=True):
     # a replacement is stored in its own dtype (float32 -> F32, int32 -> I32, ...); raw uint16 bits stay BF16
     ents = [(n, _st_dtype(a, dt), np.asarray(a)) for n, dt, a in ents]
     # written by the safetensors library (any dtype; the header order is its own, which the reader must accept)
-    safetensors.numpy.save_file({n: np.ascontiguousarray(a).view(DTYPES[dt]) for n, dt, a in ents},
+    safetensors.numpy.save_file({n: np.ascontiguousarray(a).view(SAFETENSORS_DTYPES[dt]) for n, dt, a in ents},
                                 os.path.join(d, fname))
     if index:
         p = os.path.join(d, INDEX_NAME)
@@ -60,9 +61,9 @@ def rewrite(d, fname, drop=(), add=(), change=None, index=True):
 
 def _st_dtype(a, dt):
     a = np.asarray(a)
-    if a.dtype == DTYPES[dt] or (dt == "BF16" and a.dtype == np.uint16):
+    if a.dtype == SAFETENSORS_DTYPES[dt] or (dt == "BF16" and a.dtype == np.uint16):
         return dt
-    return next(k for k, v in DTYPES.items() if v == a.dtype)
+    return next(k for k, v in SAFETENSORS_DTYPES.items() if v == a.dtype)
 
 
 def raw_shard(path, header_bytes, payload=b""):
@@ -82,7 +83,7 @@ def fails(d, *words, cfg=CFG):
 
 def test_good_checkpoint_loads(good):
     _, p = load(good, cfg=CFG, progress=False)
-    assert p["layers"][1]["moe"]["experts"]["w2"].shape == (8, 32, 32)
+    assert p["pre"][1]["moe"]["experts"]["w2"].shape == (8, 32, 32)
 
 
 def test_truncated_shard(ck):

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.load import load, verify_manifest
+from k3jax.checkpoint.container import MANIFEST_NAME, verify_manifest
+from k3jax.checkpoint.load import load
 from k3jax.checkpoint.name_map import hf_tensors
-from k3jax.checkpoint.save import MANIFEST_NAME, config_json, save
+from k3jax.checkpoint.save import config_json, save
 from k3jax.cli.main import main
 from k3jax.config import from_hf, get_preset
 from k3jax.model import forward

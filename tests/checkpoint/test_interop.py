@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+from k3jax.checkpoint.container import INDEX_NAME, SAFETENSORS_DTYPES
 from k3jax.checkpoint.errors import CheckpointError
+from k3jax.checkpoint.io import BYTES_READ, open_checkpoint
 from k3jax.checkpoint.load import load
-from k3jax.checkpoint.reader import BYTES_READ, DTYPES, INDEX_NAME, open_checkpoint
 from k3jax.checkpoint.save import save
 from k3jax.cli.main import main
 from k3jax.config import get_preset
@@ -51,13 +52,13 @@ def rewrite_as(src: str, dst: str, tensor=None, config=None) -> None:
 
 def as_float(dtype):
     """Re-store every BF16 tensor in ``dtype`` (values exact: BF16 ⊂ F32 ⊂ F64)."""
-    return lambda name, fname, a: a.astype(dtype) if a.dtype == DTYPES["BF16"] else a
+    return lambda name, fname, a: a.astype(dtype) if a.dtype == SAFETENSORS_DTYPES["BF16"] else a
 
 
 def mixed_by_shard(name, fname, a):
     """Shard k stores its floating tensors as F32 (k % 3 == 0), F64 (k % 3 == 1) or as released (BF16 / F32)."""
     k = int(fname.split("-")[1])
-    if a.dtype.kind != "f" and a.dtype != DTYPES["BF16"]:
+    if a.dtype.kind != "f" and a.dtype != SAFETENSORS_DTYPES["BF16"]:
         return a
     return a.astype(np.float32) if k % 3 == 0 else a.astype(np.float64) if k % 3 == 1 else a
 

@@ -8,14 +8,17 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
 from k3jax.checkpoint import name_map as nm
-from k3jax.checkpoint.load import load, mxfp4_dequantize_np
-from k3jax.checkpoint.reader import open_checkpoint, validate
+from k3jax.checkpoint.io import open_checkpoint
+from k3jax.checkpoint.load import load
+from k3jax.checkpoint.plan import plan_load
 from k3jax.checkpoint.save import save
 from k3jax.config import from_hf, get_preset
 from k3jax.ops import mx
+from k3jax.pytree import key_names
+from k3jax.quant.host import mxfp4_dequantize_np
+from k3jax.sharding.mesh import make_mesh
 
 
 def random_params(cfg, seed):
@@ -26,9 +29,12 @@ def random_params(cfg, seed):
     return jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))
 
 
-def _flat(tree):
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {nm.key_path(kp): np.asarray(v) for kp, v in flat}
+def _flat(tree, cfg):
+    """{per-layer-view path: host array}: the state's stacked leaves sliced per layer (the name map's addresses)."""
+    from k3jax.model import unstack
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(unstack(tree, cfg))
+    return {key_names(kp): np.asarray(v) for kp, v in flat}
 
 
 def _bits(a):
@@ -42,7 +48,7 @@ def expected_after_storage(params, cfg, fmt):
     for s in nm.hf_tensors(cfg, expert_format=fmt):
         specs.setdefault(s.path, s)
     out = {}
-    for path, v in _flat(params).items():
+    for path, v in _flat(params, cfg).items():
         s = specs[path]
         if s.transform == "mxfp4":
             out[path] = np.asarray(mx.fake_quant_mxfp4(jax.numpy.asarray(v), axis=1)).astype(v.dtype)
@@ -68,7 +74,7 @@ def test_mini_roundtrip_is_bit_exact_against_storage_rounding(mini):
     cfg2, loaded = load(d, progress=False, stats=stats)
     assert nm.default_layout(cfg2) == "k3" and cfg2.num_experts == cfg.num_experts
     want = expected_after_storage(params, cfg, "mxfp4")
-    got = _flat(loaded)
+    got = _flat(loaded, cfg)
     assert got.keys() == want.keys()
     for path in want:
         assert got[path].dtype == want[path].dtype, path
@@ -116,7 +122,7 @@ def test_keep_packed_returns_disk_bytes_and_saves_identically(mini, tmp_path):
     cfg, _, d = mini
     ck = open_checkpoint(d)
     _, packed = load(d, keep_experts_packed=True, progress=False)
-    ex = packed["layers"][1]["moe"]["experts"]
+    ex = packed["pre"][1]["moe"]["experts"]
     assert set(ex) == {"w1_packed", "w1_scale", "w2_packed", "w2_scale", "w3_packed", "w3_scale"}
     assert ex["w2_packed"].dtype == np.uint8 and ex["w2_packed"].shape == (32, 192, 80)
     e7 = ck.read("language_model.model.layers.1.block_sparse_moe.experts.7.w2.weight_packed")
@@ -138,10 +144,10 @@ def test_host_dequantize_matches_mx_ops():
 def test_expert_sharded_load_reads_only_each_shard_once(mini):
     """On a (data 2, expert 4) mesh each expert quarter is read once (memoized across its 2 replicas)."""
     cfg, _, d = mini
-    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "expert"))
+    mesh = make_mesh({"data": 2, "expert": 4})
     stats = {}
     _, p = load(d, mesh=mesh, progress=False, stats=stats)
-    w1 = p["layers"][2]["moe"]["experts"]["w1"]
+    w1 = p["pre"][2]["moe"]["experts"]["w1"]
     assert w1.sharding.spec == jax.sharding.PartitionSpec("expert")
     shard_rows = {s.index[0].start for s in w1.addressable_shards}
     assert shard_rows == {0, 8, 16, 24}
@@ -154,11 +160,11 @@ def test_tiny_bf16_experts_roundtrip(tmp_path):
     save(params, cfg, tmp_path / "t")
     ck = open_checkpoint(tmp_path / "t")
     assert not ck.packed_modules()
-    plan = validate(ck, cfg)
+    plan = plan_load(ck, cfg)
     assert not any(plan.packed.values())
     _, got = load(tmp_path / "t", cfg=cfg, progress=False)
-    for path, v in _flat(params).items():
-        np.testing.assert_array_equal(_bits(_flat(got)[path]), _bits(v), err_msg=str(path))
+    for path, v in _flat(params, cfg).items():
+        np.testing.assert_array_equal(_bits(_flat(got, cfg)[path]), _bits(v), err_msg=str(path))
     save(got, cfg, tmp_path / "t2")
     for n in os.listdir(tmp_path / "t"):
         assert filecmp.cmp(tmp_path / "t" / n, tmp_path / "t2" / n, shallow=False), n

@@ -5,19 +5,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.load import (
-    ALIGN,
-    E2M1_VALUES,
-    Scratch,
-    aligned_empty,
-    copy_T,
-    host_transpose,
-    load,
-    mxfp4_dequantize_np,
-    mxfp4_dequantize_T_into,
-)
+from k3jax.checkpoint.host import ALIGN, Scratch, aligned_empty, copy_T, host_transpose
+from k3jax.checkpoint.load import load
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
+from k3jax.ops.mx import E2M1_VALUES
+from k3jax.quant.host import mxfp4_dequantize_np, mxfp4_dequantize_T_into
 
 
 def _bits(a):

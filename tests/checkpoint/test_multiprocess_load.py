@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 
-from k3jax.checkpoint.reader import open_checkpoint
+from k3jax.checkpoint.io import open_checkpoint
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
 from k3jax.model import abstract_params
@@ -21,20 +21,20 @@ import json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax
 import numpy as np
-from jax.sharding import Mesh
 ckpt, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=pid, initialization_timeout=60)
 from k3jax.checkpoint.load import load
-from k3jax.checkpoint.reader import open_checkpoint
+from k3jax.checkpoint.io import open_checkpoint
 from k3jax.config import get_preset
+from k3jax.sharding.mesh import make_mesh
 cfg = get_preset("k3-tiny")
-mesh = Mesh(np.array(jax.devices()), ("expert",))
+mesh = make_mesh({"expert": jax.device_count()})
 stats = {}
 _, p = load(ckpt, cfg=cfg, mesh=mesh, keep_experts_packed=True, progress=False, stats=stats)
 ck = open_checkpoint(ckpt)
 ok, experts = True, set()
 for l in range(1, cfg.num_layers):
-    a = p["layers"][l]["moe"]["experts"]["w2_packed"]
+    a = p["pre"][l]["moe"]["experts"]["w2_packed"]  # k3-tiny: no stacked group, every layer in "pre"
     for s in a.addressable_shards:
         for j, e in enumerate(range(8)[s.index[0]]):
             experts.add(e)

@@ -195,12 +195,12 @@ def test_linear_transform_is_head_major():
     specs = {s.path: s for s in nm.hf_tensors(cfg, expert_format="bf16")}
     D, N, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
     x = np.arange(D * N * K, dtype=np.float32).reshape(D, N, K)
-    hf = nm.to_hf(x, specs[("layers", 0, "kda", "wq")])
+    hf = nm.leaf_to_hf(x, specs[("layers", 0, "kda", "wq")])
     assert hf.shape == (N * K, D) and hf.dtype == ml_dtypes.bfloat16
     h, j, d = 1, 5, 7
     assert float(hf[h * K + j, d]) == float(ml_dtypes.bfloat16(x[d, h, j]))
     wo = x.reshape(D, N * K).T.reshape(N, K, D)  # a [N, K, D] leaf
-    hf = nm.to_hf(wo, specs[("layers", 0, "kda", "wo")])
+    hf = nm.leaf_to_hf(wo, specs[("layers", 0, "kda", "wo")])
     assert hf.shape == (D, N * K)
     assert float(hf[d, h * K + j]) == float(ml_dtypes.bfloat16(wo[h, j, d]))
 
@@ -210,14 +210,14 @@ def test_a_log_pad_and_tail_check():
     s = next(s for s in nm.layer_tensors(cfg, 0) if s.name.endswith("A_log"))
     assert (s.dtype, s.shape, s.transform) == ("F32", (128,), "a_log_pad")
     a = np.arange(1, 97, dtype=np.float32)
-    hf = nm.to_hf(a, s)
+    hf = nm.leaf_to_hf(a, s)
     assert hf.shape == (128,) and np.all(hf[96:] == 0) and np.array_equal(hf[:96], a)
-    np.testing.assert_array_equal(nm.from_hf(hf, s, (96,)), a)
+    np.testing.assert_array_equal(nm.leaf_from_hf(hf, s, (96,)), a)
     hf[100] = 1e-30
     with pytest.raises(ValueError, match="padding"):
-        nm.from_hf(hf, s, (96,))
+        nm.leaf_from_hf(hf, s, (96,))
     with pytest.raises(ValueError, match="shape"):
-        nm.from_hf(np.zeros(96, np.float32), s, (96,))
+        nm.leaf_from_hf(np.zeros(96, np.float32), s, (96,))
 
 
 def _kimi_linear_tiny():
@@ -237,13 +237,13 @@ def test_roundtrip_every_leaf(make):
     rebuilt = {}
     for s in specs:
         leaf = flat[s.path]
-        hf = nm.to_hf(leaf, s)
+        hf = nm.leaf_to_hf(leaf, s)
         assert (hf.shape, hf.dtype) == (s.shape, np.dtype(nm.np_dtype(s.dtype))), s.name
         if s.transform == "expert":
             stack = rebuilt.setdefault(s.path, np.zeros(leaf.shape, np.float32))
-            stack[s.expert] = nm.from_hf(hf, s, leaf.shape[1:])
+            stack[s.expert] = nm.leaf_from_hf(hf, s, leaf.shape[1:])
         else:
-            rebuilt[s.path] = nm.from_hf(hf, s, leaf.shape)
+            rebuilt[s.path] = nm.leaf_from_hf(hf, s, leaf.shape)
     assert set(rebuilt) == set(flat)
     hf_dtype = {s.path: s.dtype for s in specs}
     for path, leaf in flat.items():
@@ -252,12 +252,13 @@ def test_roundtrip_every_leaf(make):
         np.testing.assert_array_equal(np.asarray(rebuilt[path], np.float32), want, err_msg=str(path))
 
 
-def test_coverage_check_catches_a_dropped_rule(monkeypatch):
-    cfg = get_preset("k3-tiny", expert_format="bf16")
-    blocks = tuple((b, i, r[1:] if b == "kda" else r, a) for b, i, r, a in nm.BLOCKS)  # drop kda "wq"
-    monkeypatch.setattr(nm, "BLOCKS", blocks)
-    with pytest.raises(AssertionError, match="missing"):
-        _check_coverage(cfg, nm.hf_tensors(cfg))
+def test_a_leaf_without_an_hf_row_is_an_error_naming_block_and_leaf(monkeypatch):
+    from k3jax.layers.kda import KDA
+
+    monkeypatch.delitem(KDA.HF, "wq")  # the block still creates wq, but its table no longer names it
+    cfg = get_preset("k3-tiny", expert_format="bf16").replace(name="dropped-row")  # fresh config: nothing cached
+    with pytest.raises(KeyError, match=r"KDA\.HF has no entry for leaf 'wq' \(layers/0/kda/wq\)"):
+        nm.hf_tensors(cfg)
 
 
 def test_mxfp4_expert_helpers_match_spec_shapes():

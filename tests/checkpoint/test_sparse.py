@@ -8,8 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from k3jax.checkpoint.load import LeafSource
-from k3jax.checkpoint.reader import open_checkpoint, validate
+from k3jax.checkpoint.io import open_checkpoint
+from k3jax.checkpoint.leaves import LeafSource
+from k3jax.checkpoint.plan import plan_load
 from k3jax.checkpoint.sparse import MIN_FREE_BYTES, make_sparse_checkpoint
 from k3jax.config import get_preset
 
@@ -50,7 +51,7 @@ def test_open_validate_and_read_one_devices_eighth_of_layer1_experts(sparse):
     d, _ = sparse
     ck = open_checkpoint(d)
     assert len(ck.tensors) == 497_052 and ck.total_size == 1_560_860_324_864
-    plan = validate(ck, get_preset("kimi-k3"))
+    plan = plan_load(ck, get_preset("kimi-k3"))
     # byte anchors of SPEC §11.6 and the string order of expert ids on disk
     pages = ck.expert_pages("language_model.model.layers.1.block_sparse_moe")
     assert pages[0] == ("model-00002-of-000096.safetensors", 818_704 + 1_267_744_256, 818_704 + 1_285_291_520)

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import k3jax.model.transformer as tr
+import k3jax.layers.attn_res as ar_block
+import k3jax.model.network as net
 from k3jax.config import get_preset
-from k3jax.model import abstract_params, forward, init_params, lm_loss
+from k3jax.model import abstract_params, forward, init_params, lm_loss, unstack
 from k3jax.reference.model import ref_forward
-from k3jax.testing import assert_close
+from k3jax.testing import TOL, assert_close
 
 
 def spread(params, scale=8.0):
@@ -44,13 +45,13 @@ def test_fp64_and_fp32_match_numpy_reference(family, x64):
     cfg64 = CFGS[family]().replace(param_dtype="float64", compute_dtype="float64")
     params = spread(init_params(cfg64, jax.random.key(1)))
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg64.vocab_size, (2, 13)), jnp.int32)
-    want = ref_forward(params, toks, cfg64)
+    want = ref_forward(unstack(params, cfg64), toks, cfg64)
     got64 = forward(params, toks, cfg64)
     assert got64.dtype == jnp.float64
-    assert_close(got64, want, 1e-12, name="float64 logits")
+    assert_close(got64, want, TOL["fp64_vs_fp64"], name="float64 logits")
     cfg32 = cfg64.replace(param_dtype="float32", compute_dtype="float32")
     got32 = forward(jax.tree.map(lambda a: a.astype(jnp.float32), params), toks, cfg32)
-    assert_close(got32, want, 1e-5, name="float32 logits")
+    assert_close(got32, want, TOL["fp32_vs_fp64"], name="float32 logits")
 
 
 def test_causality():
@@ -72,22 +73,22 @@ def test_dense_and_sorted_dispatch_agree_in_the_model(x64):
     toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
     a = forward(params, toks, cfg, dispatch="sorted")
     b = forward(params, toks, cfg, dispatch="dense")
-    assert_close(a, b, 1e-12)
+    assert_close(a, b, TOL["fp64_vs_fp64"])
     ga = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="sorted"))(params)
     gb = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="dense"))(params)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
-        assert_close(x, y, 1e-10, atol_floor=1e-15, name=jax.tree_util.keystr(path))
+        assert_close(x, y, TOL["fp64_grad"], atol_floor=TOL["fp64_grad_floor"], name=jax.tree_util.keystr(path))
 
 
 def _record_attn_res(monkeypatch):
     counts = []
-    real = tr.attn_res
+    real = ar_block.attn_res
 
     def spy(srcs, q, g, eps):
         counts.append(len(srcs))
         return real(srcs, q, g, eps)
 
-    monkeypatch.setattr(tr, "attn_res", spy)
+    monkeypatch.setattr(ar_block, "attn_res", spy)
     return counts
 
 
@@ -113,13 +114,13 @@ def test_layer0_input_is_embedding_and_zero_queries_average(monkeypatch):
     cfg = get_preset("k3-tiny")
     params = init_params(cfg, jax.random.key(4))
     seen = {}
-    real = tr.rms_norm
+    real = net.rms_norm
 
     def spy(x, w, eps, **kw):
         seen.setdefault("first", x)
         return real(x, w, eps, **kw)
 
-    monkeypatch.setattr(tr, "rms_norm", spy)
+    monkeypatch.setattr(net, "rms_norm", spy)
     toks = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     forward(params, toks, cfg)
     np.testing.assert_array_equal(np.asarray(seen["first"]), np.asarray(params["embed"][toks]))
@@ -138,7 +139,8 @@ def test_k3_mini_forward_and_grad_finite():
     toks = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 33)), jnp.int32)
     loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(p, toks[:, :-1], toks[:, 1:], cfg)))(params)
     assert np.isfinite(float(loss)) and abs(float(loss) - np.log(256)) < 0.5
-    flat = jax.tree_util.tree_leaves_with_path(grads)
+    view = unstack(grads, cfg)  # per-layer gradients (stacked leaves sliced)
+    flat = jax.tree_util.tree_leaves_with_path(view)
     assert all(bool(jnp.all(jnp.isfinite(g))) for _, g in flat)
     zero = {jax.tree_util.keystr(p) for p, g in flat if float(jnp.sum(jnp.abs(g))) == 0.0}
     # No gradient reaches: the QB bias buffers (selection only); layer 0's attention AttnRes (one source: the
@@ -152,3 +154,51 @@ def test_k3_mini_forward_and_grad_finite():
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         get_preset("k3-tiny").hidden_size = 3
+
+
+# ------------------------------------------------------------------------------------------- NNX / stacked layout
+
+def test_layouts_of_the_presets():
+    from k3jax.model import layout
+
+    k3 = layout(get_preset("kimi-k3"))
+    assert (k3.pre, k3.start, k3.period, k3.groups, k3.post) == ((0, 1, 2, 3), 4, 4, 22, (92,))
+    mini = layout(get_preset("k3-mini"))
+    assert (mini.pre, mini.groups, mini.post) == ((0, 1, 2, 3), 1, (8,))
+    for name in ("kimi-k3", "k3-mini", "k3-tiny", "kimi-linear-48b"):
+        lay = layout(get_preset(name))
+        placed = sorted([*lay.pre, *lay.post, *(l for j in range(lay.period if lay.groups else 0)
+                                                for l in lay.stacked_layers(j))])
+        assert placed == list(range(get_preset(name).num_layers)), name
+
+
+def test_stacked_leaves_lead_with_the_layers_axis():
+    from k3jax.model import param_axes
+
+    cfg = get_preset("kimi-k3")
+    shapes, axes = abstract_params(cfg), param_axes(cfg)
+    wq = shapes["groups"]["layers"][0]["kda"]["wq"]
+    assert wq.shape == (22, 7168, 96, 128)
+    assert axes["groups"]["layers"][0]["kda"]["wq"] == ("layers", "embed", "heads", "head_dim")
+    assert axes["groups"]["layers"][3]["moe"]["experts"]["w1"] == ("layers", "experts", "latent", "expert_mlp")
+    assert axes["pre"][0]["mlp"]["w_gate"] == ("embed", "mlp")
+    for (p, s), (_, a) in zip(jax.tree_util.tree_leaves_with_path(shapes),
+                              jax.tree_util.tree_leaves_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))):
+        assert len(a) == len(s.shape), jax.tree_util.keystr(p)
+        assert (a[0] == "layers") == (jax.tree_util.keystr(p).startswith("['groups']")), jax.tree_util.keystr(p)
+
+
+def test_unstack_restack_roundtrip_and_module_call_matches_forward():
+    from flax import nnx
+
+    from k3jax.model import K3Model, merge, restack
+
+    cfg = get_preset("k3-mini").replace(num_experts=8, num_experts_per_token=2)
+    model = K3Model(cfg, rngs=nnx.Rngs(params=jax.random.key(5)))
+    params = nnx.split(model)[1].to_pure_dict()
+    back = restack(unstack(params, cfg), cfg)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    assert all(bool(jnp.all(a == b)) for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)))
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, 256, (1, 12)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(model(toks)), np.asarray(forward(params, toks, cfg)))
+    np.testing.assert_array_equal(np.asarray(merge(params, cfg)(toks)), np.asarray(model(toks)))

@@ -1,4 +1,8 @@
-"""KDA ladder (STYLE §3.2): fp64 NumPy oracle -> recurrent -> chunked, plus decode, layout and input checks."""
+"""KDA ladder (STYLE §3.2): fp64 NumPy oracle -> recurrent -> chunked, plus decode, layout and input checks.
+
+Shapes use the k3jax/notation.py letters: [B, T, N, K] with N heads. ``ref.random_inputs`` still spells the
+head count ``H=``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +33,31 @@ def test_recurrent_matches_fp64_oracle(gate):
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
     assert_close(o, o_ref, TOL["fp32_vs_fp64"], name="o")
     assert_close(s, s_ref, TOL["fp32_vs_fp64"], name="state")
+
+
+def test_featurisation_matches_fp64_oracle():
+    """gates.py against k3jax.reference.kda: both gates, the causal conv (one shot and streamed), the L2 norm."""
+    rng = np.random.default_rng(13)
+    B, T, N, K, Wc = 2, 9, 3, 8, 4
+    raw = 4.0 * rng.standard_normal((B, T, N, K))
+    dt_bias, A_log = rng.standard_normal((N, K)), np.log(rng.uniform(1, 16, N))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    assert_close(kda.gate_safe(f32(raw), f32(dt_bias), f32(A_log), -5.0),
+                 ref.gate_safe(raw, dt_bias, A_log, -5.0), TOL["fp32_vs_fp64"], name="gate_safe")
+    assert_close(kda.gate_softplus(f32(raw), f32(dt_bias), f32(A_log)),
+                 ref.gate_softplus(raw, dt_bias, A_log), TOL["fp32_vs_fp64"], name="gate_softplus")
+    u, w = rng.standard_normal((B, T, N * K)), rng.standard_normal((N * K, Wc))
+    y_ref, tail_ref = ref.short_conv(u, w)
+    y, tail = kda.causal_conv_silu(f32(u), f32(w))
+    assert_close(y, y_ref, TOL["fp32_vs_fp64"], name="conv")
+    assert_close(tail, tail_ref, TOL["fp32_vs_fp64"], name="conv tail")
+    y1, t1 = kda.causal_conv_silu(f32(u[:, :5]), f32(w))
+    y2, t2 = kda.causal_conv_silu(f32(u[:, 5:]), f32(w), t1)
+    assert_close(jnp.concatenate([y1, y2], axis=1), y_ref, TOL["fp32_vs_fp64"], name="conv streamed")
+    assert_close(t2, tail_ref, TOL["fp32_vs_fp64"], name="conv streamed tail")
+    assert_close(kda.l2norm(f32(raw)), ref.l2norm(raw), TOL["fp32_vs_fp64"], name="l2norm")
+    with pytest.raises(ValueError, match="conv cache"):
+        kda.causal_conv_silu(f32(u), f32(w), t1[:, :1])
 
 
 # One head per gate family: the bounded path sees the saturating safe gate, g = lb exactly and g = 0; the
@@ -142,10 +171,10 @@ def test_state_layout_round_trip_and_v_first_read():
     S_vf = kda.state_k_first_to_v_first(S_kf)
     assert S_vf.shape == (2, 3, 5, 8)
     np.testing.assert_array_equal(np.asarray(kda.state_v_first_to_k_first(S_vf)), np.asarray(S_kf))
-    # A V-first consumer reads o = S' q; that must equal the K-first read S^T q.
+    # A V-first consumer reads o = S' q; that must equal the K-first read S^T q (S_vf is S rounded to fp32).
     qv = np.asarray(x["q"][:, 0])
-    np.testing.assert_allclose(np.einsum("bhvk,bhk->bhv", np.asarray(S_vf), qv),
-                               np.einsum("bhkv,bhk->bhv", S, qv), rtol=1e-5, atol=1e-6)
+    assert_close(np.einsum("bnvk,bnk->bnv", np.asarray(S_vf), qv), np.einsum("bnkv,bnk->bnv", S, qv),
+                 TOL["fp32_vs_fp64"], name="V-first read")
 
 
 def test_bf16_inputs_fp32_state_close_to_fp32():
@@ -188,18 +217,32 @@ def test_bad_inputs_raise_value_error_naming_the_argument(fn):
         kda.kda_step(*(x[a][:, 0] for a in ARGS), x["h0"][:, :1])
 
 
+def test_check_chunking_rejects_bad_tiling():
+    kda.check_chunking(64, 16, -5.0)
+    kda.check_chunking(48, 16, None)
+    with pytest.raises(ValueError, match="multiple of sub_chunk"):
+        kda.check_chunking(40, 16, None)
+    with pytest.raises(ValueError, match="must be negative"):
+        kda.check_chunking(64, 16, 0.0)
+    with pytest.raises(ValueError, match="126"):  # |lb| (c - 1) / ln 2 = 5 * 31 / 0.69 = 224 log2 units
+        kda.check_chunking(64, 32, -5.0)
+    x = as_jax(ref.random_inputs(12, B=1, T=5, H=2, K=4, V=3))
+    with pytest.raises(ValueError, match="multiple of sub_chunk"):
+        kda.kda_chunked(*(x[a] for a in ARGS), chunk_size=24)
+
+
 @pytest.mark.slow
 def test_long_sequence_grad_memory_is_per_chunk():
-    """T = 65536, H = 2, K = V = 64: forward + backward temp memory must scale with per-chunk states
+    """T = 65536, N = 2, K = V = 64: forward + backward temp memory must scale with per-chunk states
     and groups (measured 155 MiB on CPU), far below per-token states (2 GiB)."""
-    B, T, H, K = 1, 65536, 2, 64
+    B, T, N, K = 1, 65536, 2, 64
     sds = jax.ShapeDtypeStruct
-    shapes = [sds((B, T, H, K), jnp.float32)] * 4 + [sds((B, T, H), jnp.float32)]
+    shapes = [sds((B, T, N, K), jnp.float32)] * 4 + [sds((B, T, N), jnp.float32)]
 
     def loss(q, k, v, g, beta):
         return jnp.sum(kda.kda_chunked(q, k, v, g, beta, gate_lower_bound=-5.0)[0])
 
     compiled = jax.jit(jax.grad(loss, argnums=range(5))).lower(*shapes).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    per_token_states = T * H * K * K * 4
+    per_token_states = T * N * K * K * 4
     assert temp < per_token_states / 8, f"temp {temp / 2**20:.0f} MiB"

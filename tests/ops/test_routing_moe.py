@@ -7,13 +7,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from k3jax.layers.moe import moe_layer
-from k3jax.model.params import init_moe
+from k3jax.layers.moe import MoE
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS, default_tile, experts_dense
 from k3jax.ops.routing import route
 from k3jax.reference import model as ref
-from k3jax.testing import assert_close
+from k3jax.testing import TOL, assert_close, block
 
 
 def _router(seed, M=24, D=16, E=8):
@@ -30,10 +29,10 @@ def test_routing_rules():
     for m in range(x.shape[0]):
         order = np.argsort(-biased[m], kind="stable")
         assert list(np.asarray(r.ids[m])) == list(order[:3])  # top-k of s + b
-        assert np.isclose(float(r.cutoff[m]), biased[m, order[3]])  # (k+1)-th biased value
+        assert_close(r.cutoff[m], biased[m, order[3]], TOL["fp32_shallow"])  # (k+1)-th biased value
         sel = np.asarray(s)[m, order[:3]]
-        np.testing.assert_allclose(np.asarray(r.weights[m]), 2.5 * sel / sel.sum(), rtol=1e-6)  # unbiased s
-    np.testing.assert_allclose(np.asarray(r.weights.sum(-1)), 2.5, rtol=1e-6)
+        assert_close(r.weights[m], 2.5 * sel / sel.sum(), TOL["fp32_shallow"])  # unbiased s
+    assert_close(r.weights.sum(-1), np.full(x.shape[0], 2.5), TOL["fp32_shallow"])
 
 
 def test_bias_never_changes_selected_weights():
@@ -88,10 +87,10 @@ def test_dense_and_sorted_dispatch_agree(M, A, pattern, seed):
     gb = jax.grad(lambda *a: loss(experts_dense, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
     for impl in ("ragged", "tiled", "sorted"):
         fn = EXPERT_IMPLS[impl]
-        assert_close(fn(z, ids, wts, w1, w3, w2, ACT), want, 1e-6, atol_floor=1e-6, name=impl)
+        assert_close(fn(z, ids, wts, w1, w3, w2, ACT), want, TOL["fp32_shallow"], name=impl)
         ga = jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
         for x, y, n in zip(ga, gb, ["z", "w1", "w3", "w2", "weights"]):
-            assert_close(x, y, 1e-5, atol_floor=1e-6, name=f"{impl} d{n}")
+            assert_close(x, y, TOL["fp32_vs_fp64"], name=f"{impl} d{n}")
 
 
 def test_default_tile():
@@ -102,8 +101,9 @@ def test_default_tile():
 @pytest.mark.parametrize("act", ["situ", "silu"])
 def test_moe_layer_matches_reference(latent, act, x64):
     D = 24
-    p = init_moe(jax.random.key(0), d=D, num_experts=8, expert_hidden=12, num_shared=2 if latent else 1,
-                 latent=latent, latent_norm=latent is not None, dtype=jnp.float64)
+    p, moe_layer = block(MoE, jax.random.key(0), d=D, num_experts=8, expert_hidden=12,
+                         num_shared=2 if latent else 1, latent=latent, latent_norm=latent is not None,
+                         dtype=jnp.float64)
     p = jax.tree.map(lambda a: a * 10 if a.ndim >= 2 else a, p)  # larger weights: non-trivial routing
     p["bias"] = jnp.asarray(np.random.default_rng(1).normal(size=8) * 0.05)
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 9, D)))
@@ -113,16 +113,17 @@ def test_moe_layer_matches_reference(latent, act, x64):
     for dispatch in ("sorted", "ragged", "tiled", "dense"):
         y, routing = moe_layer(p, x, dispatch=dispatch, **kw)
         assert y.dtype == jnp.float64
-        assert_close(y, want, 1e-12, name=f"{dispatch} fp64")
+        assert_close(y, want, TOL["fp64_vs_fp64"], name=f"{dispatch} fp64")
         assert routing.ids.shape == (2, 9, 3) and routing.scores.shape == (2, 9, 8)
         p32 = jax.tree.map(lambda a: a.astype(jnp.float32), p)
         y32, _ = moe_layer(p32, x.astype(jnp.float32), dispatch=dispatch, **kw)
-        assert_close(y32, want, 1e-5, name=f"{dispatch} fp32")
+        assert_close(y32, want, TOL["fp32_vs_fp64"], name=f"{dispatch} fp32")
 
 
 def test_moe_permuting_experts_changes_nothing():
     D = 16
-    p = init_moe(jax.random.key(3), d=D, num_experts=8, expert_hidden=8, num_shared=2, latent=8, latent_norm=True)
+    p, moe_layer = block(MoE, jax.random.key(3), d=D, num_experts=8, expert_hidden=8, num_shared=2, latent=8,
+                         latent_norm=True)
     p = jax.tree.map(lambda a: a * 10 if a.ndim >= 2 else a, p)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 11, D)), jnp.float32)
     perm = np.random.default_rng(1).permutation(8)
@@ -130,14 +131,14 @@ def test_moe_permuting_experts_changes_nothing():
              experts={k: v[perm] for k, v in p["experts"].items()})
     y1, _ = moe_layer(p, x, top_k=2, act="situ")
     y2, _ = moe_layer(q, x, top_k=2, act="situ")
-    assert_close(y2, y1, 1e-6)
+    assert_close(y2, y1, TOL["fp32_shallow"])
 
 
 def test_all_experts_uniform_router_is_dense_mixture():
     # top_k == E with a zero router: every weight 1/E — the plain average of all experts.
     D, E = 12, 4
-    p = init_moe(jax.random.key(4), d=D, num_experts=E, expert_hidden=6, num_shared=0, latent=None,
-                 latent_norm=False)
+    p, moe_layer = block(MoE, jax.random.key(4), d=D, num_experts=E, expert_hidden=6, num_shared=0, latent=None,
+                         latent_norm=False)
     p["router"] = jnp.zeros_like(p["router"])
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, D)), jnp.float32)
     y, _ = moe_layer(p, x, top_k=E, act="silu")
@@ -145,4 +146,4 @@ def test_all_experts_uniform_router_is_dense_mixture():
     want = np.mean([ref.glu({"w_gate": np.asarray(ex["w1"][e], np.float64), "w_up": np.asarray(ex["w3"][e]),
                              "w_down": np.asarray(ex["w2"][e])}, np.asarray(x[0], np.float64), "silu", 4, 25)
                     for e in range(E)], axis=0)
-    assert_close(y[0], want, 1e-5)
+    assert_close(y[0], want, TOL["fp32_vs_fp64"])

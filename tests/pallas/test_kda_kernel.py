@@ -25,8 +25,8 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
         with jax.default_matmul_precision("highest"):
             yield
 
-    def inputs(self, seed, T, gate, B=1, H=2):
-        x = ref.random_inputs(seed, B=B, T=T, H=H, K=self.K, V=self.V, gate=gate)
+    def inputs(self, seed, T, gate, B=1, N=2):  # [B, T, N, K]; the oracle spells the head count H=
+        x = ref.random_inputs(seed, B=B, T=T, H=N, K=self.K, V=self.V, gate=gate)
         return {name: jnp.asarray(val, jnp.float32) for name, val in x.items()}
 
     def kernel(self, *args, lb, **kw):
@@ -75,6 +75,11 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
         j = self.inputs(5, 20, "safe")
         with pytest.raises(ValueError, match="beta"):
             self.kernel(j["q"], j["k"], j["v"], j["g"], j["beta"] * 3.0, lb=-5.0)
+        # Same tiling checks as the jnp rung (k3jax.ops.kda.check_chunking).
+        with pytest.raises(ValueError, match="multiple of sub_chunk"):
+            self.kernel(*(j[a] for a in ARGS), lb=-5.0, chunk_size=24)
+        with pytest.raises(ValueError, match="126"):
+            self.kernel(*(j[a] for a in ARGS), lb=-5.0, sub_chunk=32, chunk_size=64)
 
 
 class TestKdaKernelInterpret(KdaKernelCases):  # CPU, every run; K = 60 is deliberately not a power of two

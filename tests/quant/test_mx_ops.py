@@ -55,6 +55,20 @@ def test_every_e8m0_byte():
     np.testing.assert_array_equal(got16[:255], want[:255].astype(np.float64))
 
 
+def test_host_tables_match_the_bit_decoders():
+    """The numpy byte tables (host decoder) against the jnp decoders, for every byte; nibble packing inverts."""
+    b = jnp.arange(256, dtype=jnp.uint8)
+    np.testing.assert_array_equal(mx.E8M0_VALUES[:255].view(np.uint32),
+                                  np.asarray(mx.e8m0_to_float(b))[:255].view(np.uint32))
+    assert np.isnan(mx.E8M0_VALUES[255])
+    codes = mx.unpack_codes(b[:, None])  # [256, 2]: low nibble (even column), high nibble (odd column)
+    np.testing.assert_array_equal(mx.E2M1_BYTE_PAIR.view(np.uint32), np.asarray(mx.e2m1_decode(codes)).view(np.uint32))
+    np.testing.assert_array_equal(mx.E2M1_BYTE_LO, mx.E2M1_BYTE_PAIR[:, 0])
+    np.testing.assert_array_equal(mx.E2M1_BYTE_HI, mx.E2M1_BYTE_PAIR[:, 1])
+    np.testing.assert_array_equal(np.asarray(mx.pack_codes(codes))[:, 0], np.asarray(b))
+    assert not mx.E8M0_VALUES.flags.writeable and not mx.E2M1_BYTE_PAIR.flags.writeable
+
+
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 @pytest.mark.parametrize("rule", RULES)
 def test_scale_byte_matches_oracle_for_every_exponent(fmt, rule):

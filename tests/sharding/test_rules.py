@@ -10,13 +10,14 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from k3jax.config import get_preset
-from k3jax.model import abstract_params
+from k3jax.model import abstract_params, layout, param_axes
 from k3jax.notation import LOGICAL_AXES
 from k3jax.sharding.mesh import MESH_AXES, make_mesh
 from k3jax.sharding.rules import RULES, STRATEGIES, get_rules, logical_to_spec, param_shardings, param_specs
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "golden", "sharding")
 BIG = {"data": 2, "fsdp": 4, "expert": 32, "tensor": 8}
+MESHES = {"kimi-k3": BIG, "k3-mini": {"fsdp": 2, "expert": 4, "tensor": 2}}  # every used mesh axis > 1
 
 
 def _load_generator():
@@ -30,6 +31,12 @@ def _load_generator():
 @functools.cache
 def _abstract(preset):
     return get_preset(preset), abstract_params(get_preset(preset))
+
+
+def _at(tree, prefix):
+    for k in prefix:
+        tree = tree[k]
+    return tree
 
 
 def _flat_specs(specs):
@@ -52,9 +59,35 @@ def test_golden_specs(stem):
     assert set(got["specs"]) == set(want["specs"]), set(got["specs"]) ^ set(want["specs"])
     diff = {k: (got["specs"][k], v) for k, v in want["specs"].items() if got["specs"][k] != v}
     assert not diff, f"{len(diff)} specs changed, e.g. {list(diff.items())[:5]}; rerun make_sharding_golden.py"
-    # spot checks of intent: experts over the expert axis, expert hidden over tensor
-    assert want["specs"]["layers.3.moe.experts.w1"][0] == "expert"
-    assert want["specs"]["layers.3.moe.experts.w2"][1] == "tensor"
+    # spot checks of intent: experts over the expert axis, expert hidden over tensor; a stacked leaf leads with
+    # its replicated ``layers`` axis
+    assert want["specs"]["pre.3.moe.experts.w1"][0] == "expert"
+    assert want["specs"]["pre.3.moe.experts.w2"][1] == "tensor"
+    assert want["specs"]["groups.layers.3.moe.experts.w1"][:2] == [None, "expert"]
+    assert want["specs"]["groups.layers.3.moe.experts.w2"][:3] == [None, "expert", "tensor"]
+
+
+@pytest.mark.parametrize("preset", ["kimi-k3", "k3-mini"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_stacked_leaf_spec_is_one_layers_spec_behind_a_replicated_layers_axis(preset, strategy):
+    cfg, params = _abstract(preset)
+    assert layout(cfg).groups >= 1
+    assert RULES[strategy]["layers"] is None
+    mesh = MESHES[preset]
+    specs, axes = param_specs(cfg, strategy, mesh, params), param_axes(cfg)
+    n = 0
+    for prefix, layers, stacked in layout(cfg).slots():
+        if not stacked:
+            continue
+        leaves = jax.tree_util.tree_flatten_with_path(_at(params, prefix))[0]
+        slot_specs = jax.tree.leaves(_at(specs, prefix), is_leaf=lambda s: isinstance(s, PartitionSpec))
+        slot_axes = jax.tree.leaves(_at(axes, prefix), is_leaf=lambda a: isinstance(a, tuple))
+        for (path, x), spec, logical in zip(leaves, slot_specs, slot_axes, strict=True):
+            assert logical[0] == "layers" and x.shape[0] == len(layers), (prefix, path)
+            one = logical_to_spec(logical[1:], x.shape[1:], strategy, mesh)
+            assert spec == (PartitionSpec(None, *one) if len(one) else PartitionSpec()), (prefix, path, spec, one)
+            n += 1
+    assert n
 
 
 @pytest.mark.parametrize("preset", ["kimi-k3", "kimi-linear-48b"])
@@ -76,8 +109,10 @@ def test_contested_axis_goes_to_first_dim():
     # moe.down [embed, latent] under fsdp: both map to fsdp; the first dim keeps it
     cfg = get_preset("k3-mini")
     specs = param_specs(cfg, "fsdp", {"fsdp": 4})
-    assert specs["layers"][1]["moe"]["down"] == PartitionSpec("fsdp")
-    assert specs["layers"][1]["moe"]["up"] == PartitionSpec("fsdp")
+    assert specs["pre"][1]["moe"]["down"] == PartitionSpec("fsdp")
+    assert specs["pre"][1]["moe"]["up"] == PartitionSpec("fsdp")
+    assert specs["groups"]["layers"][0]["moe"]["down"] == PartitionSpec(None, "fsdp")  # stacked: [layers, ...]
+    assert specs["groups"]["layers"][0]["moe"]["up"] == PartitionSpec(None, "fsdp")
     rules = dict(RULES["ep_tp"], head_dim="tensor")  # heads and head_dim both → tensor
     assert logical_to_spec(("embed", "heads", "head_dim"), (8, 4, 4), rules, {"tensor": 2}) == \
         PartitionSpec(None, "tensor")
@@ -104,8 +139,8 @@ def test_rule_table_missing_an_axis_is_an_error():
 def test_parameter_without_rule_is_an_error():
     cfg = get_preset("k3-tiny")
     params = abstract_params(cfg)
-    params["layers"][0]["kda"]["mystery"] = jax.ShapeDtypeStruct((4,), "float32")
-    with pytest.raises(ValueError, match="no sharding rule for parameter layers.0.kda.mystery"):
+    params["pre"][0]["kda"]["mystery"] = jax.ShapeDtypeStruct((4,), "float32")
+    with pytest.raises(ValueError, match=r"no parameter pre\.0\.kda\.mystery in the model"):
         param_specs(cfg, "single", {}, params)
 
 
@@ -121,5 +156,5 @@ def test_make_mesh_and_shardings():
         make_mesh({"data": 4, "expert": 4})
     cfg = get_preset("k3-tiny")
     sh = param_shardings(cfg, "ep", mesh)
-    w1 = sh["layers"][1]["moe"]["experts"]["w1"]
+    w1 = sh["pre"][1]["moe"]["experts"]["w1"]
     assert w1.spec == PartitionSpec("expert") and w1.mesh is mesh

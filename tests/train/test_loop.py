@@ -9,22 +9,23 @@ import numpy as np
 import pytest
 
 from k3jax.cli.main import main
+from k3jax.pytree import path_str
 from k3jax.train.loop import TrainConfig, TrainingStoppedError, load_checkpoint_params, resume_diff, train
 
 BASE = TrainConfig(preset="k3-tiny", steps=4, batch=4, micro_batches=2, seq_len=16, lr=3e-3, eval_every=100,
                    eval_windows=4, max_bytes=100_000, devices=2, progress=False, peak_flops=1e9)
 
 
-def _np(tree):
-    return jax.tree.map(np.asarray, tree)
+def _by_path(tree) -> dict:
+    return {path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _assert_trees_equal(a, b):
-    la, ta = jax.tree.flatten(_np(a))
-    lb, tb = jax.tree.flatten(_np(b))
-    assert ta == tb
-    for x, y in zip(la, lb):
-        np.testing.assert_array_equal(x, y)
+    """Same leaves under the same key paths, compared as text: orbax checkpoints hold integer dict keys as str."""
+    fa, fb = _by_path(a), _by_path(b)
+    assert fa.keys() == fb.keys()
+    for k, x in fa.items():
+        np.testing.assert_array_equal(x, fb[k], err_msg=k)
 
 
 @pytest.mark.slow  # three compiles of the k3-tiny step (~2-8 min on 2 cores); test_kill_resume.py covers SIGKILL
@@ -39,7 +40,7 @@ def test_resume_is_bit_identical_and_qb_bias_moves(tmp_path):
     step, saved = load_checkpoint_params(str(tmp_path / "a"))
     assert step == 4
     _assert_trees_equal(full["params"], saved)
-    bias = np.asarray(full["params"]["layers"][1]["moe"]["bias"])
+    bias = np.asarray(full["params"]["pre"][1]["moe"]["bias"])  # layer 1 (unstacked)
     assert np.any(bias != 0) and abs(bias.mean()) < 1e-6  # QB moved (and centred) the frozen-to-optax bias
     recs = [json.loads(x) for x in open(tmp_path / "a.jsonl")]
     steps = [r for r in recs if "step" in r and "loss" in r]
@@ -107,3 +108,20 @@ def test_resume_diff_defaults_keys_older_checkpoints_lack():
     assert resume_diff(old, now) == []
     assert resume_diff(old, TrainConfig(preset="k3-tiny", steps=5, qb_ema=0.5).resume_key()) == ["qb_ema"]
     assert resume_diff(dict(now, lr=1.0), now) == ["lr"]
+
+
+def test_data_mesh_comes_from_make_mesh_and_places_like_a_plain_data_mesh():
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from k3jax.sharding import MESH_AXES
+    from k3jax.train.loop import make_data_mesh
+
+    mesh = make_data_mesh(2)
+    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
+    plain = Mesh(np.array(jax.devices()[:2]), ("data",))
+    for spec, ndim in ((P(), 2), (P("data"), 2), (P(None, "data"), 3)):  # params, eval windows, [M, b, T+1] batches
+        assert NamedSharding(mesh, spec).is_equivalent_to(NamedSharding(plain, spec), ndim)
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=f"--devices {n + 1}: {n} device"):
+        make_data_mesh(n + 1)

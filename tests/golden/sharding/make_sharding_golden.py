@@ -26,7 +26,8 @@ def golden(stem: str) -> dict:
     import jax
 
     from k3jax.config import get_preset
-    from k3jax.sharding.rules import param_specs, path_str
+    from k3jax.pytree import path_str
+    from k3jax.sharding.rules import param_specs
 
     preset, strategy, shape = GOLDENS[stem]
     cfg = get_preset(preset)

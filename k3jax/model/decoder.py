@@ -1,0 +1,92 @@
+"""One decoder layer (token mixer + FFN, their norms and AttnRes queries) and the stacked group of layers.
+
+    layer = {"input_norm": [D], "post_norm": [D], "attn_res" / "mlp_res": AttnResQuery (AttnRes only),
+             "kda": KDA | "mla": MLA,  "mlp": GLU | "moe": MoE}
+
+A layer holds only what its parameters need; which layer index it is (and so where AttnRes commits a block) is the
+model's business, so the same class is vmapped into the stack.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import K3Config
+from k3jax.layers.attn_res import AttnResQuery
+from k3jax.layers.common import param, vec
+from k3jax.layers.ffn import GLU
+from k3jax.layers.kda import KDA
+from k3jax.layers.mla import MLA
+from k3jax.layers.moe import MoE
+from k3jax.model.layout import layer_kind
+
+
+class DecoderLayer(nnx.Module):
+    """HF module ``model.layers.{l}.``."""
+
+    HF = {
+        "input_norm": vec("input_layernorm.weight"),
+        "post_norm": vec("post_attention_layernorm.weight"),
+        "attn_res": "self_attention_res",
+        "mlp_res": "mlp_res",
+        "kda": "self_attn.",
+        "mla": "self_attn.",
+        "mlp": "mlp.",
+        "moe": "block_sparse_moe.",
+    }
+
+    def __init__(self, cfg: K3Config, kind: tuple[str, str], dtype, *, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        mixer, ffn = kind
+        self.input_norm = param(jnp.ones((d,), dtype), ("norm",))
+        self.post_norm = param(jnp.ones((d,), dtype), ("norm",))
+        if cfg.uses_attn_res:
+            self.attn_res = AttnResQuery(d, dtype)
+            self.mlp_res = AttnResQuery(d, dtype)
+        if mixer == "mla":
+            self.mla = MLA(d=d, num_heads=cfg.mla_num_heads, q_lora_rank=cfg.q_lora_rank,
+                           kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                           qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                           output_gate=cfg.mla_output_gate, dtype=dtype, rngs=rngs)
+        else:
+            self.kda = KDA(d=d, num_heads=cfg.kda_num_heads, head_dim=cfg.kda_head_dim, conv_size=cfg.kda_conv_size,
+                           full_rank_gate=cfg.kda_full_rank_gate, gate_lower_bound=cfg.kda_gate_lower_bound,
+                           dtype=dtype, rngs=rngs)
+        if ffn == "moe":
+            self.moe = MoE(d=d, num_experts=cfg.num_experts, expert_hidden=cfg.moe_intermediate_size,
+                           num_shared=cfg.num_shared_experts, latent=cfg.routed_expert_hidden_size,
+                           latent_norm=cfg.latent_moe_use_norm, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def mixer(self, h, cfg: K3Config):
+        """Token mixer on the normed input h → (y, aux)."""
+        if hasattr(self, "mla"):
+            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=cfg.mla_block_size)
+            return y, {"mla_max_logit": max_logit}
+        y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=cfg.kda_impl, chunk_size=cfg.kda_chunk_size)
+        return y, {}
+
+    def ffn(self, h, cfg: K3Config, dispatch):
+        """FFN on the normed input h → (y, aux)."""
+        kw = dict(act=cfg.hidden_act, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta)
+        if hasattr(self, "moe"):
+            y, routing = self.moe(h, top_k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
+                                  scaling_factor=cfg.routed_scaling_factor, norm_eps=cfg.rms_norm_eps,
+                                  dispatch=dispatch, qat=cfg.qat, qat_weight_rule=cfg.qat_weight_rule,
+                                  qat_act_rule=cfg.qat_act_rule, **kw)
+            return y, {"routing": routing}
+        return self.mlp(h, **kw), {}
+
+
+class Group(nnx.Module):
+    """One period of the repeating schedule (K3: [KDA, KDA, KDA, MLA]); vmapped into the stack."""
+
+    HF = {"layers": None}  # its layers are named by layer index (k3jax.model.layout)
+
+    def __init__(self, cfg: K3Config, layers: tuple[int, ...], dtype, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([DecoderLayer(cfg, layer_kind(cfg, l), dtype, rngs=rngs) for l in layers])
+
+
+__all__ = ["DecoderLayer", "Group"]

@@ -1,0 +1,71 @@
+"""KDA as a recurrence over tokens (SPEC §4.3) and its one-token decode step (SPEC §4.6).
+
+The rung just above the float64 oracle ``k3jax.reference.kda.kda_recurrent``: the same update, vectorised over
+(B, N) and scanned over T. Shapes and the state layout: see ``k3jax.ops.kda.common``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.kda.common import validate_inputs
+from k3jax.ops.norms import acc_dtype
+
+
+def _step(S, q, k, v, g, beta, scale):
+    """One token for all (B, N). S [B,N,K,V]; q,k,g [B,N,K]; v [B,N,V]; beta [B,N]. All in the compute dtype."""
+    S = S * jnp.exp(g)[..., :, None]                        # S <- Diag(exp g) S
+    e = v - jnp.einsum("bnkv,bnk->bnv", S, k)                # error on the decayed state
+    S = S + (beta[..., None] * k)[..., :, None] * e[..., None, :]
+    o = jnp.einsum("bnkv,bnk->bnv", S, q * scale)            # read after the write
+    return S, o
+
+
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
+    """Token-by-token KDA (SPEC §4.3) as one ``lax.scan`` over T; each step updates every (B, N) at once.
+
+    Args: q, k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N]; initial_state [B, N, K, V] K-first, fp32 or wider
+      (zeros if None). ``scale`` defaults to K^-0.5.
+    Returns: o [B, T, N, V] in q.dtype, final state [B, N, K, V] in ``acc_dtype(q.dtype)``.
+    Memory under autodiff is one state per token (the scan saves them); use ``kda_chunked`` for training.
+    """
+    validate_inputs(q, k, v, g, beta, initial_state)
+    B, T, N, K = q.shape
+    V = v.shape[-1]
+    ct = acc_dtype(q.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    S0 = jnp.zeros((B, N, K, V), ct) if initial_state is None else initial_state.astype(ct)
+    xs = tuple(jnp.moveaxis(a.astype(ct), 1, 0) for a in (q, k, v, g, beta))
+
+    def body(S, x):
+        return _step(S, *x, scale)
+
+    S, o = jax.lax.scan(body, S0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(q.dtype), S
+
+
+def kda_step(q, k, v, g, beta, state, *, scale=None):
+    """One decode token (SPEC §4.6): natural-exp decay, delta write, read.
+
+    Shapes: q, k, g [B, N, K]; v [B, N, V]; beta [B, N]; state [B, N, K, V] (K-first). A time axis of length 1
+    ([B, 1, N, K], beta [B, 1, N]) is also accepted; the output then keeps it.
+    Returns: o ([B, N, V] or [B, 1, N, V]) in q.dtype, new state in ``acc_dtype(q.dtype)``.
+    """
+    has_time = q.ndim == 4
+    if has_time:
+        if q.shape[1] != 1:
+            raise ValueError(f"kda_step takes one token; q has T = {q.shape[1]} (shape {tuple(q.shape)})")
+        validate_inputs(q, k, v, g, beta, state, has_time=True)
+        q, k, v, g, beta = (a[:, 0] for a in (q, k, v, g, beta))
+    else:
+        validate_inputs(q, k, v, g, beta, None, has_time=False)
+        B, N, K = q.shape
+        if tuple(state.shape) != (B, N, K, v.shape[-1]):
+            raise ValueError(f"state shape {tuple(state.shape)} must be K-first [B, N, K, V] = "
+                             f"{(B, N, K, v.shape[-1])}")
+    ct = acc_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    S, o = _step(state.astype(ct), *(a.astype(ct) for a in (q, k, v, g, beta)), scale)
+    o = o.astype(q.dtype)
+    return (o[:, None] if has_time else o), S
