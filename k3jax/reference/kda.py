@@ -82,17 +82,17 @@ def l2norm(z, eps: float = L2NORM_EPS):
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
     """SPEC §4.3 for every batch row and head.
 
-    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] (log decay); beta: [B, T, H];
-    initial_state: [B, H, K, V] (K-first) or None.  Returns o [B, T, H, V], final state [B, H, K, V].
+    q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] (log decay); beta: [B, T, N];
+    initial_state: [B, N, K, V] (K-first) or None.  Returns o [B, T, N, V], final state [B, N, K, V].
     """
     q, k, v, g, beta = map(_f64, (q, k, v, g, beta))
-    B, T, H, K = q.shape
+    B, T, N, K = q.shape
     V = v.shape[-1]
     s = K ** -0.5 if scale is None else scale
-    S = np.zeros((B, H, K, V)) if initial_state is None else _f64(initial_state).copy()
-    o = np.zeros((B, T, H, V))
+    S = np.zeros((B, N, K, V)) if initial_state is None else _f64(initial_state).copy()
+    o = np.zeros((B, T, N, V))
     for b in range(B):
-        for h in range(H):
+        for h in range(N):
             St = S[b, h]
             for t in range(T):
                 St = np.exp(g[b, t, h])[:, None] * St          # decay row c by exp(g_t[c])
@@ -155,7 +155,7 @@ def default_scale(K: int) -> float:
 GATE_KINDS = ("safe", "bound", "zero", "softplus", "extreme")
 
 
-def random_inputs(seed: int, *, B: int, T: int, H: int, K: int, V: int, gate: str = "safe",
+def random_inputs(seed: int, *, B: int, T: int, N: int, K: int, V: int, gate: str = "safe",
                   lower_bound: float = -5.0):
     """Float64 test inputs following SPEC §15.3: l2-normalised q, k; v ~ N(0, 1); beta = sigmoid(N(0, 1));
     a random K-first h0; and a gate family:
@@ -170,14 +170,14 @@ def random_inputs(seed: int, *, B: int, T: int, H: int, K: int, V: int, gate: st
     Returns a dict q, k, v, g, beta, h0 of float64 arrays.
     """
     rng = np.random.default_rng(seed)
-    q = l2norm(rng.standard_normal((B, T, H, K)), eps=0.0)
-    k = l2norm(rng.standard_normal((B, T, H, K)), eps=0.0)
-    v = rng.standard_normal((B, T, H, V))
-    beta = sigmoid(rng.standard_normal((B, T, H)))
-    h0 = rng.standard_normal((B, H, K, V))
-    kinds = (gate,) * H if isinstance(gate, str) else tuple(gate)
-    if len(kinds) != H:
-        raise ValueError(f"gate needs one kind per head ({H}), got {kinds}")
+    q = l2norm(rng.standard_normal((B, T, N, K)), eps=0.0)
+    k = l2norm(rng.standard_normal((B, T, N, K)), eps=0.0)
+    v = rng.standard_normal((B, T, N, V))
+    beta = sigmoid(rng.standard_normal((B, T, N)))
+    h0 = rng.standard_normal((B, N, K, V))
+    kinds = (gate,) * N if isinstance(gate, str) else tuple(gate)
+    if len(kinds) != N:
+        raise ValueError(f"gate needs one kind per head ({N}), got {kinds}")
     g = np.stack([_gate_family(rng, kind, h, (B, T, K), lower_bound) for h, kind in enumerate(kinds)], axis=2)
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "h0": h0}
 

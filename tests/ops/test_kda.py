@@ -1,7 +1,6 @@
 """KDA ladder (STYLE §3.2): fp64 NumPy oracle -> recurrent -> chunked, plus decode, layout and input checks.
 
-Shapes use the k3jax/notation.py letters: [B, T, N, K] with N heads. ``ref.random_inputs`` still spells the
-head count ``H=``.
+Shapes use the k3jax/notation.py letters: [B, T, N, K] with N heads.
 """
 
 import jax
@@ -26,7 +25,7 @@ def bound_for(gate):
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_recurrent_matches_fp64_oracle(gate):
-    x = ref.random_inputs(0, B=2, T=65, H=3, K=60, V=48, gate=gate)
+    x = ref.random_inputs(0, B=2, T=65, N=3, K=60, V=48, gate=gate)
     o_ref, s_ref = ref.kda_recurrent(*(x[a] for a in ARGS), initial_state=x["h0"])
     j = as_jax(x)
     o, s = kda.kda_recurrent(*(j[a] for a in ARGS), initial_state=j["h0"])
@@ -68,7 +67,7 @@ FAMILIES = {"bounded": ("safe", "bound", "zero"), "unbounded": ("softplus", "ext
 @pytest.mark.parametrize("T", [1, 15, 16, 17, 63, 64, 65, 257])
 @pytest.mark.parametrize("gate", ["bounded", "unbounded"])
 def test_chunked_matches_recurrent_fp32(T, gate):
-    x = ref.random_inputs(T, B=1, T=T, H=3, K=60, V=32, gate=FAMILIES[gate])
+    x = ref.random_inputs(T, B=1, T=T, N=3, K=60, V=32, gate=FAMILIES[gate])
     j = as_jax(x)
     o_rec, s_rec = kda.kda_recurrent(*(j[a] for a in ARGS), initial_state=j["h0"])
     o, s = kda.kda_chunked(*(j[a] for a in ARGS), initial_state=j["h0"],
@@ -84,7 +83,7 @@ def test_chunked_matches_recurrent_fp32(T, gate):
 
 @pytest.mark.parametrize("gate", ["safe", "extreme"])
 def test_chunked_grads_match_recurrent(gate):
-    x = ref.random_inputs(3, B=1, T=70, H=2, K=60, V=32, gate=gate)
+    x = ref.random_inputs(3, B=1, T=70, N=2, K=60, V=32, gate=gate)
     j = as_jax(x)
     rng = np.random.default_rng(1)
     w_o = jnp.asarray(rng.standard_normal((1, 70, 2, 32)), jnp.float32)
@@ -106,7 +105,7 @@ def test_chunked_grads_match_recurrent(gate):
 
 @pytest.mark.parametrize("gate", ["safe", "extreme"])
 def test_chunked_fp64_matches_recurrent(x64, gate):
-    x = ref.random_inputs(4, B=1, T=100, H=2, K=60, V=32, gate=gate)
+    x = ref.random_inputs(4, B=1, T=100, N=2, K=60, V=32, gate=gate)
     j = as_jax(x, jnp.float64)
     o_rec, s_rec = kda.kda_recurrent(*(j[a] for a in ARGS), initial_state=j["h0"])
     o, s = kda.kda_chunked(*(j[a] for a in ARGS), initial_state=j["h0"], gate_lower_bound=bound_for(gate))
@@ -121,8 +120,8 @@ def test_chunked_fp64_matches_recurrent(x64, gate):
 @pytest.mark.parametrize("T", [15, 16, 17, 63, 64, 65])
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_chunked_is_causal_bit_identical(T, gate):
-    x = ref.random_inputs(5, B=1, T=T, H=2, K=60, V=32, gate=gate)
-    y = ref.random_inputs(6, B=1, T=T, H=2, K=60, V=32, gate=gate)
+    x = ref.random_inputs(5, B=1, T=T, N=2, K=60, V=32, gate=gate)
+    y = ref.random_inputs(6, B=1, T=T, N=2, K=60, V=32, gate=gate)
     f = jax.jit(lambda q, k, v, g, beta: kda.kda_chunked(q, k, v, g, beta, gate_lower_bound=bound_for(gate))[0])
     base = np.asarray(f(*(jnp.asarray(x[a], jnp.float32) for a in ARGS)))
     for P in sorted({1, T // 2, T - 1, 16, 17} & set(range(1, T))):
@@ -133,7 +132,7 @@ def test_chunked_is_causal_bit_identical(T, gate):
 
 
 def test_extreme_gates_no_nan_under_debug_nans():
-    x = ref.random_inputs(7, B=1, T=40, H=1, K=20, V=8, gate="extreme")
+    x = ref.random_inputs(7, B=1, T=40, N=1, K=20, V=8, gate="extreme")
     j = as_jax(x)
     prev = jax.config.jax_debug_nans
     jax.config.update("jax_debug_nans", True)
@@ -149,7 +148,7 @@ def test_extreme_gates_no_nan_under_debug_nans():
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_chunked_prefill_then_step_decode_matches_one_shot(gate):
     T, P = 40, 33
-    x = ref.random_inputs(8, B=2, T=T, H=2, K=60, V=32, gate=gate)
+    x = ref.random_inputs(8, B=2, T=T, N=2, K=60, V=32, gate=gate)
     j = as_jax(x)
     o_full, s_full = kda.kda_recurrent(*(j[a] for a in ARGS), initial_state=j["h0"])
     o_pre, S = kda.kda_chunked(*(j[a][:, :P] for a in ARGS), initial_state=j["h0"], chunk_size=16,
@@ -165,7 +164,7 @@ def test_chunked_prefill_then_step_decode_matches_one_shot(gate):
 
 
 def test_state_layout_round_trip_and_v_first_read():
-    x = ref.random_inputs(9, B=2, T=9, H=3, K=8, V=5)
+    x = ref.random_inputs(9, B=2, T=9, N=3, K=8, V=5)
     _, S = ref.kda_recurrent(*(x[a] for a in ARGS), initial_state=x["h0"])
     S_kf = jnp.asarray(S, jnp.float32)
     S_vf = kda.state_k_first_to_v_first(S_kf)
@@ -178,7 +177,7 @@ def test_state_layout_round_trip_and_v_first_read():
 
 
 def test_bf16_inputs_fp32_state_close_to_fp32():
-    x = ref.random_inputs(10, B=1, T=100, H=2, K=64, V=64, gate="safe")
+    x = ref.random_inputs(10, B=1, T=100, N=2, K=64, V=64, gate="safe")
     j32, j16 = as_jax(x), as_jax(x, jnp.bfloat16)
     o32, s32 = kda.kda_chunked(*(j32[a] for a in ARGS), initial_state=j32["h0"], gate_lower_bound=-5.0)
     o16, s16 = kda.kda_chunked(*(j16[a] for a in ARGS), initial_state=j32["h0"], gate_lower_bound=-5.0)
@@ -188,7 +187,7 @@ def test_bf16_inputs_fp32_state_close_to_fp32():
 
 
 def _bad_cases():
-    x = as_jax(ref.random_inputs(11, B=1, T=5, H=2, K=4, V=3))
+    x = as_jax(ref.random_inputs(11, B=1, T=5, N=2, K=4, V=3))
     good = {a: x[a] for a in ARGS}
     yield "q", {**good, "q": x["q"][0]}
     yield "k", {**good, "k": x["k"][..., :3]}
@@ -206,7 +205,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument(fn):
     for name, args in _bad_cases():
         with pytest.raises(ValueError, match=name if name != "dtype" else "dtype"):
             f(*(args[a] for a in ARGS))
-    x = as_jax(ref.random_inputs(11, B=1, T=5, H=2, K=4, V=3))
+    x = as_jax(ref.random_inputs(11, B=1, T=5, N=2, K=4, V=3))
     with pytest.raises(ValueError, match="initial_state"):
         f(*(x[a] for a in ARGS), initial_state=x["h0"][..., :2])
     with pytest.raises(ValueError, match="initial_state"):
@@ -226,7 +225,7 @@ def test_check_chunking_rejects_bad_tiling():
         kda.check_chunking(64, 16, 0.0)
     with pytest.raises(ValueError, match="126"):  # |lb| (c - 1) / ln 2 = 5 * 31 / 0.69 = 224 log2 units
         kda.check_chunking(64, 32, -5.0)
-    x = as_jax(ref.random_inputs(12, B=1, T=5, H=2, K=4, V=3))
+    x = as_jax(ref.random_inputs(12, B=1, T=5, N=2, K=4, V=3))
     with pytest.raises(ValueError, match="multiple of sub_chunk"):
         kda.kda_chunked(*(x[a] for a in ARGS), chunk_size=24)
 

@@ -25,8 +25,8 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
         with jax.default_matmul_precision("highest"):
             yield
 
-    def inputs(self, seed, T, gate, B=1, N=2):  # [B, T, N, K]; the oracle spells the head count H=
-        x = ref.random_inputs(seed, B=B, T=T, H=N, K=self.K, V=self.V, gate=gate)
+    def inputs(self, seed, T, gate, B=1, N=2):  # [B, T, N, K]
+        x = ref.random_inputs(seed, B=B, T=T, N=N, K=self.K, V=self.V, gate=gate)
         return {name: jnp.asarray(val, jnp.float32) for name, val in x.items()}
 
     def kernel(self, *args, lb, **kw):
