@@ -1,4 +1,5 @@
-"""The one frozen model config (``K3Config``), named presets and ``from_hf``.
+"""The architecture (``K3Config``: what a checkpoint's ``config.json`` describes), the run settings
+(``RunConfig``: dtypes, kernels, dispatch, QAT, block sizes), named presets and ``from_hf``.
 
 Only the model (``k3jax/model/network.py``, ``decoder.py``) reads a ``K3Config``; blocks get plain arguments
 (STYLE.md §3.4).
@@ -76,16 +77,6 @@ class K3Config:
     attn_res_block_size: int | None = 12  # None -> standard pre-norm residual (Kimi-Linear)
     # -- checkpoint storage of the routed experts
     expert_format: Literal["mxfp4", "bf16"] = "mxfp4"
-    # -- runtime choices (not part of the architecture; never read from an HF config)
-    moe_impl: MoEImpl = "sorted"
-    kda_impl: KDAImpl = "chunked"  # chunked for T > 1 (per-chunk states in training); decode uses the step
-    kda_chunk_size: int = 64
-    mla_block_size: int = 512  # key block of the blockwise causal attention
-    qat: QATMode = "off"
-    qat_weight_rule: str = "even"
-    qat_act_rule: str = "ceil"
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def __post_init__(self):
@@ -148,6 +139,10 @@ class K3Config:
         return "softplus" if self.kda_gate_lower_bound is None else "safe"
 
     def replace(self, **kw) -> K3Config:
+        run = sorted(set(kw) & set(RUN_FIELDS))
+        if run:
+            raise ConfigError(f"{', '.join(run)}: run settings, not architecture; set them on a RunConfig "
+                              "(k3jax.config.default_run(cfg, ...))")
         return dataclasses.replace(self, **kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,10 +154,12 @@ class K3Config:
 
 _CHOICES = {
     "hidden_act": ("situ", "silu"),
+    "expert_format": ("mxfp4", "bf16"),
+}
+_RUN_CHOICES = {
     "moe_impl": ("sorted", "ragged", "tiled", "dense"),
     "kda_impl": ("recurrent", "chunked", "pallas"),
     "qat": ("off", "weights", "weights+acts"),
-    "expert_format": ("mxfp4", "bf16"),
     "qat_weight_rule": ("floor", "ceil", "even"),
     "qat_act_rule": ("floor", "ceil", "even"),
     "param_dtype": ("float32", "bfloat16", "float64"),
@@ -170,19 +167,22 @@ _CHOICES = {
 }
 
 
+def _need(c, cond: bool, fld: str, msg: str):
+    if not cond:
+        raise ConfigError(f"config field {fld!r}: {msg} (got {getattr(c, fld, None)!r})")
+
+
 def validate(c: K3Config) -> None:
     """Raise ConfigError naming the field for any malformed or contradictory value."""
 
     def need(cond: bool, fld: str, msg: str):
-        if not cond:
-            raise ConfigError(f"config field {fld!r}: {msg} (got {getattr(c, fld, None)!r})")
+        _need(c, cond, fld, msg)
 
     for fld, opts in _CHOICES.items():
         need(getattr(c, fld) in opts, fld, f"must be one of {opts}")
     for fld in ("vocab_size", "hidden_size", "num_layers", "kda_num_heads", "kda_head_dim", "kda_conv_size",
                 "mla_num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size",
-                "num_experts", "num_experts_per_token", "moe_intermediate_size", "kda_chunk_size",
-                "mla_block_size"):
+                "num_experts", "num_experts_per_token", "moe_intermediate_size"):
         v = getattr(c, fld)
         need(isinstance(v, int) and not isinstance(v, bool) and v > 0, fld, "must be a positive integer")
     need(isinstance(c.qk_rope_head_dim, int) and c.qk_rope_head_dim >= 0, "qk_rope_head_dim", "must be >= 0")
@@ -205,7 +205,36 @@ def validate(c: K3Config) -> None:
     need(c.latent_moe_use_norm is False or c.is_latent_moe, "latent_moe_use_norm",
          "a latent norm needs routed_expert_hidden_size")
     need(c.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
-    need(c.kda_chunk_size % 16 == 0, "kda_chunk_size", "must be a multiple of the 16-token sub-chunk")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a model runs — never part of a checkpoint or its ``config.json``: dtypes, kernel and dispatch choices,
+    the QAT mode and its rounding rules, block sizes. ``default_run(cfg)`` gives a preset's choices."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # matmul operand dtype (accumulation is always at least fp32)
+    moe_impl: MoEImpl = "sorted"
+    kda_impl: KDAImpl = "chunked"  # chunked for T > 1 (per-chunk states in training); decode uses the step
+    kda_chunk_size: int = 64
+    mla_block_size: int = 512  # key block of the blockwise causal attention
+    qat: QATMode = "off"
+    qat_weight_rule: str = "even"
+    qat_act_rule: str = "ceil"
+
+    def __post_init__(self):
+        for fld, opts in _RUN_CHOICES.items():
+            _need(self, getattr(self, fld) in opts, fld, f"must be one of {opts}")
+        for fld in ("kda_chunk_size", "mla_block_size"):
+            v = getattr(self, fld)
+            _need(self, isinstance(v, int) and not isinstance(v, bool) and v > 0, fld, "must be a positive integer")
+        _need(self, self.kda_chunk_size % 16 == 0, "kda_chunk_size", "must be a multiple of the 16-token sub-chunk")
+
+    def replace(self, **kw) -> RunConfig:
+        return dataclasses.replace(self, **kw)
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 
 # --------------------------------------------------------------------------------------------------------- from_hf
@@ -244,7 +273,7 @@ def _k3_mini() -> K3Config:
         kda_num_heads=6, kda_head_dim=64, mla_num_heads=6, q_lora_rank=192, kv_lora_rank=128,
         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024,
         num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=160,
-        routed_expert_hidden_size=192, attn_res_block_size=4, mla_block_size=128,
+        routed_expert_hidden_size=192, attn_res_block_size=4,
     )
 
 
@@ -255,7 +284,7 @@ def _k3_tiny() -> K3Config:
         kda_num_heads=2, kda_head_dim=32, mla_num_heads=2, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
         num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
-        routed_expert_hidden_size=32, attn_res_block_size=2, mla_block_size=8, kda_chunk_size=16,
+        routed_expert_hidden_size=32, attn_res_block_size=2,
     )
 
 
@@ -267,6 +296,14 @@ PRESETS = {
 }
 
 
+# Run settings the small presets are tuned with: attention key blocks and KDA chunks sized to their short sequences
+# (k3-tiny's small blocks also make short test sequences exercise the blockwise and multi-chunk paths).
+PRESET_RUNS = {
+    "k3-mini": RunConfig(mla_block_size=128),
+    "k3-tiny": RunConfig(mla_block_size=8, kda_chunk_size=16),
+}
+
+
 def get_preset(name: str, **overrides) -> K3Config:
     """A named preset; unknown names raise ConfigError listing the known ones."""
     if name not in PRESETS:
@@ -275,4 +312,11 @@ def get_preset(name: str, **overrides) -> K3Config:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-__all__ = ["K3Config", "ConfigError", "from_hf", "get_preset", "PRESETS", "validate"]
+def default_run(cfg: K3Config, **overrides) -> RunConfig:
+    """The run settings of ``cfg``'s preset (by name; ``RunConfig()`` for any other config), with ``overrides``."""
+    run = PRESET_RUNS.get(cfg.name, RunConfig())
+    return run.replace(**overrides) if overrides else run
+
+
+__all__ = ["K3Config", "ConfigError", "PRESETS", "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "default_run", "from_hf",
+           "get_preset", "validate"]

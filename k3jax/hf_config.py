@@ -248,8 +248,8 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
 
     Malformed values, contradictions and unsupported math raise ``ConfigError`` (a ``ValueError``) naming the
     field. Unknown keys warn once (``UnknownConfigKeysWarning``), or raise with ``strict=True``. ``report``, if
-    given, is filled with ``unknown_keys`` and ``ignored_keys`` (paths). ``overrides`` set runtime fields
-    (``moe_impl``, ``param_dtype``, ...) on the result.
+    given, is filled with ``unknown_keys`` and ``ignored_keys`` (paths). ``overrides`` replace fields of the result
+    (e.g. ``name``); run settings are not config fields (``k3jax.config.RunConfig``).
     """
     raw, src = _load_json(path_or_dict)
     if not isinstance(raw, dict):

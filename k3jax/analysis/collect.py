@@ -44,7 +44,7 @@ def check_layers(cfg, layers: Sequence[int] | None) -> list[int]:
     return sorted(set(int(l) for l in layers))
 
 
-def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] = ("ids",)):
+def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] = ("ids",), run=None):
     """A jitted ``(params, tokens [B, T]) -> {layer: {field: array}}`` over ``forward(..., return_aux=True)``.
 
     Fields: ``ids`` [B, T, k] int32 (best first), ``weights`` [B, T, k] combine weights, ``scores`` [B, T, E]
@@ -60,7 +60,7 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
     order = moe_layers(cfg)
 
     def run(params, tokens):
-        _, aux = forward(params, tokens, cfg, return_aux=True)
+        _, aux = forward(params, tokens, cfg, run, return_aux=True)
         out = {}
         for l in layers:
             r = aux["routing"][order.index(l)]
@@ -204,7 +204,8 @@ class RoutingStats:
 
 
 def collect(params, cfg, stream, *, layers=None, seq_len: int = 128, batch: int = 8, max_tokens: int | None = None,
-            mesh=None, fields: Sequence[str] = ("ids",), keep: bool = False, compare_params=None, progress=None):
+            mesh=None, fields: Sequence[str] = ("ids",), keep: bool = False, run=None, compare_params=None,
+            progress=None):
     """Route ``stream`` through the model and accumulate ``RoutingStats``.
 
     Returns (report, stats, kept): ``report`` = ``stats.result()`` (plus ``drift``), ``stats`` the accumulators
@@ -218,7 +219,7 @@ def collect(params, cfg, stream, *, layers=None, seq_len: int = 128, batch: int 
 
     layers = check_layers(cfg, layers)
     fields = tuple(dict.fromkeys(("ids", *fields)))
-    fn = routing_fn(cfg, layers, fields)
+    fn = routing_fn(cfg, layers, fields, run)
     stats = RoutingStats(cfg, layers)
     mult = 1
     put = jnp.asarray

@@ -36,7 +36,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    from k3jax.config import get_preset
+    from k3jax.config import default_run, get_preset
     from k3jax.model import init_params
     from k3jax.train.flops import flops_per_token
     from k3jax.train.optim import OptimConfig, make_optimizer
@@ -48,11 +48,12 @@ def run(args) -> dict:
     T = args.seq_len or (32 if quick else 128)
     reps = args.reps or (2 if quick else 3)
     layers = {} if args.layers is None else {"num_layers": args.layers, "full_attn_layers": (args.layers,)}
-    cfg = get_preset(preset, qat=args.qat, compute_dtype=args.compute_dtype, **layers)
-    params = init_params(cfg, jax.random.key(0))
+    cfg = get_preset(preset, **layers)
+    run = default_run(cfg, qat=args.qat, compute_dtype=args.compute_dtype)
+    params = init_params(cfg, jax.random.key(0), run)
     tx, _ = make_optimizer(params, OptimConfig(total_steps=1000))
     state = init_state(params, tx)
-    step = jax.jit(make_train_step(cfg, tx, StepSpec()))
+    step = jax.jit(make_train_step(cfg, run, tx, StepSpec()))
     tokens = jax.random.randint(jax.random.key(1), (1, B, T + 1), 0, min(cfg.vocab_size, 256), jnp.int32)
     zero = jnp.float32(0.0)
     print(f"compiling the {preset} train step (B={B}, T={T}) ...", file=sys.stderr)

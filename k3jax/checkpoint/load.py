@@ -27,7 +27,6 @@ result. ``verify=True`` checks every shard's sha256 against ``SHA256SUMS`` when 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -55,8 +54,8 @@ from k3jax.checkpoint.save import architecture_diff
 from k3jax.config import from_hf
 
 
-def _resolve_config(path: str, cfg, dtype, strict: bool):
-    """(cfg, report): ``config.json``'s config, or ``cfg`` checked against it; ``param_dtype`` set from ``dtype``."""
+def _resolve_config(path: str, cfg, strict: bool):
+    """(cfg, report): ``config.json``'s config, or ``cfg`` checked against it."""
     cfg_file = os.path.join(path, "config.json")
     report: dict = {}
     if cfg is None:
@@ -67,26 +66,7 @@ def _resolve_config(path: str, cfg, dtype, strict: bool):
         diff = architecture_diff(from_hf(cfg_file, strict=strict, report=report), cfg)
         if diff:
             raise CheckpointError(f"config.json differs from the given cfg in {', '.join(diff)}", file=cfg_file)
-    if dtype is not None:
-        cfg = cfg.replace(param_dtype=np.dtype(dtype).name)
     return cfg, report
-
-
-@functools.lru_cache(maxsize=8)
-def _abstract_params(cfg):
-    """``abstract_params(cfg)`` (an ``eval_shape`` trace of init, ~0.2 s for k3-mini) once per config."""
-    from k3jax.model import abstract_params
-
-    return abstract_params(cfg)
-
-
-def _abstract(cfg):
-    try:
-        return _abstract_params(cfg)
-    except TypeError:  # an unhashable cfg
-        from k3jax.model import abstract_params
-
-        return abstract_params(cfg)
 
 
 def _tree_get(tree, path):
@@ -197,7 +177,7 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
       mesh: device mesh; default ``make_mesh({"expert": jax.device_count()})`` (all devices on "expert").
       shardings: callable ``(path, shape, dtype) -> Sharding`` or a tree like the result; default: experts on
         "expert", the rest replicated.
-      dtype: parameter dtype (``cfg.param_dtype`` by default); leaves the release stores F32 stay at least float32.
+      dtype: parameter dtype (float32 by default); leaves the release stores F32 stay at least float32.
       keep_experts_packed: return MXFP4 experts as ``w*_packed`` / ``w*_scale`` uint8 leaves (see module doc).
       verify: check shard sha256 against ``SHA256SUMS`` when present.
       progress: tqdm bar with bytes/s and RSS (default: when stderr is a terminal).
@@ -217,7 +197,7 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     ck = open_checkpoint(path)
     t1 = time.perf_counter()
     bd["open_headers"] = t1 - t0
-    cfg, cfg_report = _resolve_config(path, cfg, dtype, strict_config)
+    cfg, cfg_report = _resolve_config(path, cfg, strict_config)
     t2 = time.perf_counter()
     bd["config"] = t2 - t1
     plan = plan_load(ck, cfg, layout)  # everything checked before any data is read
@@ -226,7 +206,10 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     if verify:
         verify_manifest(path)
     mesh = mesh if mesh is not None else default_mesh()
-    abstract = _abstract(cfg)
+    from k3jax.config import RunConfig
+    from k3jax.model import abstract_params
+
+    abstract = abstract_params(cfg, RunConfig(param_dtype=np.dtype(dtype or "float32").name))  # cached per config
     t4 = time.perf_counter()
     bd["abstract_tree"] = t4 - t3
     leaves = output_leaves(plan, abstract, keep_experts_packed, cfg)

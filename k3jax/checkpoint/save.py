@@ -31,17 +31,17 @@ from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
 from k3jax.config import K3Config
 from k3jax.quant import pack_experts
 
-# K3Config fields that are runtime choices, never part of an HF config.
-RUNTIME_FIELDS = ("name", "moe_impl", "kda_impl", "kda_chunk_size", "mla_block_size", "qat", "qat_weight_rule",
-                  "qat_act_rule", "param_dtype", "compute_dtype", "mla_norm_eps")
+# K3Config fields an HF config does not carry: the config's name, and mla_norm_eps (fixed at Moonshot's 1e-6; SPEC
+# §2.3). Run settings are not K3Config fields at all (k3jax.config.RunConfig).
+NOT_IN_HF_CONFIG = ("name", "mla_norm_eps")
 
 
 # ------------------------------------------------------------------------------------------------- config.json
 
 def architecture(cfg: K3Config) -> dict:
-    """The fields of ``cfg`` an HF config carries (runtime choices dropped)."""
+    """The fields of ``cfg`` an HF config carries."""
     d = cfg.to_dict()
-    for k in RUNTIME_FIELDS:
+    for k in NOT_IN_HF_CONFIG:
         d.pop(k, None)
     return d
 

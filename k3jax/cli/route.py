@@ -112,19 +112,20 @@ def _model(args):
     import jax
     import jax.numpy as jnp
 
-    from k3jax.config import get_preset
+    from k3jax.config import default_run, get_preset
 
     if args.preset:
         from k3jax.model import init_params
 
-        cfg = get_preset(args.preset, param_dtype=args.dtype, compute_dtype=args.dtype)
+        cfg = get_preset(args.preset)
         if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
             raise ValueError(f"preset {args.preset!r} is too large to run here (try --static on its checkpoint)")
-        return cfg, jax.jit(lambda k: init_params(cfg, k))(jax.random.key(args.seed))
+        run = default_run(cfg, param_dtype=args.dtype, compute_dtype=args.dtype)
+        return cfg, run, jax.jit(lambda k: init_params(cfg, k, run))(jax.random.key(args.seed))
     from k3jax.checkpoint.load import load
 
     cfg, params = load(args.ckpt, dtype=jnp.dtype(args.dtype), strict_config=args.strict_config, progress=False)
-    return cfg.replace(compute_dtype=args.dtype), params
+    return cfg, default_run(cfg, param_dtype=args.dtype, compute_dtype=args.dtype), params
 
 
 def default_ckpt() -> str | None:
@@ -159,14 +160,14 @@ def run(args) -> int:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
         if diff:
             raise ValueError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
-    cfg, params = _model(args)
+    cfg, settings, params = _model(args)
     other = None
     if args.compare:
         from k3jax.checkpoint.load import load
 
-        _, other = load(args.compare, cfg=cfg.replace(param_dtype=args.dtype), progress=False)
+        _, other = load(args.compare, cfg=cfg, dtype=settings.param_dtype, progress=False)
     report, stats, kept = ac.collect(params, cfg, stream, layers=layers, seq_len=args.seq_len, batch=args.batch,
-                                    max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots),
+                                    max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots), run=settings,
                                     compare_params=other, progress=not args.json and sys.stderr.isatty())
     report["source"] = args.ckpt or f"preset:{args.preset}"
     from k3jax.checkpoint.host import peak_rss_bytes

@@ -42,23 +42,25 @@ def _model(args):
     import jax
 
     from k3jax.cli.route import default_ckpt
-    from k3jax.config import get_preset
+    from k3jax.config import default_run, get_preset
 
     over = {k: v for k, v in (("moe_impl", args.moe_impl), ("kda_impl", args.kda_impl)) if v}
     if args.preset:
         from k3jax.model import init_params
 
-        cfg = get_preset(args.preset, **over)
+        cfg = get_preset(args.preset)
         if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
             raise ValueError(f"preset {args.preset!r} is too large to run here; use `k3 plan --preset {args.preset}`")
-        return f"preset {cfg.name} (random init, seed {args.seed})", cfg, init_params(cfg, jax.random.key(args.seed))
+        run = default_run(cfg, **over)
+        return (f"preset {cfg.name} (random init, seed {args.seed})", cfg, run,
+                init_params(cfg, jax.random.key(args.seed), run))
     from k3jax.checkpoint.load import load
 
     ckpt = args.ckpt or default_ckpt()
     if ckpt is None:
         raise ValueError("no shipped model in this install: give --ckpt DIR or --preset NAME")
     cfg, params = load(ckpt, progress=False)
-    return ckpt, cfg.replace(**over), params
+    return ckpt, cfg, default_run(cfg, **over), params
 
 
 def run(args) -> int:
@@ -70,17 +72,17 @@ def run(args) -> int:
     if (args.tokens is not None and args.tokens < 2) or args.route_tokens < 2 or args.seq_len < 1 or args.batch < 1:
         raise ValueError(f"--tokens and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, "
                          f"{args.route_tokens}, {args.seq_len}, {args.batch})")
-    source, cfg, params = _model(args)
+    source, cfg, settings, params = _model(args)
     if cfg.vocab_size < 256:
         raise ValueError(f"{cfg.name!r} has vocab {cfg.vocab_size} < 256: byte-level text does not fit")
     _, held = tdata.split(tdata.load_corpus(None, max_bytes=4 << 20), 0.05)
     t0 = time.perf_counter()
     nats, scored = windowed_loss(params, cfg, held[:args.tokens].astype("int32"), seq_len=args.seq_len,
-                                 batch=max(args.batch, 32))
+                                 batch=max(args.batch, 32), run=settings)
     eval_s = time.perf_counter() - t0
     report, stats, kept = ac.collect(params, cfg, held[:args.route_tokens].astype("int32"), seq_len=args.seq_len,
                                      batch=args.batch,
-                                     fields=("ids", "weights", "cutoff"), keep=not args.no_plots)
+                                     fields=("ids", "weights", "cutoff"), keep=not args.no_plots, run=settings)
     routing = []
     for d in report["layers"]:
         l = d["layer"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import K3Config
+from k3jax.config import K3Config, RunConfig
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import param, vec
 from k3jax.layers.ffn import GLU
@@ -60,22 +60,22 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def mixer(self, h, cfg: K3Config):
+    def mixer(self, h, cfg: K3Config, run: RunConfig):
         """Token mixer on the normed input h → (y, aux)."""
         if hasattr(self, "mla"):
-            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=cfg.mla_block_size)
+            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size)
             return y, {"mla_max_logit": max_logit}
-        y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=cfg.kda_impl, chunk_size=cfg.kda_chunk_size)
+        y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size)
         return y, {}
 
-    def ffn(self, h, cfg: K3Config, dispatch):
+    def ffn(self, h, cfg: K3Config, run: RunConfig, dispatch):
         """FFN on the normed input h → (y, aux)."""
         kw = dict(act=cfg.hidden_act, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta)
         if hasattr(self, "moe"):
             y, routing = self.moe(h, top_k=cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
                                   scaling_factor=cfg.routed_scaling_factor, norm_eps=cfg.rms_norm_eps,
-                                  dispatch=dispatch, qat=cfg.qat, qat_weight_rule=cfg.qat_weight_rule,
-                                  qat_act_rule=cfg.qat_act_rule, **kw)
+                                  dispatch=dispatch, qat=run.qat, qat_weight_rule=run.qat_weight_rule,
+                                  qat_act_rule=run.qat_act_rule, **kw)
             return y, {"routing": routing}
         return self.mlp(h, **kw), {}
 

@@ -3,6 +3,7 @@
 
     params = init_params(cfg, jax.random.key(0))      # nnx.split(K3Model(...)) state as a nested dict of arrays
     logits = forward(params, tokens, cfg)             # nnx.merge(graphdef(cfg), params)(tokens)
+    logits = forward(params, tokens, cfg, RunConfig(compute_dtype="bfloat16", qat="weights"))   # run settings
     shapes = abstract_params(cfg)                     # ShapeDtypeStructs; allocates nothing (full 2.78T model too)
     axes   = param_axes(cfg)                          # logical axes per leaf, read from the Params' metadata
 """
@@ -16,62 +17,67 @@ import numpy as np
 import optax
 from flax import nnx
 
-from k3jax.config import K3Config
+from k3jax.config import K3Config, RunConfig, default_run
 from k3jax.model.network import K3Model
 
 
-def abstract_model(cfg: K3Config) -> K3Model:
+def _run(cfg: K3Config, run: RunConfig | None) -> RunConfig:
+    return default_run(cfg) if run is None else run
+
+
+def abstract_model(cfg: K3Config, run: RunConfig | None = None) -> K3Model:
     """``K3Model`` with ShapeDtypeStruct leaves (``nnx.eval_shape``: no memory, no mesh)."""
-    return nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: K3Model(cfg, _run(cfg, run), rngs=nnx.Rngs(0)))
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract(cfg: K3Config):
-    return nnx.split(abstract_model(cfg))
+def _abstract(cfg: K3Config, run: RunConfig):
+    return nnx.split(abstract_model(cfg, run))
 
 
-def graphdef(cfg: K3Config):
-    """The static structure of ``K3Model(cfg)`` (cached per config)."""
-    return _abstract(cfg)[0]
+def graphdef(cfg: K3Config, run: RunConfig | None = None):
+    """The static structure of ``K3Model(cfg, run)`` (cached per config and run settings)."""
+    return _abstract(cfg, _run(cfg, run))[0]
 
 
-def init_params(cfg: K3Config, key) -> dict:
-    """Random parameters for ``cfg`` (dtype ``cfg.param_dtype``) as a nested dict. Use ``abstract_params`` for
+def init_params(cfg: K3Config, key, run: RunConfig | None = None) -> dict:
+    """Random parameters for ``cfg`` (dtype ``run.param_dtype``) as a nested dict. Use ``abstract_params`` for
     shapes at full size."""
-    return nnx.split(K3Model(cfg, rngs=nnx.Rngs(params=key)))[1].to_pure_dict()
+    return nnx.split(K3Model(cfg, _run(cfg, run), rngs=nnx.Rngs(params=key)))[1].to_pure_dict()
 
 
-def abstract_params(cfg: K3Config) -> dict:
+def abstract_params(cfg: K3Config, run: RunConfig | None = None) -> dict:
     """ShapeDtypeStructs of the parameter tree; allocates nothing (works for the full 2.78T model)."""
-    return _abstract(cfg)[1].to_pure_dict()
+    return _abstract(cfg, _run(cfg, run))[1].to_pure_dict()
 
 
 def param_axes(cfg: K3Config) -> dict:
     """Logical axes (a tuple of ``notation.LOGICAL_AXES`` names) per parameter leaf, from each Param's metadata."""
-    state = _abstract(cfg)[1]
+    state = _abstract(cfg, _run(cfg, None))[1]
     axes = nnx.State.from_flat_path({p: tuple(v.get_metadata()["axes"]) for p, v in nnx.to_flat_state(state)})
     return axes.to_pure_dict()
 
 
-def merge(params, cfg: K3Config) -> K3Model:
+def merge(params, cfg: K3Config, run: RunConfig | None = None) -> K3Model:
     """The module for a state dict (under jit this happens at trace time only)."""
-    return nnx.merge(graphdef(cfg), params)
+    return nnx.merge(graphdef(cfg, run), params)
 
 
-def hidden_states(params, tokens, cfg: K3Config, *, dispatch=None):
-    return merge(params, cfg).hidden_states(tokens, dispatch=dispatch)
+def hidden_states(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, dispatch=None):
+    return merge(params, cfg, run).hidden_states(tokens, dispatch=dispatch)
 
 
-def forward(params, tokens, cfg: K3Config, *, return_aux: bool = False, dispatch=None):
+def forward(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, return_aux: bool = False,
+            dispatch=None):
     """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
-    return merge(params, cfg)(tokens, return_aux=return_aux, dispatch=dispatch)
+    return merge(params, cfg, run)(tokens, return_aux=return_aux, dispatch=dispatch)
 
 
-def lm_loss(params, tokens, targets, cfg: K3Config, *, mask=None, dispatch=None):
+def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None, *, mask=None, dispatch=None):
     """Mean next-token cross-entropy (fp32) over ``mask`` (default all positions)."""
     import jax.numpy as jnp
 
-    logits = forward(params, tokens, cfg, dispatch=dispatch)
+    logits = forward(params, tokens, cfg, run, dispatch=dispatch)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mask is None:
         return jnp.mean(ce)

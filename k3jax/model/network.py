@@ -1,7 +1,7 @@
 """The K3 network as an NNX module (SPEC §1.3): embedding, the decoder layers in the stacked layout
 (k3jax/model/layout.py), the output AttnRes mix, the final norm and the LM head.
 
-    model = K3Model(cfg, rngs=nnx.Rngs(0))
+    model = K3Model(cfg, rngs=nnx.Rngs(0))              # run settings: K3Model(cfg, run=RunConfig(...), ...)
     logits = model(tokens)                               # [B, T, W] float32 (or wider)
     logits, aux = model(tokens, return_aux=True)         # aux["routing"]: one Routing per MoE layer (layer order)
                                                          # aux["mla_max_logit"]: [B, N] per MLA layer
@@ -9,8 +9,8 @@
 With AttnRes (K3, SPEC §1.3 / §3.2) there is no classic residual: sublayer outputs accumulate into the running
 block sum ``part``; committed block sums form ``blocks``; every sublayer input is an AttnRes mix of
 ``blocks ++ [part]``. Sources and partial sums are kept in at-least-fp32. Without AttnRes (Kimi-Linear) the
-standard pre-norm residual is used. This module is the only reader of ``K3Config`` below the model (blocks get
-plain arguments).
+standard pre-norm residual is used. The model reads ``K3Config`` (architecture) and ``RunConfig`` (dtypes,
+kernels, dispatch, QAT, block sizes; default: the preset's, ``config.default_run``); blocks get plain arguments.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import K3Config
+from k3jax.config import K3Config, RunConfig, default_run
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.model.decoder import DecoderLayer, Group
@@ -38,9 +38,10 @@ class K3Model(nnx.Module):
         "pre": None, "groups": None, "post": None,  # decoder layers: ``model.layers.{l}.`` (see layout.py)
     }
 
-    def __init__(self, cfg: K3Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: K3Config, run: RunConfig | None = None, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        dtype = jnp.dtype(cfg.param_dtype)
+        self.run = run = default_run(cfg) if run is None else run
+        dtype = jnp.dtype(run.param_dtype)
         d, W = cfg.hidden_size, cfg.vocab_size
         lay = layout(cfg)
         self.embed = param(normal(rngs, (W, d), dtype), ("vocab", "embed"))
@@ -77,13 +78,13 @@ class K3Model(nnx.Module):
 
     def hidden_states(self, tokens, *, dispatch=None):
         """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict."""
-        cfg = self.cfg
+        cfg, run = self.cfg, self.run
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
-        cdt = jnp.dtype(cfg.compute_dtype)
+        cdt = jnp.dtype(run.compute_dtype)
         acc = acc_dtype(cdt)
         eps = cfg.rms_norm_eps
-        dispatch = dispatch or cfg.moe_impl
+        dispatch = dispatch or run.moe_impl
         aux = {"routing": [], "mla_max_logit": []}
 
         def collect(a):
@@ -94,10 +95,10 @@ class K3Model(nnx.Module):
         if not cfg.uses_attn_res:
             h = emb.astype(acc)
             for _, layer in self.layers():
-                a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg)
+                a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg, run)
                 collect(ax)
                 h = h + a.astype(acc)
-                f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, dispatch)
+                f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
                 collect(fx)
                 h = h + f.astype(acc)
             return h, aux
@@ -109,11 +110,11 @@ class K3Model(nnx.Module):
             if l % S == 0:
                 blocks.append(part)
                 part = None
-            a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg)
+            a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg, run)
             collect(ax)
             part = a.astype(acc) if part is None else part + a.astype(acc)
             h = layer.mlp_res(blocks + [part], eps)
-            f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, dispatch)
+            f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
             collect(fx)
             part = part + f.astype(acc)
         return self.out_res(blocks + [part], eps), aux
@@ -121,7 +122,7 @@ class K3Model(nnx.Module):
     def __call__(self, tokens, *, return_aux: bool = False, dispatch=None):
         """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
         h, aux = self.hidden_states(tokens, dispatch=dispatch)
-        cdt = jnp.dtype(self.cfg.compute_dtype)
+        cdt = jnp.dtype(self.run.compute_dtype)
         hn = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, out_dtype=cdt)
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dw->btw", hn, head.astype(cdt), preferred_element_type=h.dtype)

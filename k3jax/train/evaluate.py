@@ -49,13 +49,13 @@ def spaced_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 2
     return Windows(w % vocab if vocab < 256 else w, None)
 
 
-def make_scorer(cfg, *, params_sharding=None, batch_sharding=None):
+def make_scorer(cfg, run=None, *, params_sharding=None, batch_sharding=None):
     """(params, tokens [b, T + 1], mask [b, T] or None) -> summed (masked) cross-entropy (f32), jitted. With
     shardings (the train loop's data-parallel eval), tokens and mask are placed with ``batch_sharding`` first."""
     from k3jax.model import forward
 
     def score(params, tokens, mask):
-        ce = optax.softmax_cross_entropy_with_integer_labels(forward(params, tokens[:, :-1], cfg), tokens[:, 1:])
+        ce = optax.softmax_cross_entropy_with_integer_labels(forward(params, tokens[:, :-1], cfg, run), tokens[:, 1:])
         # no multiply without a mask: an all-ones one changes XLA's summation order (the last bits of the loss)
         return jnp.sum(ce) if mask is None else jnp.sum(ce * mask)
 
@@ -79,9 +79,9 @@ def heldout_loss(params, windows: Windows, *, batch: int, score) -> tuple[float,
     return total / count, count
 
 
-def windowed_loss(params, cfg, tokens, *, seq_len: int = 256, batch: int = 8) -> tuple[float, int]:
+def windowed_loss(params, cfg, tokens, *, seq_len: int = 256, batch: int = 8, run=None) -> tuple[float, int]:
     """Held-out loss of ``tokens`` covered by ``tiled_windows`` (what `k3 run` and the ship script report)."""
-    return heldout_loss(params, tiled_windows(tokens, seq_len=seq_len), batch=batch, score=make_scorer(cfg))
+    return heldout_loss(params, tiled_windows(tokens, seq_len=seq_len), batch=batch, score=make_scorer(cfg, run))
 
 
 __all__ = ["Windows", "heldout_loss", "make_scorer", "spaced_windows", "tiled_windows", "windowed_loss"]

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.config import ConfigError, K3Config, get_preset
+from k3jax.config import ConfigError, K3Config, RunConfig, default_run, get_preset
 from k3jax.sharding import make_mesh
 from k3jax.train import data as tdata
 from k3jax.train.ckpt import load_checkpoint_params, manager, restore_state, save_state
@@ -92,7 +92,6 @@ class TrainConfig:
     devices: int | None = None  # data-parallel width (default: all devices)
     progress: bool | None = None
     peak_flops: float | None = None  # None: measure an XLA matmul at start-up
-    model_overrides: dict = field(default_factory=dict)
     strict_config: bool = False  # unknown keys in the --init checkpoint's config.json are errors
     fork: bool = False  # resume from ckpt_dir even if the run settings differ (e.g. switch QAT on mid-run)
     poison_steps: tuple[int, ...] = ()  # testing hook: (1-based) steps whose loss and gradient are made NaN
@@ -130,7 +129,7 @@ def resolve_model(tc: TrainConfig) -> K3Config:
             cfg = ck_cfg
     if cfg is None:
         raise ValueError("give --preset or --init")
-    return cfg.replace(qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32", **tc.model_overrides)
+    return cfg
 
 
 def validate(tc: TrainConfig, n_dev: int) -> None:
@@ -193,6 +192,7 @@ class _Run:
 
     tc: TrainConfig
     cfg: K3Config
+    settings: RunConfig
     mesh: Mesh
     log: Callable[[str], None]
     train_toks: np.ndarray
@@ -238,11 +238,12 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     # the periodic eval's fixed windows: eval_windows rounded down to a multiple of the devices (at least one each)
     eval_set = spaced_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
                               vocab=vocab)
-    return _Run(tc=tc, cfg=cfg, mesh=mesh, log=log, train_toks=train_toks, eval_set=eval_set, vocab=vocab,
-                held_entropy=tdata.unigram_entropy(held, vocab))
+    settings = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32")  # fp32 master
+    return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, log=log, train_toks=train_toks, eval_set=eval_set,
+                vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
 
 
-def _init_params(cfg: K3Config, tc: TrainConfig, repl: NamedSharding):
+def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, repl: NamedSharding):
     from k3jax.model import init_params
 
     if tc.init:
@@ -251,7 +252,7 @@ def _init_params(cfg: K3Config, tc: TrainConfig, repl: NamedSharding):
         _, params = load(tc.init, cfg=cfg, shardings=lambda *a: repl, dtype=jnp.float32, progress=False,
                          strict_config=tc.strict_config)
         return params
-    return jax.jit(lambda k: init_params(cfg, k), out_shardings=repl)(jax.random.key(tc.seed))
+    return jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=repl)(jax.random.key(tc.seed))
 
 
 def _build(run: _Run) -> None:
@@ -260,16 +261,17 @@ def _build(run: _Run) -> None:
     repl = NamedSharding(run.mesh, P())
     run.batch_sh = NamedSharding(run.mesh, P(None, "data"))  # [M, b, T + 1]: the b sequences are data-parallel
     ocfg = OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
-    params = _init_params(cfg, tc, repl)
+    params = _init_params(cfg, run.settings, tc, repl)
     tx, _ = make_optimizer(params, ocfg)
     run.state = jax.jit(lambda p: init_state(p, tx, tc.seed), out_shardings=repl)(params)
     del params
     spec = StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, qb_ema=tc.qb_ema, aux_alpha=tc.aux_alpha,
                     qk_clip=tc.qk_clip, qk_tau=tc.qk_tau)
     state_sh = jax.tree.map(lambda _: repl, run.state)
-    run.step_fn = jax.jit(make_train_step(cfg, tx, spec), in_shardings=(state_sh, run.batch_sh, None),
+    run.step_fn = jax.jit(make_train_step(cfg, run.settings, tx, spec), in_shardings=(state_sh, run.batch_sh, None),
                           out_shardings=(state_sh, None), donate_argnums=0)
-    run.score = make_scorer(cfg, params_sharding=state_sh["params"], batch_sharding=NamedSharding(run.mesh, P("data")))
+    run.score = make_scorer(cfg, run.settings, params_sharding=state_sh["params"],
+                            batch_sharding=NamedSharding(run.mesh, P("data")))
     run.lr_at = schedule(tc.lr, ocfg)
     run.meta = {"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
 
@@ -428,19 +430,18 @@ def train(tc: TrainConfig, *, log=None) -> dict:
     summary.update(step=step, final_loss=summary["losses"][-1] if summary["losses"] else None,
                    final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None, params=run.state["params"])
     if tc.export and summary["stopped"] is None:
-        summary["export"] = export(run.state["params"], run.cfg, tc.export)
+        summary["export"] = export(run.state["params"], run.cfg, run.settings, tc.export)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")
     return summary
 
 
-def export(params, cfg: K3Config, out_dir: str) -> dict:
+def export(params, cfg: K3Config, settings: RunConfig, out_dir: str) -> dict:
     """Official-layout export: packed MXFP4 experts when QAT was on (the fake-quant grid is the export grid)."""
     from k3jax.checkpoint import save
 
-    fmt = "mxfp4" if cfg.qat != "off" else "bf16"
-    r = save(jax.device_get(params), cfg.replace(qat="off", compute_dtype="float32", expert_format=fmt), out_dir,
-             overwrite=True)
+    fmt = "mxfp4" if settings.qat != "off" else "bf16"
+    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=True)
     r["expert_format"] = fmt
     return r
 

@@ -75,7 +75,7 @@ def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
 
     Leaves of the stacked layer groups (path under ``groups``, k3jax/model/layout.py) are optimized one layer at a
     time: ``make_optimizer`` hands the transforms the G slices of the leading ``layers`` axis, so each layer gets
-    exactly the update (and the Newton–Schulz) it got as an unstacked leaf. For such a leaf — whole, or a slice
+    the update (and the Newton–Schulz) it gets as an unstacked leaf. For such a leaf — whole, or a slice
     whose path ends in its stack index — this is one layer's rule."""
     names = key_names(path)
     shape = tuple(leaf.shape)
@@ -163,8 +163,10 @@ def _unsplit(tree, stacked):
 def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
     """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree).
 
-    Stacked leaves are updated per layer (see ``leaf_rule``): per-layer Muon is then bit-identical to the
-    unstacked model's, where one batched Newton–Schulz over [G, ...] differs in the last bits."""
+    Stacked leaves are updated per layer (see ``leaf_rule``), each slice by the Newton–Schulz it gets unstacked.
+    Measured: with one group (k3-mini) 20 training steps are bitwise the unstacked model's; with two, XLA rounds 4
+    of 61 leaves differently (float64 rel_rms <= 1.4e-14, float32 <= 6.5e-6), where one batched Newton–Schulz over
+    [G, ...] left about half the float32 Muon leaves different by up to ~1e-5 (tests/train/test_optim.py)."""
     stacked = _stacked_mask(params)
     view = _split(params, stacked)
     rules = _rules(view, cfg)

@@ -2,7 +2,7 @@
 update, and a finite-check that turns a NaN/Inf step into a no-op — all inside one XLA program.
 
     state = init_state(params, tx, seed)                 # {"params", "opt", "step", "rng", "bad_streak"}
-    step_fn = make_train_step(cfg, tx, spec)             # spec: StepSpec (balance mode, QK-Clip τ, ...)
+    step_fn = make_train_step(cfg, run, tx, spec)            # spec: StepSpec (balance mode, QK-Clip τ, ...)
     state, m = step_fn(state, tokens_mbt, poison)        # tokens [M, b, T + 1] int32; poison 0.0 (or NaN in tests)
 
 Order inside one step (SPEC §8.1, §9.6): every micro-batch routes with the CURRENT bias; gradients, integer load
@@ -55,9 +55,9 @@ def _select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def make_loss(cfg, spec: StepSpec):
+def make_loss(cfg, run, spec: StepSpec):
     def loss_fn(params, tokens):
-        logits, aux = forward(params, tokens[:, :-1], cfg, return_aux=True)
+        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True)
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
         loss = ce
         if spec.balance == "aux" and aux["routing"]:
@@ -67,9 +67,9 @@ def make_loss(cfg, spec: StepSpec):
     return loss_fn
 
 
-def make_train_step(cfg, tx, spec: StepSpec):
+def make_train_step(cfg, run, tx, spec: StepSpec):
     """(state, tokens [M, b, T+1] int32, poison f32 scalar) -> (state, metrics). Not jitted here (see loop.py)."""
-    loss_fn = make_loss(cfg, spec)
+    loss_fn = make_loss(cfg, run, spec)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     E = cfg.num_experts
 

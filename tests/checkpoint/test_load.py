@@ -21,12 +21,14 @@ from k3jax.quant.host import mxfp4_dequantize_np
 from k3jax.sharding.mesh import make_mesh
 
 
-def random_params(cfg, seed):
+def random_params(cfg, seed, dtype="float32"):
     """Random values in the params tree of ``cfg`` (numpy: eager ``init_params`` takes ~15 s on the shared CPU)."""
+    from k3jax.config import RunConfig
     from k3jax.model import abstract_params
 
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))
+    return jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype),
+                        abstract_params(cfg, RunConfig(param_dtype=dtype)))
 
 
 def _flat(tree, cfg):
@@ -155,14 +157,14 @@ def test_expert_sharded_load_reads_only_each_shard_once(mini):
 
 
 def test_tiny_bf16_experts_roundtrip(tmp_path):
-    cfg = get_preset("k3-tiny", expert_format="bf16", param_dtype="bfloat16")
-    params = random_params(cfg, 1)
+    cfg = get_preset("k3-tiny", expert_format="bf16")
+    params = random_params(cfg, 1, dtype="bfloat16")
     save(params, cfg, tmp_path / "t")
     ck = open_checkpoint(tmp_path / "t")
     assert not ck.packed_modules()
     plan = plan_load(ck, cfg)
     assert not any(plan.packed.values())
-    _, got = load(tmp_path / "t", cfg=cfg, progress=False)
+    _, got = load(tmp_path / "t", cfg=cfg, dtype="bfloat16", progress=False)
     for path, v in _flat(params, cfg).items():
         np.testing.assert_array_equal(_bits(_flat(got, cfg)[path]), _bits(v), err_msg=str(path))
     save(got, cfg, tmp_path / "t2")

@@ -104,3 +104,24 @@ def test_bad_json_file(tmp_path):
     p.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         from_hf(str(tmp_path))
+
+
+def test_architecture_and_run_settings_are_separate():
+    import dataclasses
+
+    from k3jax.config import RUN_FIELDS, RunConfig, default_run
+
+    arch = {f.name for f in dataclasses.fields(get_preset("k3-mini"))}
+    assert not arch & set(RUN_FIELDS)  # a K3Config is what config.json describes, nothing about how it runs
+    with pytest.raises(ConfigError, match="qat: run settings, not architecture"):
+        get_preset("k3-mini").replace(qat="weights")
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        get_preset("k3-tiny", compute_dtype="bfloat16")
+    assert default_run(get_preset("k3-mini")).mla_block_size == 128  # the presets' tuned choices
+    assert default_run(get_preset("k3-tiny")) == RunConfig(mla_block_size=8, kda_chunk_size=16)
+    assert default_run(get_preset("kimi-k3")) == RunConfig()
+    assert default_run(get_preset("k3-mini"), qat="weights").qat == "weights"
+    with pytest.raises(ConfigError, match="'kda_impl'"):
+        RunConfig(kda_impl="fast")
+    with pytest.raises(ConfigError, match="'kda_chunk_size'"):
+        RunConfig(kda_chunk_size=24)

@@ -10,7 +10,7 @@ import pytest
 
 import k3jax.layers.attn_res as ar_block
 import k3jax.model.network as net
-from k3jax.config import get_preset
+from k3jax.config import default_run, get_preset
 from k3jax.model import abstract_params, forward, init_params, lm_loss, unstack
 from k3jax.reference.model import ref_forward
 from k3jax.testing import TOL, assert_close
@@ -42,15 +42,16 @@ CFGS = {"k3": lambda: get_preset("k3-tiny"), "kimi-linear": tiny_linear}
 
 @pytest.mark.parametrize("family", sorted(CFGS))
 def test_fp64_and_fp32_match_numpy_reference(family, x64):
-    cfg64 = CFGS[family]().replace(param_dtype="float64", compute_dtype="float64")
-    params = spread(init_params(cfg64, jax.random.key(1)))
+    cfg64 = CFGS[family]()
+    run64 = default_run(cfg64, param_dtype="float64", compute_dtype="float64")
+    params = spread(init_params(cfg64, jax.random.key(1), run64))
     toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg64.vocab_size, (2, 13)), jnp.int32)
     want = ref_forward(unstack(params, cfg64), toks, cfg64)
-    got64 = forward(params, toks, cfg64)
+    got64 = forward(params, toks, cfg64, run64)
     assert got64.dtype == jnp.float64
     assert_close(got64, want, TOL["fp64_vs_fp64"], name="float64 logits")
-    cfg32 = cfg64.replace(param_dtype="float32", compute_dtype="float32")
-    got32 = forward(jax.tree.map(lambda a: a.astype(jnp.float32), params), toks, cfg32)
+    run32 = run64.replace(param_dtype="float32", compute_dtype="float32")
+    got32 = forward(jax.tree.map(lambda a: a.astype(jnp.float32), params), toks, cfg64, run32)
     assert_close(got32, want, TOL["fp32_vs_fp64"], name="float32 logits")
 
 
@@ -68,14 +69,15 @@ def test_causality():
 
 def test_dense_and_sorted_dispatch_agree_in_the_model(x64):
     # float64, so that any disagreement beyond rounding shows (fp32 gradient leaves differ at ~1e-5 by order alone)
-    cfg = get_preset("k3-tiny").replace(param_dtype="float64", compute_dtype="float64")
-    params = spread(init_params(cfg, jax.random.key(3)))
+    cfg = get_preset("k3-tiny")
+    run = default_run(cfg, param_dtype="float64", compute_dtype="float64")
+    params = spread(init_params(cfg, jax.random.key(3), run))
     toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 9)), jnp.int32)
-    a = forward(params, toks, cfg, dispatch="sorted")
-    b = forward(params, toks, cfg, dispatch="dense")
+    a = forward(params, toks, cfg, run, dispatch="sorted")
+    b = forward(params, toks, cfg, run, dispatch="dense")
     assert_close(a, b, TOL["fp64_vs_fp64"])
-    ga = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="sorted"))(params)
-    gb = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, dispatch="dense"))(params)
+    ga = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, run, dispatch="sorted"))(params)
+    gb = jax.grad(lambda p: lm_loss(p, toks, toks, cfg, run, dispatch="dense"))(params)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(ga), jax.tree.leaves(gb)):
         assert_close(x, y, TOL["fp64_grad"], atol_floor=TOL["fp64_grad_floor"], name=jax.tree_util.keystr(path))
 

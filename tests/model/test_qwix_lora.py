@@ -207,16 +207,17 @@ def test_stacked_layout_per_block_lora_on_unstacked_layers(stacked):
     stack is never tagged, so never sliced with an Rngs inside). LoRA leaves appear in pre/post only, the forward
     equals the base, and gradients through the whole model reach only them."""
     cfg, base = stacked
+    run = base.run
     model = nnx.clone(base)
     x = jax.random.normal(jax.random.key(0), (1, 4, cfg.hidden_size), jnp.float32)
     for i, layer in enumerate([*model.pre, *model.post]):
         prov = qwix.LoraProvider(module_path=".*", rank=RANK, alpha=ALPHA)  # the block's own qwix path is ""
         if hasattr(layer, "kda"):
-            layer.kda = qwix.apply_lora_to_model(layer.kda, prov, x, eps=cfg.rms_norm_eps, impl=cfg.kda_impl,
-                                                 chunk_size=cfg.kda_chunk_size, rngs=nnx.Rngs(10 + i))
+            layer.kda = qwix.apply_lora_to_model(layer.kda, prov, x, eps=cfg.rms_norm_eps, impl=run.kda_impl,
+                                                 chunk_size=run.kda_chunk_size, rngs=nnx.Rngs(10 + i))
         else:
             layer.mla = qwix.apply_lora_to_model(layer.mla, prov, x, norm_eps=cfg.mla_norm_eps,
-                                                 block_size=cfg.mla_block_size, rngs=nnx.Rngs(10 + i))
+                                                 block_size=run.mla_block_size, rngs=nnx.Rngs(10 + i))
     got = lora_state(model)
     want = {p: s for p, s in expected_lora(base, ("kda", "mla")).items() if p[0] != "groups"}
     assert {p[:3] for p in want} == {("pre", 0, "kda"), ("pre", 1, "kda"), ("pre", 2, "kda"), ("pre", 3, "mla"),

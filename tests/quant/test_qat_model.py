@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax import quant
-from k3jax.config import get_preset
+from k3jax.config import default_run, get_preset
 from k3jax.model import forward, init_params, layer_view, lm_loss, restack, unstack
 
 
@@ -37,9 +37,9 @@ def tiny():
 def test_qat_off_is_the_plain_model(tiny):
     cfg, params, tokens = tiny
     plain = forward(params, tokens, cfg)
-    off = forward(params, tokens, cfg.replace(qat="off"))
+    off = forward(params, tokens, cfg, default_run(cfg, qat="off"))
     np.testing.assert_array_equal(np.asarray(off), np.asarray(plain))
-    on = forward(params, tokens, cfg.replace(qat="weights"))
+    on = forward(params, tokens, cfg, default_run(cfg, qat="weights"))
     assert not np.array_equal(np.asarray(on), np.asarray(plain))  # the fake-quant is really in the path
 
 
@@ -49,15 +49,15 @@ def test_qat_weights_quantizes_exactly_the_expert_stacks(tiny):
     cfg, params, tokens = tiny
     preq = _with_experts(params, cfg, lambda e: {k: quant.fake_quant_mxfp4(v, axis=1) for k, v in e.items()})
     off = forward(preq, tokens, cfg)
-    on = forward(preq, tokens, cfg.replace(qat="weights"))
+    on = forward(preq, tokens, cfg, default_run(cfg, qat="weights"))
     np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
 
 
 def test_qat_gradient_reaches_expert_weights(tiny):
     cfg, params, tokens = tiny
     targets = jnp.roll(tokens, -1, axis=1)
-    qcfg = cfg.replace(qat="weights+acts")
-    grads = jax.jit(jax.grad(lambda p: lm_loss(p, tokens, targets, qcfg)))(params)
+    qrun = default_run(cfg, qat="weights+acts")
+    grads = jax.jit(jax.grad(lambda p: lm_loss(p, tokens, targets, cfg, qrun)))(params)
     for li in _moe_layers(params, cfg):
         for key in ("w1", "w2", "w3"):
             g = np.asarray(layer_view(grads, cfg, li)["moe"]["experts"][key], np.float64)
@@ -67,7 +67,7 @@ def test_qat_gradient_reaches_expert_weights(tiny):
 
 def test_export_of_qat_experts_reproduces_qat_logits(tiny):
     cfg, params, tokens = tiny
-    qat_logits = forward(params, tokens, cfg.replace(qat="weights"))
+    qat_logits = forward(params, tokens, cfg, default_run(cfg, qat="weights"))
 
     def round_trip(experts):
         return {k: quant.unpack_experts(*quant.pack_experts(w, name=k), dtype=w.dtype, name=k)

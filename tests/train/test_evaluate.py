@@ -30,7 +30,7 @@ def test_spaced_windows_are_fixed_full_windows_and_mod_vocab():
 
 
 def test_heldout_loss_matches_a_per_token_reference_masked_or_not():
-    cfg = get_preset("k3-tiny").replace(param_dtype="float32")
+    cfg = get_preset("k3-tiny")
     params = init_params(cfg, jax.random.key(0))
     t = (np.arange(150) * 7 + 3) % cfg.vocab_size
     T = 16
