@@ -59,7 +59,7 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
         raise ValueError(f"unknown routing field(s) {bad}; known: {FIELDS}")
     order = moe_layers(cfg)
 
-    def run(params, tokens):
+    def route(params, tokens):
         _, aux = forward(params, tokens, cfg, run, return_aux=True)
         out = {}
         for l in layers:
@@ -73,7 +73,7 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
             out[l] = d
         return out
 
-    return jax.jit(run)
+    return jax.jit(route)
 
 
 def windows(stream, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1
