@@ -15,12 +15,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Act = Literal["situ", "silu"]
-MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]
+MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
+# The one list of each run-mode family (the Literals above are their single spelling): blocks, the train loop and
+# the CLIs import these.
+MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
+KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
+QAT_MODES: tuple[str, ...] = get_args(QATMode)
 
 
 class ConfigError(ValueError):
@@ -157,9 +162,9 @@ _CHOICES = {
     "expert_format": ("mxfp4", "bf16"),
 }
 _RUN_CHOICES = {
-    "moe_impl": ("sorted", "ragged", "tiled", "dense"),
-    "kda_impl": ("recurrent", "chunked", "pallas"),
-    "qat": ("off", "weights", "weights+acts"),
+    "moe_impl": MOE_IMPLS,
+    "kda_impl": KDA_IMPLS,
+    "qat": QAT_MODES,
     "qat_weight_rule": ("floor", "ceil", "even"),
     "qat_act_rule": ("floor", "ceil", "even"),
     "param_dtype": ("float32", "bfloat16", "float64"),
@@ -318,5 +323,5 @@ def default_run(cfg: K3Config, **overrides) -> RunConfig:
     return run.replace(**overrides) if overrides else run
 
 
-__all__ = ["K3Config", "ConfigError", "PRESETS", "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "default_run", "from_hf",
-           "get_preset", "validate"]
+__all__ = ["KDA_IMPLS", "MOE_IMPLS", "QAT_MODES", "K3Config", "ConfigError", "PRESETS", "PRESET_RUNS", "RUN_FIELDS",
+           "RunConfig", "default_run", "from_hf", "get_preset", "validate"]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.bench.common import matmul_peak_flops, time_median
+from k3jax.config import QAT_MODES
 
 
 def add_arguments(parser) -> None:
@@ -31,7 +32,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--qat", choices=("off", "weights", "weights+acts"), default="off")
+    parser.add_argument("--qat", choices=QAT_MODES, default="off")
     parser.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32")
 
 

@@ -16,6 +16,8 @@ import math
 import tempfile
 import time
 
+from k3jax.config import KDA_IMPLS, MOE_IMPLS
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="held-out loss + routing summary of the shipped model (or a preset)",
@@ -32,8 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
     p.add_argument("--plots", default=None, metavar="DIR", help="routing figures (default: a new temp dir)")
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--moe-impl", choices=("sorted", "ragged", "tiled", "dense"), default=None)
-    p.add_argument("--kda-impl", choices=("recurrent", "chunked", "pallas"), default=None)
+    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None)
+    p.add_argument("--kda-impl", choices=KDA_IMPLS, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from k3jax.config import QAT_MODES
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train / QAT fine-tune with per-head Muon, QK-Clip and Quantile Balancing",
@@ -22,7 +24,7 @@ def add_parser(sub) -> None:
     src.add_argument("--init", default=None, help="start from this checkpoint directory (its config must match "
                      "--preset when both are given)")
     src.add_argument("--strict-config", action="store_true", help="unknown keys in --init's config.json are errors")
-    src.add_argument("--qat", choices=("off", "weights", "weights+acts"), default="off")
+    src.add_argument("--qat", choices=QAT_MODES, default="off")
     src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                      help="matmul operand dtype; master params and optimizer state stay fp32")
     run = p.add_argument_group("run")

@@ -30,12 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.config import KDA_IMPLS
 from k3jax.layers import backends
 from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.norms import acc_dtype
 
-IMPLS = ("recurrent", "chunked", "pallas")
+IMPLS = KDA_IMPLS
 
 _QKV = ("embed", "heads", "head_dim")
 

@@ -22,14 +22,13 @@ from functools import partial
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.config import QAT_MODES
 from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
 from k3jax.layers.ffn import GLU
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
 from k3jax.ops.norms import acc_dtype, rms_norm
 from k3jax.ops.routing import Routing, route
-
-QAT_MODES = ("off", "weights", "weights+acts")
 
 
 class Experts(nnx.Module):

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.config import ConfigError, K3Config, RunConfig, default_run, get_preset
+from k3jax.config import QAT_MODES, ConfigError, K3Config, RunConfig, default_run, get_preset
 from k3jax.sharding import make_mesh
 from k3jax.train import data as tdata
 from k3jax.train.ckpt import load_checkpoint_params, manager, restore_state, save_state
@@ -143,8 +143,8 @@ def validate(tc: TrainConfig, n_dev: int) -> None:
     if b % n_dev:
         raise ValueError(f"micro-batch size {b} (= batch {tc.batch} / {tc.micro_batches} micro-batches) is not "
                          f"divisible by the {n_dev} data-parallel devices")
-    if tc.qat not in ("off", "weights", "weights+acts"):
-        raise ValueError(f"--qat {tc.qat!r}: must be off, weights or weights+acts")
+    if tc.qat not in QAT_MODES:
+        raise ValueError(f"--qat {tc.qat!r}: must be one of {', '.join(QAT_MODES)}")
     if tc.compute_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--compute-dtype {tc.compute_dtype!r}: must be float32 or bfloat16")
     if not 0.0 < tc.heldout_frac < 1.0:

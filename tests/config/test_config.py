@@ -125,3 +125,13 @@ def test_architecture_and_run_settings_are_separate():
         RunConfig(kda_impl="fast")
     with pytest.raises(ConfigError, match="'kda_chunk_size'"):
         RunConfig(kda_chunk_size=24)
+
+
+def test_each_run_mode_list_has_one_home():
+    from k3jax.config import KDA_IMPLS, MOE_IMPLS, QAT_MODES
+    from k3jax.layers import kda, moe
+    from k3jax.ops.grouped_matmul import EXPERT_IMPLS
+
+    assert tuple(EXPERT_IMPLS) == MOE_IMPLS  # the dispatch table's keys are the config's MoE impls
+    assert kda.IMPLS is KDA_IMPLS and moe.QAT_MODES is QAT_MODES
+    assert QAT_MODES == ("off", "weights", "weights+acts") and "pallas" in KDA_IMPLS
