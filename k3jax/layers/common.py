@@ -19,7 +19,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.notation import LOGICAL_AXES
-from k3jax.ops.norms import acc_dtype
 
 INIT_STD = 0.02  # HF initializer_range
 
@@ -59,17 +58,4 @@ def normal(rngs: nnx.Rngs, shape, dtype, std: float = INIT_STD):
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def ones(shape, dtype):
-    return jnp.ones(shape, dtype)
-
-
-def at_least_f32(dtype):
-    """Leaves the release stores F32 (A_log, dt_bias, convs, o_norm, router bias) stay at least float32."""
-    return acc_dtype(dtype)
-
-
-def logical_axes(p: nnx.Param) -> tuple[str, ...]:
-    return tuple(p.get_metadata()["axes"])
-
-
-__all__ = ["HFLeaf", "INIT_STD", "at_least_f32", "logical_axes", "normal", "ones", "param", "vec"]
+__all__ = ["HFLeaf", "INIT_STD", "normal", "param", "vec"]

@@ -32,7 +32,7 @@ from flax import nnx
 
 from k3jax.config import KDA_IMPLS
 from k3jax.layers import backends
-from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
+from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.norms import acc_dtype
 
@@ -78,7 +78,7 @@ class KDA(nnx.Module):
     def __init__(self, *, d: int, num_heads: int, head_dim: int, conv_size: int, full_rank_gate: bool,
                  gate_lower_bound: float | None, dtype=jnp.float32, rngs: nnx.Rngs):
         N, K = num_heads, head_dim
-        f32 = at_least_f32(dtype)
+        f32 = acc_dtype(dtype)  # the release stores these F32: keep at least float32
         self.gate_lower_bound = gate_lower_bound
         bound = 1.0 / math.sqrt(conv_size)
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import QAT_MODES
-from k3jax.layers.common import HFLeaf, at_least_f32, normal, param, vec
+from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.layers.ffn import GLU
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
@@ -62,7 +62,7 @@ class MoE(nnx.Module):
         E, F = num_experts, expert_hidden
         P = latent if latent is not None else d
         self.router = param(normal(rngs, (d, E), dtype), ("embed", "experts"))
-        self.bias = param(jnp.zeros((E,), at_least_f32(dtype)), ("experts",))
+        self.bias = param(jnp.zeros((E,), acc_dtype(dtype)), ("experts",))
         self.experts = Experts(num_experts=E, width=P, hidden=F, width_axis="latent" if latent else "embed",
                                dtype=dtype, rngs=rngs)
         if num_shared:

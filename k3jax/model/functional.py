@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -75,8 +76,6 @@ def forward(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, retu
 
 def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None, *, mask=None, dispatch=None):
     """Mean next-token cross-entropy (fp32) over ``mask`` (default all positions)."""
-    import jax.numpy as jnp
-
     logits = forward(params, tokens, cfg, run, dispatch=dispatch)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mask is None:
