@@ -293,9 +293,23 @@ def _k3_tiny() -> K3Config:
     )
 
 
+def _kimi_linear_tiny() -> K3Config:
+    # kimi-linear-48b with every size shrunk and every switch kept (softplus gate, low-rank output gate, direct
+    # q_proj, no MLA gate, SwiGLU, standard MoE with 1 shared expert, routed scale 2.446, no AttnRes, BF16 experts):
+    # 8 layers, MLA at 1-based {4, 8} (every 4th + the last), dense layer 0, 8 experts top-2. ~0.68M parameters
+    # (2.7 MB in fp32): the checkpoint of tests/golden/kimi_linear, written by HF transformers.
+    return _kimi_linear_48b().replace(
+        name="kimi-linear-tiny", vocab_size=512, hidden_size=64, num_layers=8, full_attn_layers=(4, 8),
+        kda_num_heads=2, kda_head_dim=32, mla_num_heads=2, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, intermediate_size=192, num_experts=8, num_experts_per_token=2,
+        moe_intermediate_size=32,
+    )
+
+
 PRESETS = {
     "kimi-k3": _kimi_k3,
     "kimi-linear-48b": _kimi_linear_48b,
+    "kimi-linear-tiny": _kimi_linear_tiny,
     "k3-mini": _k3_mini,
     "k3-tiny": _k3_tiny,
 }
@@ -306,6 +320,7 @@ PRESETS = {
 PRESET_RUNS = {
     "k3-mini": RunConfig(mla_block_size=128),
     "k3-tiny": RunConfig(mla_block_size=8, kda_chunk_size=16),
+    "kimi-linear-tiny": RunConfig(mla_block_size=16, kda_chunk_size=16),
 }
 
 

@@ -13,11 +13,17 @@ classes:
   (``BOILERPLATE``: what the release's own files carry, accepted without comment) and runtime / tokenizer / RoPE
   settings other writers add (``IRRELEVANT``: accepted, listed in the report as ``ignored_keys``). RoPE settings
   are irrelevant because only NoPE MLA (``mla_use_nope: true``) is accepted: nothing is ever rotated.
+- **derived** — what transformers' ``KimiLinearConfig`` derives from the used keys and serializes beside them
+  (``DERIVED``: ``layer_types``, ``mlp_layer_types``, ``linear_{num_heads,head_dim,conv_kernel_dim}``,
+  ``qk_head_dim``). transformers builds its model from some of them *instead of* the used keys (``layer_types``
+  over ``linear_attn_config``, ``mlp_layer_types`` over ``first_k_dense_replace``), so each must equal what k3jax
+  derives: a disagreement is a ``ConfigError`` naming the key and both values. Present and agreeing, they are
+  listed in the report as ``derived_keys``.
 - **unknown** — anything else: one ``UnknownConfigKeysWarning`` listing every such key with its path
   (``text_config.foo``); ``strict=True`` (``--strict-config``) makes it a ``ConfigError``.
 
     >>> cfg = from_hf("ckpt/config.json", report=(r := {}))   # doctest: +SKIP
-    >>> r["unknown_keys"], r["ignored_keys"]                   # doctest: +SKIP
+    >>> r["unknown_keys"], r["ignored_keys"], r["derived_keys"]  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -54,9 +60,11 @@ head_dim attention_dropout attention_bias mlp_bias use_return_dict vision_config
 """.split())
 # Keys other writers add that change nothing k3jax computes (generation/runtime defaults, tokenizer ids, RoPE
 # settings of a NoPE model, training-only switches of other frameworks). Accepted and reported.
+# pretraining_tp: transformers' KimiLinear never reads it (modeling_kimi_linear.py in 5.23 has no use; Llama's old
+# pretraining_tp > 1 only split matmuls into slices of the same product), so any value is math-neutral.
 IRRELEVANT = frozenset("""
 model_max_length rope_parameters rope_theta rope_scaling unk_token_id tokenizer_name generation_config
-output_router_logits return_legacy_cache use_sliding_window sliding_window max_window_layers
+output_router_logits return_legacy_cache use_sliding_window sliding_window max_window_layers pretraining_tp
 """.split())
 
 
@@ -147,7 +155,52 @@ KEYS: tuple[Key, ...] = (
         why="MTP layers are not part of the release and not supported", emit=lambda c: 0),
     Key("attn_res_block_size", "attn_res_block_size", _INT, None, nullable=True),
 )
-KEY_NAMES = frozenset(k.name.split(".")[0] for k in KEYS) | {"model_type", "quantization_config"}
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A key transformers' ``KimiLinearConfig`` (5.x) derives from used keys and serializes: checked, not used.
+
+    ``value(kw)`` is what it must be for the K3Config fields parsed from the same file (before any overrides);
+    ``source`` names the used key(s) it restates; ``why`` is the error's reason.
+    ``normalize`` maps a stored value to the form compared (transformers' own spelling remaps).
+    """
+
+    name: str
+    types: tuple
+    value: Callable[[dict], Any]
+    source: str
+    why: str = "it restates that value"
+    normalize: Callable[[Any], Any] = lambda v: v
+
+
+# transformers remaps these legacy layer-type spellings on load (configuration_utils._LEGACY_LAYER_TYPE_REMAP)
+_LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
+_LINEAR_WHY = "transformers' KDA reads it where linear_attn_config lacks the key"
+
+DERIVED: tuple[Derived, ...] = (
+    # transformers' decoder layer: MLA iff layer_types[l] == "full_attention", else KDA
+    Derived("layer_types", _LIST,
+            lambda kw: ["full_attention" if l + 1 in kw["full_attn_layers"] else "linear_attention"
+                        for l in range(kw["num_layers"])],
+            "linear_attn_config.full_attn_layers",
+            why="transformers builds MLA / KDA layers from layer_types, k3jax from linear_attn_config",
+            normalize=lambda v: [_LEGACY_LAYER_TYPES.get(t, t) for t in v]),
+    # transformers' decoder layer: MoE iff mlp_layer_types[l] == "sparse", else the dense MLP
+    Derived("mlp_layer_types", _LIST,
+            lambda kw: ["dense" if l < kw["first_k_dense_replace"] else "sparse" for l in range(kw["num_layers"])],
+            "first_k_dense_replace",
+            why="transformers picks MoE / dense MLP layers from mlp_layer_types, k3jax from first_k_dense_replace"),
+    # transformers' KDA reads these where linear_attn_config lacks the key (k3jax then takes its default)
+    Derived("linear_num_heads", _INT, lambda kw: kw["kda_num_heads"], "linear_attn_config.num_heads", _LINEAR_WHY),
+    Derived("linear_head_dim", _INT, lambda kw: kw["kda_head_dim"], "linear_attn_config.head_dim", _LINEAR_WHY),
+    Derived("linear_conv_kernel_dim", _INT, lambda kw: kw["kda_conv_size"],
+            "linear_attn_config.short_conv_kernel_size", _LINEAR_WHY),
+    Derived("qk_head_dim", _INT, lambda kw: kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"],
+            "qk_nope_head_dim + qk_rope_head_dim"),
+)
+DERIVED_NAMES = frozenset(d.name for d in DERIVED)
+KEY_NAMES = frozenset(k.name.split(".")[0] for k in KEYS) | {"model_type", "quantization_config"} | DERIVED_NAMES
 LINEAR_ATTN_KEYS = frozenset(k.name.split(".", 1)[1] for k in KEYS if k.name.startswith("linear_attn_config."))
 _TOP_USED = frozenset({"model_type", "text_config", "tie_word_embeddings", "quantization_config"})
 
@@ -227,6 +280,38 @@ def _expert_format(qc, err) -> str:
     return "mxfp4"
 
 
+def _difference(got, want) -> str:
+    """Where two layer lists first differ (empty for scalars)."""
+    if not (isinstance(got, list) and isinstance(want, list)):
+        return ""
+    if len(got) != len(want):
+        return f" ({len(got)} entries for {len(want)} layers)"
+    i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    return f" (first at index {i}, 1-based layer {i + 1}: {got[i]!r} vs {want[i]!r})"
+
+
+def check_derived(tc: dict, kw: dict, err) -> list[str]:
+    """The ``DERIVED`` keys present in ``tc`` (null means absent, as for transformers); each must equal what the
+    K3Config fields ``kw`` parsed from ``tc`` give, else ``err(key, message)`` naming both values. Returns the
+    names present."""
+    present = []
+    for d in DERIVED:
+        if tc.get(d.name) is None:
+            continue
+        v = tc[d.name]
+        ok_type = (isinstance(v, list) and all(isinstance(t, str) for t in v)) if d.types is _LIST else (
+            isinstance(v, int) and not isinstance(v, bool))
+        if not ok_type:
+            want = "a list of strings" if d.types is _LIST else "int"
+            raise err(d.name, f"expected {want}, got {v!r}")
+        got, want = d.normalize(v), d.value(kw)
+        if got != want:
+            raise err(d.name, f"{v!r} disagrees with {d.source}, which gives {want!r}{_difference(got, want)}; "
+                      f"{d.why}, so the two must agree")
+        present.append(d.name)
+    return present
+
+
 def _lookup(tc: dict, name: str):
     if "." in name:
         outer, inner = name.split(".", 1)
@@ -248,7 +333,8 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
 
     Malformed values, contradictions and unsupported math raise ``ConfigError`` (a ``ValueError``) naming the
     field. Unknown keys warn once (``UnknownConfigKeysWarning``), or raise with ``strict=True``. ``report``, if
-    given, is filled with ``unknown_keys`` and ``ignored_keys`` (paths). ``overrides`` replace fields of the result
+    given, is filled with ``unknown_keys``, ``ignored_keys`` and ``derived_keys`` (paths; the last only when the
+    config parses). ``overrides`` replace fields of the result
     (e.g. ``name``); run settings are not config fields (``k3jax.config.RunConfig``).
     """
     raw, src = _load_json(path_or_dict)
@@ -323,11 +409,16 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
     qc = tc["quantization_config"] if "quantization_config" in tc else raw.get("quantization_config")
     kw["expert_format"] = _expert_format(qc, err)
     kw["name"] = overrides.pop("name", f"hf-{top_type}")
+    file_kw = dict(kw)  # the derived keys restate the file's own values, whatever the overrides
     kw.update(overrides)
     try:
-        return K3Config(**kw)
+        cfg = K3Config(**kw)
     except (ConfigError, TypeError) as e:
         raise ConfigError(f"{src}: {e}") from None
+    derived = check_derived(tc, file_kw, err)
+    if report is not None:
+        report["derived_keys"] = [where + k for k in derived]
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------------ emitting
@@ -354,5 +445,5 @@ def to_hf_dict(cfg: K3Config, quantization_config: dict | None = None) -> dict:
     return tc
 
 
-__all__ = ["BOILERPLATE", "IRRELEVANT", "KEYS", "Key", "MXFP4_FORMAT", "UnknownConfigKeysWarning", "classify_keys",
-           "from_hf", "to_hf_dict"]
+__all__ = ["BOILERPLATE", "DERIVED", "IRRELEVANT", "KEYS", "Derived", "Key", "MXFP4_FORMAT", "UnknownConfigKeysWarning",
+           "check_derived", "classify_keys", "from_hf", "to_hf_dict"]

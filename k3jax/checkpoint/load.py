@@ -188,7 +188,8 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
         of what it has already loaded. Costs a few /proc reads per leaf, so off by default.
       strict_config: unknown keys in ``config.json`` are errors instead of one warning.
     Other writers' forms are accepted and converted (SPEC §2.1, §11): floating tensors in another float dtype are
-    cast, ``A_log`` in any vector form with an exactly-zero tail; ``stats["tolerated"]`` says what was.
+    cast, ``A_log`` in any vector form with an exactly-zero tail, a dense MLP under transformers 5's
+    ``block_sparse_moe.{gate,up,down}_proj`` names; ``stats["tolerated"]`` says what was.
     Returns: (cfg, params).
     """
     t0 = time.perf_counter()

@@ -3,7 +3,8 @@
 ``plan_load`` checks every name, shape and dtype against ``name_map.hf_tensors`` for the config before a single data
 byte is read, and returns the ``Plan``: each k3jax leaf path with its checkpoint tensors. Other writers' forms are
 accepted where they convert losslessly: a floating tensor in another float dtype (cast on load), ``A_log`` in any
-vector form with an exactly-zero tail (``a_log_form``).
+vector form with an exactly-zero tail (``a_log_form``), a dense MLP named ``block_sparse_moe.{gate,up,down}_proj``
+as transformers 5's ``save_pretrained`` writes it (SPEC §13; ``dense_mlp_names``, decided per layer by presence).
 
     ck = open_checkpoint("ckpt/")
     plan = plan_load(ck, cfg)                   # raises CheckpointError naming file and tensor
@@ -13,6 +14,7 @@ vector form with an exactly-zero tail (``a_log_form``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +27,11 @@ from k3jax.checkpoint.io import Checkpoint
 # Integer, bool and float8 storage must match exactly (float8 without scales is a quantization, not a dtype).
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 A_LOG_TRANSFORMS = ("a_log_pad", "a_log_4d")
+# A dense MLP tensor as the release names it: (layer prefix, layer, "{gate,up,down}_proj.weight").
+DENSE_MLP_RE = re.compile(r"^(.*\bmodel\.layers\.(\d+)\.)mlp\.((?:gate|up|down)_proj\.weight)$")
+# transformers 5.x ``save_pretrained`` reverts its ``.block_sparse_moe. -> .mlp.`` load rename on every layer, so a
+# dense layer's MLP is stored under the MoE block's name (SPEC §13: accept both, decided by presence).
+DENSE_MLP_ALT = "block_sparse_moe"
 
 
 @dataclass
@@ -33,7 +40,9 @@ class Plan:
 
     ``casts`` counts tensors stored in another float dtype than the layout's (``{"F32->BF16": 190}``: stored F32
     where the release has BF16); they are cast on load, never reinterpreted. ``a_log_forms`` counts the stored
-    shapes of ``A_log`` that differ from the layout's own (``{"[H]": 3}``).
+    shapes of ``A_log`` that differ from the layout's own (``{"[H]": 3}``). ``renamed`` maps a release name to the
+    name the tensor is stored under where another writer's naming was accepted (the specs in ``leaves`` carry the
+    stored name).
     """
 
     cfg: object
@@ -42,6 +51,7 @@ class Plan:
     packed: dict[tuple, bool]  # expert leaf path -> stored MXFP4?
     casts: dict[str, int] = field(default_factory=dict)
     a_log_forms: dict[str, int] = field(default_factory=dict)
+    renamed: dict[str, str] = field(default_factory=dict)
 
     def entries(self, path) -> list[TensorEntry]:
         return [e for _, e in self.leaves[path]]
@@ -49,13 +59,20 @@ class Plan:
     def tolerated(self, config_report: dict | None = None) -> dict:
         """What was accepted that the release itself does not contain: ``unknown_keys`` and ``ignored_keys`` of
         the config (from ``from_hf(..., report=)``), ``casts`` and ``a_log_form`` (one name, or a sorted list if
-        the layers differ; absent when A_log is stored as the layout stores it)."""
+        the layers differ; absent when A_log is stored as the layout stores it). Absent unless something was:
+        ``derived_keys`` (config keys transformers derives, checked to agree) and ``dense_mlp_names``
+        (``{"block_sparse_moe": [layers]}``: dense MLPs stored under the MoE block's name)."""
         r = config_report or {}
         out = {"unknown_keys": list(r.get("unknown_keys", ())), "ignored_keys": list(r.get("ignored_keys", ())),
                "casts": dict(sorted(self.casts.items()))}
+        if r.get("derived_keys"):
+            out["derived_keys"] = list(r["derived_keys"])
         if self.a_log_forms:
             forms = sorted(self.a_log_forms)
             out["a_log_form"] = forms[0] if len(forms) == 1 else forms
+        layers = sorted({int(DENSE_MLP_RE.match(n).group(2)) for n in self.renamed if DENSE_MLP_RE.match(n)})
+        if layers:
+            out["dense_mlp_names"] = {DENSE_MLP_ALT: layers}
         return out
 
 
@@ -94,6 +111,37 @@ def _expected_specs(ck: Checkpoint, cfg, layout) -> list:
     out += [s for s in lists[0][1] if s.transform == "mxfp4" and s.name.rsplit(".", 1)[0] in packed_mods]
     out += [s for s in lists[1][1] if s.transform == "expert" and s.name.rsplit(".", 1)[0] not in packed_mods]
     return out
+
+
+def _dense_mlp_names(ck: Checkpoint, specs: list) -> tuple[list, dict[str, str]]:
+    """``specs`` with each dense layer's MLP under the name it is stored by, and ``{release name: stored name}``.
+
+    Per layer: the release's ``mlp.{gate,up,down}_proj.weight`` unless none of them is present and some
+    ``block_sparse_moe.{gate,up,down}_proj.weight`` is (then all three are expected there, so a missing one is
+    reported under that name). Both forms in one layer, even split across its three tensors, is an error naming
+    the layer: which to load would be a guess.
+    """
+    alt_of: dict[int, dict[str, str]] = {}
+    for s in specs:
+        m = DENSE_MLP_RE.match(s.name)
+        if m:
+            alt_of.setdefault(int(m.group(2)), {})[s.name] = f"{m.group(1)}{DENSE_MLP_ALT}.{m.group(3)}"
+    renamed: dict[str, str] = {}
+    for layer, alts in sorted(alt_of.items()):
+        rel = [n for n in alts if n in ck.tensors]
+        alt = [a for a in alts.values() if a in ck.tensors]
+        if rel and alt:
+            both = any(alts[n] in ck.tensors for n in rel)
+            raise CheckpointError(
+                f"layer {layer}'s dense MLP is stored {'twice' if both else 'under two namings'}: "
+                f"{_examples(rel, lambda n: f' in {ck.tensors[n].file}')} and "
+                f"{_examples(alt, lambda n: f' in {ck.tensors[n].file}')}; store its gate/up/down_proj once each, "
+                f"all as mlp.* (the release) or all as {DENSE_MLP_ALT}.* (transformers 5)", file=ck.path)
+        if alt:
+            renamed.update(alts)
+    if not renamed:
+        return specs, renamed
+    return [s._replace(name=renamed[s.name]) if s.name in renamed else s for s in specs], renamed
 
 
 def _examples(names: Iterable[str], where, k: int = 3) -> str:
@@ -161,7 +209,7 @@ def plan_load(ck: Checkpoint, cfg, layout: str | None = None) -> Plan:
     Raises CheckpointError listing missing / extra tensors (with their files) or the first shape / dtype mismatch.
     """
     layout = layout or nm.default_layout(cfg)
-    specs = _expected_specs(ck, cfg, layout)
+    specs, renamed = _dense_mlp_names(ck, _expected_specs(ck, cfg, layout))
     _check_names(ck, cfg, layout, specs)
     leaves: dict[tuple, list] = {}
     packed: dict[tuple, bool] = {}
@@ -174,7 +222,7 @@ def plan_load(ck: Checkpoint, cfg, layout: str | None = None) -> Plan:
         if s.transform in ("mxfp4", "expert"):
             packed[s.path] = s.transform == "mxfp4"
     _order_experts(ck, leaves, packed)
-    return Plan(cfg, layout, leaves, packed, casts, a_log_forms)
+    return Plan(cfg, layout, leaves, packed, casts, a_log_forms, renamed)
 
 
-__all__ = ["A_LOG_TRANSFORMS", "FLOAT_DTYPES", "Plan", "a_log_form", "plan_load"]
+__all__ = ["A_LOG_TRANSFORMS", "DENSE_MLP_ALT", "DENSE_MLP_RE", "FLOAT_DTYPES", "Plan", "a_log_form", "plan_load"]

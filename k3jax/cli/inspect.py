@@ -2,8 +2,9 @@
 
 Reports missing / extra tensors and shape / dtype mismatches (exit 2 with a message naming file and tensor), bytes
 by dtype, which modules are stored MXFP4 (decided by the presence of ``weight_packed``), and what it tolerated from
-other writers: config keys it ignored, floating tensors stored in another float dtype (cast on load), ``A_log`` in
-another vector form. Every ``A_log`` is read (a few hundred bytes per layer) to check that its padding is exactly 0.
+other writers: config keys it ignored or checked (transformers' derived keys), floating tensors stored in another
+float dtype (cast on load), ``A_log`` in another vector form, a dense MLP under transformers 5's ``block_sparse_moe.``
+name. Every ``A_log`` is read (a few hundred bytes per layer) to check that its padding is exactly 0.
 ``--check-data`` also reads every E8M0 scale tensor (byte 0xFF = NaN is an error).
 
     k3 inspect ckpt/
@@ -82,8 +83,13 @@ def tolerated_lines(t: dict) -> list[str]:
     if "a_log_form" in t:
         forms = t["a_log_form"]
         lines.append(f"A_log stored {forms if isinstance(forms, str) else ', '.join(forms)}")
+    for form, layers in t.get("dense_mlp_names", {}).items():
+        lines.append(f"dense MLP of layer{'s' * (len(layers) != 1)} {', '.join(map(str, layers))} named "
+                     f"{form}.{{gate,up,down}}_proj (transformers 5; the release names it mlp.*)")
     if t.get("ignored_keys"):
         lines.append(f"ignored keys (irrelevant to the math): {', '.join(t['ignored_keys'])}")
+    if t.get("derived_keys"):
+        lines.append(f"derived keys (checked to agree with the keys used): {', '.join(t['derived_keys'])}")
     if t.get("unknown_keys"):
         lines.append(f"ignored unknown keys: {', '.join(t['unknown_keys'])}")
     return lines

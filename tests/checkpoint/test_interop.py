@@ -1,10 +1,12 @@
 """Checkpoints other tools write (issue #12): each variant is our own export, rewritten by the safetensors library
-the way another writer stores it (other float dtypes, mixed across shards; A_log as [H] or [1, 1, H, 1]; a
-transformers-5-style or torchtitan-style config with extra keys). Each must pass ``k3 inspect`` naming what it
-tolerated and give logits identical to the canonical checkpoint's through ``k3 logits``; bad forms still exit 2."""
+the way another writer stores it (other float dtypes, mixed across shards; A_log as [H] or [1, 1, H, 1]; layer 0's
+dense MLP under ``block_sparse_moe.`` as transformers 5 saves it; a transformers-5-style or torchtitan-style config
+with extra and derived keys). Each must pass ``k3 inspect`` naming what it tolerated and give logits identical to the
+canonical checkpoint's through ``k3 logits``; bad forms still exit 2."""
 
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -29,19 +31,24 @@ KL = K3.replace(name="kl-tiny", attn_res_block_size=None, routed_expert_hidden_s
 TOKENS = np.random.default_rng(0).integers(0, K3.vocab_size, (2, 12)).astype(np.int32)
 
 
-def rewrite_as(src: str, dst: str, tensor=None, config=None) -> None:
+def rewrite_as(src: str, dst: str, tensor=None, config=None, names=None) -> None:
     """Copy checkpoint ``src`` to ``dst`` through the safetensors library (its own header order, a ``format: pt``
-    metadata block as torch writers add), with ``tensor(name, file, array) -> array`` and ``config(dict)``."""
+    metadata block as torch writers add), with ``tensor(name, file, array) -> array``, ``config(dict)`` and
+    ``names(name) -> [stored names]`` (one tensor under zero, one or several names; the index follows)."""
     os.makedirs(dst)
     ck = open_checkpoint(src)
+    stored = {}
     for fname, hdr in ck.headers.items():
         out = {}
         for name, e in hdr.entries.items():
             a = ck.read_entry(e)
-            out[name] = np.ascontiguousarray(tensor(name, fname, a) if tensor else a)
+            for n in (names(name) if names else [name]):
+                out[n] = np.ascontiguousarray(tensor(name, fname, a) if tensor else a)
+                stored[n] = fname
         safetensors.numpy.save_file(out, os.path.join(dst, fname), metadata={"format": "pt"})
     with open(os.path.join(src, INDEX_NAME)) as f:
         idx = json.load(f)
+    idx["weight_map"] = stored
     with open(os.path.join(dst, INDEX_NAME), "w") as f:
         json.dump(idx, f)  # total_size is metadata: a different payload size must not matter
     with open(os.path.join(src, "config.json")) as f:
@@ -93,13 +100,31 @@ TRANSFORMERS5_KEYS = {  # what transformers 5 / other writers add to a config; n
     "model_max_length": 1048576, "transformers_version": "5.0.0", "dtype": "float32", "use_cache": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "architectures": ["KimiLinearForCausalLM"],
     "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig"}, "_name_or_path": "./kimi-linear-ft",
-    "head_dim": 72, "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839,
+    "head_dim": 72, "bos_token_id": 163584, "eos_token_id": 163585, "pad_token_id": 163839, "pretraining_tp": 1,
 }
+# and what transformers 5.23's KimiLinearConfig derives from the used keys and writes beside them (checked to agree)
+DERIVED_KEYS = ["layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+                "qk_head_dim"]
 
 
 def transformers5(cfg):
-    cfg.update(TRANSFORMERS5_KEYS)
+    lac, L = cfg["linear_attn_config"], cfg["num_hidden_layers"]
+    cfg.update(TRANSFORMERS5_KEYS,
+               layer_types=["full_attention" if i + 1 in lac["full_attn_layers"] else "linear_attention"
+                            for i in range(L)],
+               mlp_layer_types=["dense" if i < cfg["first_k_dense_replace"] else "sparse" for i in range(L)],
+               linear_head_dim=lac["head_dim"], linear_num_heads=lac["num_heads"],
+               linear_conv_kernel_dim=lac["short_conv_kernel_size"],
+               qk_head_dim=cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
     return cfg
+
+
+DENSE_MLP = re.compile(r"^(.*model\.layers\.\d+\.)mlp\.((gate|up|down)_proj\.weight)$")
+
+
+def block_sparse_moe(name):
+    """transformers 5's save_pretrained name for a dense MLP tensor (SPEC §13)."""
+    return [DENSE_MLP.sub(r"\1block_sparse_moe.\2", name)]
 
 
 def torchtitan_k3(cfg):
@@ -139,7 +164,7 @@ def _bf16_count(d):
 
 
 VARIANTS = {
-    # name: (family, tensor transform, config transform, expected "tolerated" (casts filled in below))
+    # name: (family, tensor transform, config transform, expected "tolerated" (casts filled in below)[, names])
     "k3-f32": ("k3", as_float(np.float32), None, {"casts": "F32"}),
     "k3-mixed-shards": ("k3", mixed_by_shard, None, {"casts": "mixed"}),
     "k3-a_log-[H]": ("k3", a_log(lambda h: (h,)), None, {"a_log_form": "[H]"}),
@@ -149,7 +174,11 @@ VARIANTS = {
                        "ignored_keys": ["text_config.model_max_length", "text_config.rope_parameters",
                                         "text_config.rope_theta"]}),
     "kl-transformers5": ("kl", as_float(np.float32), transformers5,
-                         {"casts": "F32", "ignored_keys": ["model_max_length", "rope_parameters"]}),
+                         {"casts": "F32", "ignored_keys": ["model_max_length", "rope_parameters", "pretraining_tp"],
+                          "derived_keys": DERIVED_KEYS, "dense_mlp_names": {"block_sparse_moe": [0]}},
+                         block_sparse_moe),
+    "k3-dense-mlp-block_sparse_moe": ("k3", None, None, {"dense_mlp_names": {"block_sparse_moe": [0]}},
+                                      block_sparse_moe),
     "kl-a_log-[H]": ("kl", a_log(lambda h: (h,)), None, {"a_log_form": "[H]"}),
     "kl-a_log-padded": ("kl", a_log_padded, None, {"a_log_form": "[128] zero-padded"}),
 }
@@ -158,10 +187,10 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variant_inspects_names_what_it_tolerated_and_gives_identical_logits(canon, variant, capsys):
     root, out = canon
-    fam, tf, cf, want = VARIANTS[variant]
+    fam, tf, cf, want, *names = VARIANTS[variant]
     src, ref = out[fam]
     d = str(root / variant)
-    rewrite_as(src, d, tf, cf)
+    rewrite_as(src, d, tf, cf, *names)
     rc, io = k3_inspect(d, capsys)
     assert rc == 0, io.err
     t = json.loads(io.out)["tolerated"]
@@ -173,6 +202,8 @@ def test_variant_inspects_names_what_it_tolerated_and_gives_identical_logits(can
     else:
         assert t["casts"] == {}
     assert t.get("a_log_form") == want.get("a_log_form")
+    assert t.get("dense_mlp_names") == want.get("dense_mlp_names")
+    assert t.get("derived_keys") == want.get("derived_keys")
     assert sorted(t["ignored_keys"]) == sorted(want.get("ignored_keys", [])) and t["unknown_keys"] == []
     # the human-readable report says the same
     assert main(["inspect", d]) == 0
@@ -181,6 +212,10 @@ def test_variant_inspects_names_what_it_tolerated_and_gives_identical_logits(can
         assert f"cast {n if want['casts'] == 'F32' else t['casts']['F32->BF16']} F32 tensors to BF16" in text
     if "a_log_form" in want:
         assert f"A_log stored {want['a_log_form']}" in text
+    if "dense_mlp_names" in want:
+        assert "dense MLP of layer 0 named block_sparse_moe.{gate,up,down}_proj" in text
+    if "derived_keys" in want:
+        assert f"derived keys (checked to agree with the keys used): {', '.join(want['derived_keys'])}" in text
     got = k3_logits(d, root / f"{variant}.npy")
     np.testing.assert_array_equal(got, ref)  # exactly: every cast is value-preserving here
 
@@ -281,3 +316,52 @@ def test_tolerance_opens_no_hole(canon, tmp_path, capsys, bad, words):
     with pytest.raises(CheckpointError, match=words.replace("[", r"\[").replace("]", r"\]")):
         load(d, progress=False)
     assert BYTES_READ.value == 0  # refused at validation, before any data byte
+
+
+def _dense_names(fam):
+    pre = "language_model." if fam == "k3" else ""
+    return [f"{pre}model.layers.0.mlp.{w}_proj.weight" for w in ("gate", "up", "down")]
+
+
+@pytest.mark.parametrize("fam", ["k3", "kl"])
+@pytest.mark.parametrize("case,names,words", [
+    ("both", lambda n: [n, *block_sparse_moe(n)] if DENSE_MLP.match(n) else [n], "stored twice"),
+    ("split", lambda n: block_sparse_moe(n) if ".gate_proj." in n and DENSE_MLP.match(n) else [n],
+     "under two namings"),
+])
+def test_dense_mlp_under_both_names_is_refused_naming_the_layer(canon, tmp_path, capsys, fam, case, names, words):
+    """Both forms in one layer (all three tensors twice, or gate under block_sparse_moe.* and up/down under mlp.*):
+    which to load would be a guess, so nothing is read."""
+    _, out = canon
+    d = str(tmp_path / case)
+    rewrite_as(out[fam][0], d, names=names)
+    assert main(["inspect", d]) == 2
+    err = capsys.readouterr().err
+    assert "layer 0's dense MLP" in err and words in err and "block_sparse_moe.gate_proj.weight" in err
+    BYTES_READ.reset()
+    with pytest.raises(CheckpointError, match="layer 0's dense MLP"):
+        load(d, progress=False)
+    assert BYTES_READ.value == 0
+
+
+def test_dense_mlp_under_block_sparse_moe_with_one_tensor_missing_names_it(canon, tmp_path, capsys):
+    _, out = canon
+    d = str(tmp_path / "missing")
+    down = _dense_names("kl")[2]
+    rewrite_as(out["kl"][0], d, names=lambda n: [] if n == down else block_sparse_moe(n))
+    assert main(["inspect", d]) == 2
+    err = capsys.readouterr().err
+    assert "1 tensor(s) missing" in err and "'model.layers.0.block_sparse_moe.down_proj.weight'" in err
+
+
+def test_moe_layer_does_not_take_a_dense_mlp_name(canon, tmp_path, capsys):
+    """Only a dense layer's MLP may be stored under block_sparse_moe.{gate,up,down}_proj: on an MoE layer it is an
+    unexpected tensor (the MoE block has no such weights)."""
+    _, out = canon
+    d = str(tmp_path / "stray")
+    extra = "model.layers.1.block_sparse_moe.gate_proj.weight"
+    first = _dense_names("kl")[0]
+    rewrite_as(out["kl"][0], d, names=lambda n: [n, extra] if n == first else [n])
+    assert main(["inspect", d]) == 2
+    err = capsys.readouterr().err
+    assert "1 unexpected tensor(s)" in err and extra in err

@@ -48,7 +48,8 @@ def test_known_irrelevant_keys_are_accepted_silently_and_reported():
     c = parse_quietly(raw, strict=True, report=report)
     assert architecture(c) == architecture(get_preset("kimi-k3"))
     assert report == {"unknown_keys": [], "ignored_keys": ["text_config.model_max_length",
-                      "text_config.rope_parameters", "text_config.rope_theta", "text_config.rope_scaling"]}
+                      "text_config.rope_parameters", "text_config.rope_theta", "text_config.rope_scaling"],
+                      "derived_keys": []}
 
 
 def test_unknown_keys_warn_once_listing_every_path():
@@ -135,3 +136,106 @@ def test_every_table_row_with_a_field_names_a_config_field():
     filled = [k.field for k in KEYS if k.field is not None]
     assert len(filled) == len(set(filled))
     assert set(architecture(get_preset("k3-tiny"))) - set(filled) == {"expert_format"}
+
+
+# ------------------------------------------------------------- transformers 5's derived keys (KimiLinearConfig)
+
+GOLDEN_CONFIG = os.path.join(HERE, "..", "golden", "kimi_linear", "ckpt", "config.json")
+DERIVED = ["layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim",
+           "qk_head_dim"]
+
+
+def with_transformers5_keys(tc: dict) -> dict:
+    """``tc`` plus what transformers 5.23's ``KimiLinearConfig.__post_init__`` derives and ``save_pretrained``
+    writes (transcribed from it, not from k3jax), and ``pretraining_tp``."""
+    lac, L = tc["linear_attn_config"], tc["num_hidden_layers"]
+    types = [None] * L
+    for i in lac["full_attn_layers"]:
+        types[i - 1] = "full_attention"
+    for i in lac["kda_layers"]:
+        types[i - 1] = "linear_attention"
+    tc.update(layer_types=types,
+              mlp_layer_types=["dense" if i < tc.get("first_k_dense_replace", 1) else "sparse" for i in range(L)],
+              linear_head_dim=lac["head_dim"], linear_num_heads=lac["num_heads"],
+              linear_conv_kernel_dim=lac["short_conv_kernel_size"],
+              qk_head_dim=tc["qk_nope_head_dim"] + tc["qk_rope_head_dim"], pretraining_tp=1)
+    return tc
+
+
+def test_transformers_written_config_parses_strictly_and_reports_its_derived_keys():
+    report = {}
+    c = parse_quietly(GOLDEN_CONFIG, strict=True, report=report)
+    assert architecture(c) == architecture(get_preset("kimi-linear-tiny"))
+    assert report == {"unknown_keys": [], "derived_keys": DERIVED,
+                      "ignored_keys": ["model_max_length", "output_router_logits", "pretraining_tp"]}
+
+
+@pytest.mark.parametrize("family", ["kimi-linear-48b", "kimi-k3"])
+def test_agreeing_derived_keys_are_accepted_and_reported(family):
+    raw = kimi_linear() if family == "kimi-linear-48b" else official()
+    tc, where = raw.get("text_config", raw), "text_config." if "text_config" in raw else ""
+    with_transformers5_keys(tc)
+    report = {}
+    c = parse_quietly(raw, strict=True, report=report)
+    assert architecture(c) == architecture(get_preset(family))
+    assert report["derived_keys"] == [where + k for k in DERIVED]
+    assert report["ignored_keys"] == [where + "pretraining_tp"] and report["unknown_keys"] == []
+
+
+def test_derived_keys_accept_null_and_transformers_legacy_layer_type_spellings():
+    raw = with_transformers5_keys(kimi_linear())
+    raw["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in raw["layer_types"]]
+    raw.update(mlp_layer_types=None, qk_head_dim=None)  # null: transformers derives them itself
+    report = {}
+    assert architecture(parse_quietly(raw, strict=True, report=report)) == architecture(get_preset("kimi-linear-48b"))
+    assert "mlp_layer_types" not in report["derived_keys"] and "layer_types" in report["derived_keys"]
+
+
+def _swap_first_mla(types):
+    types[3], types[4] = types[4], types[3]  # 1-based layer 4 is MLA in the 48B schedule
+
+
+@pytest.mark.parametrize("mutate,words", [
+    (lambda t: _swap_first_mla(t["layer_types"]),
+     ["'layer_types'", "linear_attn_config.full_attn_layers", "1-based layer 4", "'linear_attention' vs "
+      "'full_attention'"]),
+    (lambda t: t["layer_types"].pop(), ["'layer_types'", "26 entries for 27 layers"]),
+    (lambda t: t["layer_types"].__setitem__(0, "sliding_attention"), ["'layer_types'", "'sliding_attention'"]),
+    (lambda t: t["mlp_layer_types"].__setitem__(1, "dense"),
+     ["'mlp_layer_types'", "first_k_dense_replace", "1-based layer 2: 'dense' vs 'sparse'"]),
+    (lambda t: t["mlp_layer_types"].__setitem__(0, "sparse"), ["'mlp_layer_types'", "'sparse' vs 'dense'"]),
+    (lambda t: t.update(linear_num_heads=16), ["'linear_num_heads'", "16", "linear_attn_config.num_heads", "32"]),
+    (lambda t: t.update(linear_head_dim=64), ["'linear_head_dim'", "64", "linear_attn_config.head_dim", "128"]),
+    (lambda t: t.update(linear_conv_kernel_dim=3),
+     ["'linear_conv_kernel_dim'", "3", "linear_attn_config.short_conv_kernel_size", "4"]),
+    (lambda t: t.update(qk_head_dim=128), ["'qk_head_dim'", "128", "qk_nope_head_dim + qk_rope_head_dim", "192"]),
+    # transformers takes linear_head_dim when linear_attn_config has no head_dim; k3jax's default is 128
+    (lambda t: (t["linear_attn_config"].pop("head_dim"), t.update(linear_head_dim=64)),
+     ["'linear_head_dim'", "64", "128"]),
+    (lambda t: t.update(layer_types="linear_attention"), ["'layer_types'", "list of strings"]),
+    (lambda t: t.update(qk_head_dim=192.0), ["'qk_head_dim'", "expected int"]),
+], ids=["layer_types-swapped", "layer_types-short", "layer_types-unknown-kind", "mlp-dense-too-many",
+        "mlp-moe-at-0", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "qk_head_dim",
+        "linear_head_dim-instead-of-default", "layer_types-not-a-list", "qk_head_dim-float"])
+def test_a_derived_key_that_disagrees_is_an_error_naming_it_and_both_values(mutate, words):
+    raw = with_transformers5_keys(kimi_linear())
+    mutate(raw)
+    with pytest.raises(ConfigError) as ei:
+        from_hf(raw)
+    for w in words:
+        assert w in str(ei.value), str(ei.value)
+
+
+def test_derived_keys_check_the_file_not_the_overrides():
+    raw = with_transformers5_keys(kimi_linear())
+    c = parse_quietly(raw, strict=True, first_k_dense_replace=2)
+    assert c.first_k_dense_replace == 2
+
+
+def test_pretraining_tp_is_math_neutral_at_any_value():
+    # transformers' KimiLinear never reads it (no use in modeling_kimi_linear.py, 5.23)
+    raw = kimi_linear()
+    raw["pretraining_tp"] = 4
+    report = {}
+    assert architecture(parse_quietly(raw, strict=True, report=report)) == architecture(get_preset("kimi-linear-48b"))
+    assert report["ignored_keys"] == ["pretraining_tp"]
