@@ -95,6 +95,10 @@ class TrainConfig:
     strict_config: bool = False  # unknown keys in the --init checkpoint's config.json are errors
     fork: bool = False  # resume from ckpt_dir even if the run settings differ (e.g. switch QAT on mid-run)
     poison_steps: tuple[int, ...] = ()  # testing hook: (1-based) steps whose loss and gradient are made NaN
+    # `k3 ablate`'s arms: an architecture to build instead of --preset (give preset=None), and the initial parameter
+    # state dict as a function of (cfg, run settings) instead of the random init from `seed` (the shared seed init)
+    model: K3Config | None = None
+    init_fn: Callable[[K3Config, RunConfig], dict] | None = field(default=None, compare=False, repr=False)
 
     def replace(self, **kw) -> TrainConfig:
         return dataclasses.replace(self, **kw)
@@ -114,6 +118,10 @@ def resolve_model(tc: TrainConfig) -> K3Config:
     from k3jax.checkpoint.save import architecture_diff
     from k3jax.config import from_hf
 
+    if tc.model is not None:
+        if tc.preset or tc.init:
+            raise ValueError("TrainConfig.model replaces --preset and --init: give preset=None and no init")
+        return tc.model
     cfg = get_preset(tc.preset) if tc.preset else None
     if tc.init:
         cfg_file = os.path.join(tc.init, "config.json")
@@ -246,6 +254,8 @@ def _prepare(tc: TrainConfig, log) -> _Run:
 def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, repl: NamedSharding):
     from k3jax.model import init_params
 
+    if tc.init_fn is not None:
+        return jax.device_put(tc.init_fn(cfg, settings), repl)
     if tc.init:
         from k3jax.checkpoint.load import load
 

@@ -1,0 +1,116 @@
+"""`k3 ablate` — controlled ablations: every arm of an ablation file at every seed as a resumable `k3 train` run,
+the one-factor guarantee checked before any compute, paired statistics against the base and an A/A noise floor.
+
+    k3 ablate experiments/ablations/attn_res.toml --out runs/attn_res     # the grid (resumes), then the tables
+    k3 ablate experiments/ablations/latent_moe.toml --check               # resolve and check only: arms, diffs
+    k3 ablate experiments/smoke.toml --out /tmp/smoke                     # 2 arms x 2 seeds x 3 steps: minutes, CPU
+
+The file format is in k3jax/train/ablate_spec.py; the output (results.json's schema) in
+k3jax/analysis/ablate_report.py. Re-running the same command continues a killed grid where it stopped; finished
+runs are not redone, and the results equal an uninterrupted run's. Exit 0 (also when SIGTERM stopped the grid: re-run
+to continue); 1 when the determinism repeat of the A/A arm differs; 2 on bad input, before any training: an unknown
+key, an arm that differs outside its factor's declaration (the diff is printed), a `holds` value off by more than
+its tolerance, a level that changes nothing, seeds or a budget that are not positive integers, an --out holding
+another file's results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ablate", help="controlled ablations: one-factor arms x paired seeds, with a noise floor",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", metavar="FILE.toml", help="the ablation file")
+    p.add_argument("--out", default=None, help="output directory (required unless --check); resumes what is there")
+    p.add_argument("--check", action="store_true", help="resolve and check the file, print its arms; train nothing")
+    p.add_argument("--json", action="store_true", help="print results.json (with --check: the resolved arms) as one "
+                                                       "JSON object on stdout")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: when stderr is a terminal)")
+    p.add_argument("--compile-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache, so an arm compiles once for all its seeds and a resumed "
+                        "grid compiles nothing (default: OUT/compile_cache; 'off' disables it)")
+    p.set_defaults(func=run_cli)
+
+
+def ablate(spec, out: str, *, progress: bool | None = None, log=None) -> dict | None:
+    """Run (or resume) ``spec``'s grid in ``out`` and write results.json, results.md and curves.png. Returns the
+    results, or None when SIGTERM stopped the grid."""
+    from k3jax.analysis.ablate_report import assemble, write_all
+    from k3jax.train.ablate import run_grid
+
+    t0 = time.perf_counter()
+    done = run_grid(spec, out, progress=progress, log=log)
+    if done is None:
+        return None
+    records, init = done
+    results = assemble(spec, records, init)
+    results["timing"] = {"this_invocation_s": time.perf_counter() - t0,
+                         "runs_wall_s": sum(r["timing"]["wall_s"] for r in records.values())}
+    write_all(results, out)
+    return results
+
+
+def _describe(spec) -> str:
+    from k3jax.train.ablate_check import format_diff
+
+    lines = [f"{spec.path}: {spec.name!r}, seeds {list(spec.seeds)}, {len(spec.runs)} distinct configuration(s), "
+             f"fingerprint {spec.fingerprint[:12]}"]
+    for n, a in spec.arms.items():
+        same = f" (runs as {a.run_id})" if a.run_id != n else ""
+        d = a.derived
+        lines.append(f"{n}{same}: params {d['params']:,}, active {d['active_params']:,}, {d['tokens']:,} tokens "
+                     f"({a.train['steps']} steps)")
+        if n != "base":
+            lines.append(format_diff(spec.base, a))
+    return "\n".join(lines)
+
+
+def _enable_compile_cache(path: str) -> None:
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(path))
+
+
+def run_cli(args) -> int:
+    from k3jax.train.ablate import claim_out
+    from k3jax.train.ablate_spec import load_spec
+
+    spec = load_spec(args.spec)
+    if args.check:
+        if args.json:
+            print(json.dumps({"fingerprint": spec.fingerprint, "arms": {n: {"run": a.run_id, "flat": a.flat,
+                                                                            "derived": a.derived}
+                                                                        for n, a in spec.arms.items()}},
+                             default=list))
+        else:
+            print(_describe(spec))
+        return 0
+    if not args.out:
+        raise ValueError("--out DIR is required (or --check to only resolve the file)")
+    claim_out(spec, args.out)
+    if args.compile_cache != "off":
+        _enable_compile_cache(args.compile_cache or os.path.join(args.out, "compile_cache"))
+    results = ablate(spec, args.out, progress=args.progress)
+    if results is None:
+        print(f"k3 ablate: stopped by SIGTERM; re-run the same command to continue ({args.out})", file=sys.stderr)
+        return 0
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        from k3jax.analysis.ablate_report import markdown
+
+        print(markdown(results), end="")
+        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, curves.png")
+    rep = results["aa"]["repeat"]
+    if rep is not None and not rep["identical"]:
+        print(f"k3 ablate: the base at seed {rep['seed']} run twice differs: {rep['eval_loss']}", file=sys.stderr)
+        return 1
+    return 0
