@@ -39,7 +39,7 @@ from k3jax.analysis import metrics as am  # noqa: E402
 from k3jax.analysis import plots as ap  # noqa: E402
 from k3jax.analysis.static import static_router_analysis  # noqa: E402
 from k3jax.checkpoint.load import load  # noqa: E402
-from k3jax.cli.route import default_ckpt  # noqa: E402
+from k3jax.cli.source import default_ckpt  # noqa: E402
 from k3jax.train import data as tdata  # noqa: E402
 from k3jax.train.evaluate import windowed_loss  # noqa: E402
 

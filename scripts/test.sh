@@ -6,4 +6,4 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh || exit 1
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
-exec .venv/bin/python -m pytest -q -n 2 -m "not slow and not gpu" "$@"
+exec .venv/bin/python -m pytest -q -n 2 --durations=40 -m "not slow and not gpu" "$@"

@@ -4,6 +4,8 @@
     k3 plan  --preset kimi-k3 --json     parameters / bytes / per-device memory, without allocating anything
     k3 bench NAME --json                 benchmarks (k3 bench --list)
     k3 route --ckpt DIR --text F --json  routing analysis: loads, co-activation, specialization, drift
+    k3 ablate FILE.toml --out DIR        one-factor ablations over paired seeds, with an A/A noise floor
+    k3 generate --prompt TEXT            sample with the hybrid KDA-state + MLA-latent cache
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser sets ``func``.
 Errors in user input exit with status 2 and a message naming the field, file or tensor.
@@ -24,7 +26,9 @@ SUBCOMMANDS = {
     "logits": "k3jax.cli.logits",
     "export": "k3jax.cli.export",
     "train": "k3jax.cli.train",
+    "ablate": "k3jax.cli.ablate",
     "route": "k3jax.cli.route",
+    "generate": "k3jax.cli.generate",
 }
 
 

@@ -16,6 +16,10 @@ for K3 — all else BF16/F32 as stored), routed experts of every MoE layer split
 other tensors replicated; plus per-sequence caches (KDA fp32 state [H, K, V] and fp32 conv windows per KDA layer;
 MLA absorbed latent cache kv_lora + rope values per token per MLA layer in bf16), with the batch's sequences divided
 over the devices (data-parallel attention, ceil). Activations, workspace and framework overhead are not included.
+The per-sequence cache is also given at 2^20 = 1,048,576 tokens (``memory.cache_bytes_per_sequence_at_1m``: the
+KDA part is fixed, only the MLA layers grow), beside what a plain materialized KV cache would take there (per MLA
+layer and token N (qk_nope + qk_rope) key and N v_head_dim value entries, bf16:
+``memory.plain_kv_cache_bytes_per_sequence_at_1m``) and the ratio of the two.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ GPU_BYTES = {"B300": 288 * 10**9, "B200": 192 * 10**9, "H200": 141 * 10**9, "H10
 KNOWN_MESHES = ("8xB300", "16xB200", "8xB200", "64xH200", "32xH200", "16xH200", "8xH200", "8xH100")
 DEFAULT_MESHES = ("8xB300", "16xB200", "64xH200")
 DEFAULT_CONTEXT = 131072
+MILLION_CONTEXT = 1_048_576  # the per-sequence cache totals are also given at 2^20 tokens
+CACHE_VALUE_BYTES = 2  # MLA cache values (latent and plain) in bf16; KDA state and conv windows fp32
 
 ASSUMPTIONS = (
     "weights in checkpoint format: routed experts as stored (MXFP4 packed + E8M0 scales for K3), others BF16/F32",
@@ -39,6 +45,8 @@ ASSUMPTIONS = (
     "every other tensor replicated on every device",
     "KDA: fp32 recurrent state [H, K, V] + fp32 conv windows [3, W-1, H*K] per KDA layer per sequence",
     "MLA: absorbed latent cache (kv_lora_rank + qk_rope_head_dim) bf16 values per token per MLA layer",
+    "plain KV cache (for comparison only): materialized per-head keys N (qk_nope + qk_rope) and values "
+    "N v_head_dim, bf16, per token per MLA layer; KDA state and conv windows as above",
     "sequences divided over devices (data-parallel attention): ceil(batch / devices) sequences per device",
     "activations, workspace, allocator and framework overhead are not included; GB = 10^9 bytes",
 )
@@ -152,7 +160,14 @@ def build_plan(cfg, meshes=DEFAULT_MESHES, context: int = DEFAULT_CONTEXT, batch
     H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
     kda_state_seq = cfg.num_kda_layers * H * K * K * 4
     kda_conv_seq = cfg.num_kda_layers * 3 * (W - 1) * H * K * 4
-    mla_token = cfg.num_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    mla_token = cfg.num_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * CACHE_VALUE_BYTES
+    N = cfg.mla_num_heads
+    plain_token = cfg.num_mla_layers * N * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) \
+        * CACHE_VALUE_BYTES
+    # per sequence at 2^20 tokens: the KDA state and conv windows are fixed, only the MLA layers grow
+    fixed_seq = kda_state_seq + kda_conv_seq
+    cache_1m = fixed_seq + MILLION_CONTEXT * mla_token
+    plain_1m = fixed_seq + MILLION_CONTEXT * plain_token
     mesh_out = []
     for name, n, gpu, cap in mesh_info:
         per_dev_experts = -(-cfg.num_experts // n)
@@ -192,6 +207,11 @@ def build_plan(cfg, meshes=DEFAULT_MESHES, context: int = DEFAULT_CONTEXT, batch
         "layers": layers,
         "memory": {"context": context, "batch": batch, "kda_state_bytes_per_sequence": kda_state_seq,
                    "kda_conv_bytes_per_sequence": kda_conv_seq, "mla_cache_bytes_per_token": mla_token,
+                   "mla_cache_dtype": "bfloat16", "kda_cache_dtype": "float32",
+                   "plain_kv_cache_bytes_per_token": plain_token,
+                   "context_1m": MILLION_CONTEXT, "cache_bytes_per_sequence_at_1m": cache_1m,
+                   "plain_kv_cache_bytes_per_sequence_at_1m": plain_1m,
+                   "plain_kv_over_latent_cache_at_1m": plain_1m / cache_1m,
                    "replicated_weight_bytes": replicated, "assumptions": list(ASSUMPTIONS), "meshes": mesh_out},
     }
     if note:
@@ -245,6 +265,13 @@ def _print_plan(p: dict, out) -> None:
     m = p["model_level"]
     w(f"{'model':>5} {'':>4} {'':>5} {m['params']:>18,} {m['active']:>18,} {m['bytes']:>18,}\n")
     mem = p["memory"]
+    fixed = mem["kda_state_bytes_per_sequence"] + mem["kda_conv_bytes_per_sequence"]
+    w(f"\ncache per sequence at {mem['context_1m']:,} tokens (MLA values bf16, KDA state and conv fp32):\n")
+    w(f"  latent (absorbed MLA) {_gb(mem['cache_bytes_per_sequence_at_1m']):>12}  = KDA {_gb(fixed)} fixed + "
+      f"MLA {mem['mla_cache_bytes_per_token']:,} B/token\n")
+    w(f"  plain KV (per head)   {_gb(mem['plain_kv_cache_bytes_per_sequence_at_1m']):>12}  = KDA {_gb(fixed)} fixed + "
+      f"MLA {mem['plain_kv_cache_bytes_per_token']:,} B/token  "
+      f"({mem['plain_kv_over_latent_cache_at_1m']:.1f}x the latent cache)\n")
     w(f"\nmemory per device at context {mem['context']:,}, batch {mem['batch']}:\n")
     for a in mem["assumptions"]:
         w(f"  assumption: {a}\n")

@@ -20,6 +20,8 @@ import sys
 
 import numpy as np
 
+from k3jax.cli.source import default_ckpt, load_model, load_token_file
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("route", help="routing analysis: loads, co-activation, specialization, drift, static",
@@ -92,12 +94,7 @@ def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
             return np.asarray(tok.encode(raw.decode("utf-8")), np.int32), tok
         except UnicodeDecodeError as e:
             raise ValueError(f"--text {args.text}: not UTF-8 ({e})") from None
-    try:
-        t = np.load(args.tokens, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--tokens {args.tokens}: cannot read ({e})") from None
-    if not np.issubdtype(t.dtype, np.integer):
-        raise ValueError(f"--tokens {args.tokens}: ids must be integers, got {t.dtype}")
+    t = load_token_file(args.tokens)
     valid = t.reshape(-1)[t.reshape(-1) >= 0] if t.ndim <= 2 else None
     if valid is None:
         raise ValueError(f"--tokens {args.tokens}: expected [B, T] or [T], got shape {list(t.shape)}")
@@ -109,29 +106,8 @@ def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
 
 
 def _model(args):
-    import jax
-    import jax.numpy as jnp
-
-    from k3jax.config import default_run, get_preset
-
-    if args.preset:
-        from k3jax.model import init_params
-
-        cfg = get_preset(args.preset)
-        if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
-            raise ValueError(f"preset {args.preset!r} is too large to run here (try --static on its checkpoint)")
-        run = default_run(cfg, param_dtype=args.dtype, compute_dtype=args.dtype)
-        return cfg, run, jax.jit(lambda k: init_params(cfg, k, run))(jax.random.key(args.seed))
-    from k3jax.checkpoint.load import load
-
-    cfg, params = load(args.ckpt, dtype=jnp.dtype(args.dtype), strict_config=args.strict_config, progress=False)
-    return cfg, default_run(cfg, param_dtype=args.dtype, compute_dtype=args.dtype), params
-
-
-def default_ckpt() -> str | None:
-    """The trained k3-mini shipped with the package, when present."""
-    p = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "k3-mini-stdlib")
-    return p if os.path.exists(os.path.join(p, "config.json")) else None
+    return load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype, strict_config=args.strict_config,
+                      init_seed=args.seed)
 
 
 def run(args) -> int:

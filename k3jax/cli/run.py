@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
 def _model(args):
     import jax
 
-    from k3jax.cli.route import default_ckpt
+    from k3jax.cli.source import default_ckpt
     from k3jax.config import default_run, get_preset
 
     over = {k: v for k, v in (("moe_impl", args.moe_impl), ("kda_impl", args.kda_impl)) if v}

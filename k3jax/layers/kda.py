@@ -19,7 +19,10 @@ fan_in = kernel size for a depthwise conv).
 Cache (SPEC §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, Wc-1, N*K]}``, the
 last Wc-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache,
 T == 1 takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The
-returned cache always describes the state after the last token.
+returned cache always describes the state after the last token. ``lengths`` [B] (ragged, right-padded pieces):
+row b's tokens at t >= lengths[b] are padding — their gate and write strength are set to g = 0, beta = 0, which
+leaves the state exactly as it was (S = exp(0) S + 0), and the conv tails end at each row's last real token; their
+outputs are not meaningful.
 """
 
 from __future__ import annotations
@@ -108,11 +111,13 @@ class KDA(nnx.Module):
         self.o_norm = param(jnp.ones((K,), f32), ("norm",))
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
-    def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None):
+    def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
+                 lengths=None):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
-        (interpret mode off-GPU); cache: None or a cache dict (module docstring)."""
+        (interpret mode off-GPU); cache: None or a cache dict (module docstring); lengths: None (every token is
+        real) or [B] int, the real tokens of each right-padded row."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if x.ndim != 3:
@@ -127,7 +132,7 @@ class KDA(nnx.Module):
 
         def conv_branch(w_dnk, w_conv, tail):
             u = mm("btd,dnk->btnk", x, w_dnk).reshape(B, T, -1)                # head-major columns (SPEC §2.1)
-            return kda_ops.causal_conv_silu(u, w_conv[...], tail)
+            return kda_ops.causal_conv_silu(u, w_conv[...], tail, lengths)
 
         q, tq = conv_branch(self.wq, self.conv_q, cache.get("conv_q"))
         k, tk = conv_branch(self.wk, self.conv_k, cache.get("conv_k"))
@@ -142,6 +147,10 @@ class KDA(nnx.Module):
         else:
             g = kda_ops.gate_safe(raw, self.dt_bias[...], self.A_log[...], self.gate_lower_bound)
         beta = jax.nn.sigmoid(mm("btd,dn->btn", x, self.w_beta))
+        if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged
+            real = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
+            g = jnp.where(real[:, :, None, None], g, 0.0)
+            beta = jnp.where(real[:, :, None], beta, 0.0)
         scale = K ** -0.5
         state = cache.get("state")
         if state is not None and T == 1:

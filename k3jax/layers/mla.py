@@ -5,6 +5,11 @@ scale 1/√(Hn+Hr), element-wise sigmoid output gate before o_proj, causal atten
 Parameters (N heads, Hn nope, Hr rope-sized slice, V value, Rq / Rkv the q / kv LoRA ranks):
 q_a [D, Rq], q_a_norm [Rq], q_b [Rq, N, Hn+Hr] (q-LoRA) or wq [D, N, Hn+Hr]; kv_a [D, Rkv+Hr]; kv_a_norm [Rkv];
 kv_b [Rkv, N, Hn+V]; w_gate [D, N, V] (output gate); wo [N, V, D].
+
+Inference (``extend``): the layer's cache is the latent itself — ``c_kv`` after ``kv_a_layernorm`` (R values per
+token) and the shared key slice ``k_rope`` (Hr) — written at each row's own position; attention reads it through
+``ops.latent_attention`` in the absorbed form (decode) or the materialized one (the reference). The output gate is
+element-wise per head and value channel, applied before ``wo``: that is why W_UV cannot be folded into W_o.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from flax import nnx
 
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops.attention import causal_attention
+from k3jax.ops.latent_attention import DECODE_BLOCK, latent_attention
 from k3jax.ops.norms import acc_dtype, rms_norm
 
 _QKV = ("embed", "heads", "head_dim")
@@ -63,11 +69,10 @@ class MLA(nnx.Module):
             self.w_gate = param(normal(rngs, (d, N, V), dtype), _QKV)
         self.wo = param(normal(rngs, (N, V, d), dtype), ("heads", "head_dim", "embed"))
 
-    def __call__(self, x, *, norm_eps: float, block_size: int = 512):
-        """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip."""
+    def _project(self, x, norm_eps: float):
+        """x [B, T, D] → q [B, T, N, Hn+Hr], c_kv [B, T, R] (normed latent, x.dtype), k_rope [B, T, Hr] (acc)."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
-        N, Hn, Hr, V = self.dims
         rkv = self.kv_a_norm.shape[0]
         if hasattr(self, "q_a"):
             c_q = jnp.einsum("btd,dr->btr", x, self.q_a[...].astype(cdt), preferred_element_type=acc)
@@ -77,18 +82,59 @@ class MLA(nnx.Module):
             q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(cdt), preferred_element_type=acc)
         ckv = jnp.einsum("btd,dr->btr", x, self.kv_a[...].astype(cdt), preferred_element_type=acc)
         c_kv = rms_norm(ckv[..., :rkv], self.kv_a_norm[...], norm_eps, out_dtype=cdt)
-        k_rope = ckv[..., rkv:]  # [B, T, Hr]: ONE slice shared by all heads, not rotated (NoPE)
+        return q, c_kv, ckv[..., rkv:]  # k_rope: ONE slice shared by all heads, not rotated (NoPE)
+
+    def _output(self, x, o):
+        """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype."""
+        acc = acc_dtype(x.dtype)
+        cdt = x.dtype
+        if hasattr(self, "w_gate"):
+            gate = jnp.einsum("btd,dnv->btnv", x, self.w_gate[...].astype(cdt), preferred_element_type=acc)
+            o = jax.nn.sigmoid(gate) * o
+        y = jnp.einsum("btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), preferred_element_type=acc)
+        return y.astype(cdt)
+
+    def __call__(self, x, *, norm_eps: float, block_size: int = 512):
+        """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip."""
+        acc = acc_dtype(x.dtype)
+        cdt = x.dtype
+        N, Hn, Hr, V = self.dims
+        q, c_kv, k_rope = self._project(x, norm_eps)
         kv = jnp.einsum("btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), preferred_element_type=acc)
         k_nope, v = kv[..., :Hn], kv[..., Hn:]
         B, T = x.shape[:2]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (B, T, N, Hr))], axis=-1)
         o, max_logit = causal_attention(q.astype(acc), k.astype(acc), v.astype(acc),
                                         scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
-        if hasattr(self, "w_gate"):
-            gate = jnp.einsum("btd,dnv->btnv", x, self.w_gate[...].astype(cdt), preferred_element_type=acc)
-            o = jax.nn.sigmoid(gate) * o
-        y = jnp.einsum("btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), preferred_element_type=acc)
-        return y.astype(cdt), max_logit
+        return self._output(x, o), max_logit
+
+    def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool):
+        """Append a right-padded piece to the latent cache and attend over it (prefill pieces and decode steps).
+
+        x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R] (x.dtype), "k_rope": [B, S, Hr]
+        (acc dtype)}; start [B] the tokens already cached per row; lengths [B] the real tokens of this piece per
+        row (the rest is right padding, written nowhere). Token t of row b sits at position start[b] + t. Keys are
+        read in blocks of ``block_size``; for one token, first in blocks of about ``DECODE_BLOCK``.
+        absorbed: the absorbed form (decode) or the materialized one (the reference; ``ops.latent_attention``).
+        Returns (y [B, T, D] in x.dtype, the updated cache)."""
+        N, Hn, Hr, V = self.dims
+        B, T = x.shape[:2]
+        q, c_kv, k_rope = self._project(x, norm_eps)
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        S = cache["c_kv"].shape[1]
+        t = jnp.arange(T, dtype=jnp.int32)[None, :]
+        pos = start[:, None] + t                                                       # [B, T]
+        dest = jnp.where(t < lengths[:, None], pos, S)                                # padding → out of range: dropped
+        rows = jnp.arange(B)[:, None]
+        new = {"c_kv": cache["c_kv"].at[rows, dest].set(c_kv.astype(cache["c_kv"].dtype), mode="drop"),
+               "k_rope": cache["k_rope"].at[rows, dest].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
+        kv_b = self.kv_b[...]
+        big = max(DECODE_BLOCK // block_size, 1) * block_size if T == 1 else None   # decode: large key blocks
+        o = latent_attention(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
+                             q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,
+                             big_block=big, absorbed=absorbed)
+        return self._output(x, o), new
 
 
 __all__ = ["MLA", "MLADims"]

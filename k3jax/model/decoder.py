@@ -68,6 +68,16 @@ class DecoderLayer(nnx.Module):
         y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size)
         return y, {}
 
+    def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool):
+        """Token mixer on a right-padded piece that continues the layer's cache → (y, the updated layer cache).
+
+        start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row."""
+        if hasattr(self, "mla"):
+            return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
+                                   block_size=run.mla_block_size, absorbed=absorbed)
+        return self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=cache,
+                        lengths=lengths)
+
     def ffn(self, h, cfg: K3Config, run: RunConfig, dispatch):
         """FFN on the normed input h → (y, aux)."""
         kw = dict(act=cfg.hidden_act, beta1=cfg.situ_beta, beta2=cfg.situ_linear_beta)

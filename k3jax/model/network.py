@@ -78,9 +78,17 @@ class K3Model(nnx.Module):
 
     def hidden_states(self, tokens, *, dispatch=None):
         """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict."""
-        cfg, run = self.cfg, self.run
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
+
+        def mixer(l, layer, h):
+            return layer.mixer(h, self.cfg, self.run)
+
+        return self._walk(tokens, mixer, dispatch)
+
+    def _walk(self, tokens, mixer, dispatch):
+        """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer."""
+        cfg, run = self.cfg, self.run
         cdt = jnp.dtype(run.compute_dtype)
         acc = acc_dtype(cdt)
         eps = cfg.rms_norm_eps
@@ -94,8 +102,8 @@ class K3Model(nnx.Module):
         emb = self.embed[...][tokens]
         if not cfg.uses_attn_res:
             h = emb.astype(acc)
-            for _, layer in self.layers():
-                a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg, run)
+            for l, layer in self.layers():
+                a, ax = mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
                 collect(ax)
                 h = h + a.astype(acc)
                 f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
@@ -110,7 +118,7 @@ class K3Model(nnx.Module):
             if l % S == 0:
                 blocks.append(part)
                 part = None
-            a, ax = layer.mixer(rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), cfg, run)
+            a, ax = mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
             collect(ax)
             part = a.astype(acc) if part is None else part + a.astype(acc)
             h = layer.mlp_res(blocks + [part], eps)
@@ -119,13 +127,41 @@ class K3Model(nnx.Module):
             part = part + f.astype(acc)
         return self.out_res(blocks + [part], eps), aux
 
-    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None):
-        """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
-        h, aux = self.hidden_states(tokens, dispatch=dispatch)
+    def _logits(self, h):
         cdt = jnp.dtype(self.run.compute_dtype)
         hn = rms_norm(h, self.final_norm[...], self.cfg.rms_norm_eps, out_dtype=cdt)
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dw->btw", hn, head.astype(cdt), preferred_element_type=h.dtype)
+        return jnp.einsum("...d,dw->...w", hn, head.astype(cdt), preferred_element_type=h.dtype)
+
+    def extend(self, tokens, layer_caches: list, *, start, lengths, absorbed: bool = True, last_only: bool = False,
+               dispatch=None):
+        """Run a right-padded piece of tokens [B, T] on top of per-layer caches (``k3jax.model.cache``).
+
+        layer_caches: one cache dict per layer (layer order); start [B]: tokens already cached per row; lengths
+        [B]: real tokens of this piece per row. Returns (logits [B, T, W] — or [B, W] at each row's last real
+        token with ``last_only`` — and the updated per-layer caches). AttnRes mixes over depth within a token,
+        so nothing but the token mixers' caches carries over between pieces."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
+        T = tokens.shape[1]
+        real = jnp.arange(T)[None, :] < lengths[:, None]
+        tokens = jnp.where(real, tokens, 0)                                 # padding ids are never looked up
+        new = list(layer_caches)
+
+        def mixer(l, layer, h):
+            y, new[l] = layer.mixer_cached(h, self.cfg, self.run, layer_caches[l], start=start, lengths=lengths,
+                                           absorbed=absorbed)
+            return y, {}
+
+        h, _ = self._walk(tokens, mixer, dispatch)
+        if last_only:
+            h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+        return self._logits(h), new
+
+    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None):
+        """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
+        h, aux = self.hidden_states(tokens, dispatch=dispatch)
+        logits = self._logits(h)
         return (logits, aux) if return_aux else logits
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from k3jax.cli.route import default_ckpt
+from k3jax.cli.source import default_ckpt
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "routing_analysis.py"
 

@@ -101,6 +101,34 @@ def test_kimi_k3_memory(k3_plan):
     assert any("replicated" in a for a in mem["assumptions"])
 
 
+@pytest.mark.parametrize("preset", ["kimi-k3", "k3-mini"])
+def test_cache_per_sequence_at_1m_tokens(capsys, preset):
+    """The 2^20-token per-sequence totals against a closed form from the config fields: fp32 KDA state [H, K, K] and
+    conv windows [3, W-1, H K] per KDA layer (fixed), bf16 MLA values per token per MLA layer."""
+    cfg = get_preset(preset)
+    p = run_json(capsys, "--preset", preset, "--mesh", "8xH200")
+    mem = p["memory"]
+    n = 1_048_576
+    kda = cfg.num_kda_layers * (cfg.kda_num_heads * cfg.kda_head_dim**2 * 4
+                                + 3 * (cfg.kda_conv_size - 1) * cfg.kda_num_heads * cfg.kda_head_dim * 4)
+    latent = cfg.num_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
+    plain = cfg.num_mla_layers * cfg.mla_num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+                                                      + cfg.v_head_dim) * 2
+    assert mem["context_1m"] == n and mem["mla_cache_dtype"] == "bfloat16"
+    assert mem["cache_bytes_per_sequence_at_1m"] == kda + n * latent
+    assert mem["plain_kv_cache_bytes_per_token"] == plain
+    assert mem["plain_kv_cache_bytes_per_sequence_at_1m"] == kda + n * plain
+    assert mem["plain_kv_over_latent_cache_at_1m"] == pytest.approx((kda + n * plain) / (kda + n * latent))
+    if preset == "kimi-k3":  # by hand: 69 KDA layers, 96 heads of 128; 24 MLA layers, R 512, rope 64, N 96
+        assert kda == 434_110_464 + 30_523_392
+        assert mem["cache_bytes_per_sequence_at_1m"] == 29_455_663_104  # 27,648 B/token
+        assert mem["plain_kv_cache_bytes_per_sequence_at_1m"] == 1_546_652_860_416  # 1,474,560 B/token
+        assert round(mem["plain_kv_over_latent_cache_at_1m"], 2) == 52.51
+    assert main(["plan", "--preset", preset, "--mesh", "8xH200"]) == 0
+    text = capsys.readouterr().out
+    assert "cache per sequence at 1,048,576 tokens" in text and "plain KV" in text
+
+
 def test_batch_and_context_scale_the_caches(capsys):
     p = run_json(capsys, "--preset", "k3-mini", "--mesh", "8xH200", "--context", "1000", "--batch", "20")
     m = p["memory"]["meshes"][0]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from k3jax.cli.main import main
-from k3jax.cli.route import default_ckpt
+from k3jax.cli.source import default_ckpt
 
 SHIPPED = default_ckpt()
 

@@ -26,12 +26,13 @@ def gate_softplus(raw, dt_bias, A_log):
     return -a * jax.nn.softplus(raw.astype(ct) + dt_bias.astype(ct))
 
 
-def causal_conv_silu(u, w, tail=None):
+def causal_conv_silu(u, w, tail=None, lengths=None):
     """Causal depthwise conv (tap Wc-1 hits the current token) + SiLU, with an optional cache.
 
     u: [B, T, X] pre-conv inputs, X channels (N K or N V, head-major); w: [X, Wc], Wc taps; tail: [B, Wc-1, X] the
-    previous Wc-1 inputs, oldest first (zeros when None).
-    Returns (y [B, T, X] in >= fp32, new tail [B, Wc-1, X]: the last Wc-1 inputs of tail ++ u).
+    previous Wc-1 inputs, oldest first (zeros when None); lengths: [B] int, the number of real (not right-padding)
+    tokens of each row (default T): the new tail then ends at each row's last real token.
+    Returns (y [B, T, X] in >= fp32, new tail [B, Wc-1, X]: the last Wc-1 inputs of tail ++ u[:, :lengths]).
     """
     ct = acc_dtype(jnp.promote_types(u.dtype, w.dtype))
     B, T, X = u.shape
@@ -43,7 +44,10 @@ def causal_conv_silu(u, w, tail=None):
     ext = jnp.concatenate([tail.astype(ct), u.astype(ct)], axis=1)   # [B, T + Wc - 1, X]
     w = w.astype(ct)
     y = sum(w[:, i] * ext[:, i:i + T, :] for i in range(Wc))
-    return jax.nn.silu(y), ext[:, T:, :]
+    if lengths is None:
+        return jax.nn.silu(y), ext[:, T:, :]
+    idx = jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(Wc - 1, dtype=jnp.int32)[None, :]   # ext rows
+    return jax.nn.silu(y), jnp.take_along_axis(ext, idx[:, :, None], axis=1)
 
 
 def l2norm(z, eps: float = 1e-6):

@@ -1,0 +1,194 @@
+"""`k3 generate` — sample from a checkpoint (or a preset's random init) with the hybrid KDA + MLA cache.
+
+    k3 generate --prompt "def fib(n):" --max-new-tokens 64                 # the shipped k3-mini, greedy
+    k3 generate --ckpt DIR --prompt "Hello" --temperature 0.8 --top-p 0.9 --seed 1
+    k3 generate --ckpt DIR --tokens prompts.npy --greedy --out gen.npy --logits-out logits.npy --json
+
+``--tokens`` is an int32 [B, T] array, ragged prompts right-padded with -1. ``--prompt`` text is encoded by the
+checkpoint's own tokenizer when its directory has one (``tiktoken.model``, SPEC §1.1a), else as UTF-8 bytes.
+``--out`` gets the new tokens only, [B, N] int32, -1 after a row's stop; ``--logits-out`` the float32 logits
+[B, N, V] each new token was drawn from (zeros after a stop). With B = 1 the text streams to stdout as it decodes
+(B > 1: each row printed whole at the end); ``--json`` prints one object instead. Same seed, same samples. A
+--stop id ends its row and is kept as the row's last token. Bad input exits 2 before any compute and writes no
+file; output files appear only once generation has finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from k3jax.cli.source import default_ckpt, load_model, load_token_file, model_config
+
+# SPEC §1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
+DEFAULT_MAX_LEN = 1 << 20
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample new tokens with the KDA-state + MLA-latent cache",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", help="checkpoint directory (HF layout); default: the shipped k3-mini")
+    src.add_argument("--preset", help="random init of this preset (init seed 0)")
+    inp = p.add_mutually_exclusive_group(required=True)
+    inp.add_argument("--prompt", help="prompt text")
+    inp.add_argument("--tokens", help=".npy of int32 prompt ids [B, T] (or [T]); ragged rows right-padded with -1")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="arg-max decoding (the default without --temperature)")
+    mode.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--stop", default=None, help="comma-separated token ids that end a row, e.g. 163586,2")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest prompt + new tokens allowed (default: config.json's max_position_embeddings, "
+                        f"else {DEFAULT_MAX_LEN})")
+    p.add_argument("--out", help="write the new tokens [B, N] int32 here (.npy)")
+    p.add_argument("--logits-out", help="write the logits [B, N, V] float32 here (.npy)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stop_reason, timing)")
+    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    p.set_defaults(func=run)
+
+
+def _stops(s: str | None, vocab: int) -> list[int]:
+    if not s:
+        return []
+    out = []
+    for part in s.split(","):
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"--stop: {part!r} is not a token id") from None
+        if not 0 <= v < vocab:
+            raise ValueError(f"--stop: id {v} is outside the vocabulary [0, {vocab})")
+        out.append(v)
+    return out
+
+
+def _prompts(args, tok, vocab: int) -> np.ndarray:
+    if args.prompt is not None:
+        if args.prompt == "":
+            raise ValueError("--prompt is empty")
+        ids = tok.encode(args.prompt)
+        if not ids:
+            raise ValueError("--prompt encodes to no tokens")
+        return np.asarray(ids, np.int32)[None]
+    t = load_token_file(args.tokens)
+    t = t[None] if t.ndim == 1 else t
+    if t.ndim != 2 or t.shape[1] == 0:
+        raise ValueError(f"--tokens {args.tokens}: expected [B, T] or [T], got shape {list(t.shape)}")
+    if t.size and t.max() >= vocab:
+        raise ValueError(f"--tokens {args.tokens}: token id {int(t.max())} >= vocab {vocab}")
+    if (t < -1).any():
+        raise ValueError(f"--tokens {args.tokens}: ids must be >= 0 (-1 only as right padding), got {int(t.min())}")
+    return t.astype(np.int32)
+
+
+def _max_len(args, ckpt) -> int:
+    if args.max_len is not None:
+        return args.max_len
+    if ckpt:
+        try:
+            with open(os.path.join(ckpt, "config.json")) as f:
+                raw = json.load(f)
+            tc = raw.get("text_config", raw)
+            if isinstance(tc.get("max_position_embeddings"), int):
+                return tc["max_position_embeddings"]
+        except (OSError, ValueError):
+            pass
+    return DEFAULT_MAX_LEN
+
+
+def _save(path: str, arr: np.ndarray) -> None:
+    """Write atomically: a finished file or none."""
+    tmp = f"{path}.tmp-{os.getpid()}.npy"
+    np.save(tmp, arr, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def run(args) -> int:
+    from k3jax.model.generate import Sampling, generate, prompt_lengths
+    from k3jax.tokenizer import TokenizerError, load_tokenizer
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = Sampling(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_k=args.top_k,
+                        top_p=args.top_p)
+    for path in (args.out, args.logits_out):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"output directory of {path} does not exist")
+    if not args.ckpt and not args.preset:
+        args.ckpt = default_ckpt()
+        if args.ckpt is None:
+            raise ValueError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
+    if args.ckpt and not os.path.isdir(args.ckpt):
+        raise ValueError(f"--ckpt {args.ckpt}: not a directory")
+    # Everything about the request is checked against the architecture before any parameter is loaded.
+    cfg = model_config(ckpt=args.ckpt, preset=args.preset, strict_config=args.strict_config)
+    try:
+        tok = load_tokenizer(args.ckpt, cfg.vocab_size)
+    except TokenizerError as e:
+        if args.prompt is not None:
+            raise ValueError(f"--prompt needs a tokenizer: {e}") from None
+        tok = None                                     # ids in, ids out (e.g. a preset's 97-id vocabulary)
+    prompts = _prompts(args, tok, cfg.vocab_size)
+    n = prompt_lengths(prompts)
+    limit = _max_len(args, args.ckpt)
+    if int(n.max()) + args.max_new_tokens > limit:
+        raise ValueError(f"prompt of {int(n.max())} tokens + {args.max_new_tokens} new tokens exceeds the maximum "
+                         f"length {limit} (--max-len)")
+    stops = _stops(args.stop, cfg.vocab_size)
+    cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
+                                      strict_config=args.strict_config)
+    B = prompts.shape[0]
+    stream = B == 1 and not args.json and tok is not None
+    text = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: None)  # noqa: E731
+    new_ids: list[int] = []
+    printed = [""]
+
+    def on_token(t, ids, done):
+        if not stream or ids[0] < 0:
+            return
+        new_ids.append(int(ids[0]))
+        so_far = tok.decode(new_ids)
+        if so_far.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            return
+        sys.stdout.write(so_far[len(printed[0]):])
+        sys.stdout.flush()
+        printed[0] = so_far
+
+    if stream:
+        sys.stdout.write(tok.decode(prompts[0, : n[0]].tolist()))
+        sys.stdout.flush()
+    out = generate(params, prompts, cfg, run_cfg, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   seed=args.seed, stop=stops, on_token=on_token)
+    rows = [[int(x) for x in r if x >= 0] for r in out.tokens]
+    texts = [text(r) for r in rows]
+    if args.out:
+        _save(args.out, out.tokens.astype(np.int32))
+    if args.logits_out:
+        _save(args.logits_out, out.logits.astype(np.float32))
+    if args.json:
+        print(json.dumps({"rows": [{"tokens": r, "text": s, "stop_reason": why, "prompt_tokens": int(k)}
+                                   for r, s, why, k in zip(rows, texts, out.stop_reason, n, strict=True)],
+                          "tokenizer": None if tok is None else tok.name,
+                          "sampling": dataclasses.asdict(sampling) | {"seed": args.seed}, "timing": out.timing}))
+    elif stream:
+        sys.stdout.write(texts[0][len(printed[0]):] + "\n")
+        sys.stdout.flush()
+    else:
+        for b, (s, why) in enumerate(zip(texts, out.stop_reason, strict=True)):
+            shown = rows[b] if tok is None else text(prompts[b, : n[b]].tolist()) + s
+            print(f"[{b}] ({why}) {shown}")
+    t = out.timing
+    rate = f"{t['decode_tokens_per_s']:.1f} tokens/s" if t["decode_tokens_per_s"] else "-"
+    print(f"k3 generate: prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.2f} s, {t['decode_steps']} decode "
+          f"steps in {t['decode_s']:.2f} s ({rate})", file=sys.stderr)
+    return 0

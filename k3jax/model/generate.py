@@ -1,0 +1,139 @@
+"""Sampling from the model: one prefill of every (ragged) prompt, then one ``decode_step`` per new token.
+
+    out = generate(params, prompts, cfg, max_new_tokens=32, greedy=True)          # prompts [B, T], -1 padded
+    out.tokens        # [B, N] int32, -1 after a row stopped
+    out.logits        # [B, N, W] float32: the logits each new token was drawn from (zeros after a stop)
+    out.stop_reason   # per row: "stop" (drew a --stop id, kept as its last token) or "length"
+
+Sampling: greedy is the arg-max; otherwise logits / temperature, then top-k (k > 0), then top-p (the smallest
+set of most likely tokens whose probability reaches p; the most likely token is always kept), then one
+categorical draw. Step t's key is ``fold_in(key(seed), t)``: the same seed gives the same samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.model.cache import CacheError, decode_step, init_cache, prefill
+
+
+@dataclass(frozen=True)
+class Sampling:
+    greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not self.greedy and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0: off), got {self.top_k}")
+
+
+@functools.partial(jax.jit, static_argnames=("s",))
+def sample(logits, key, s: Sampling):
+    """logits [B, W] → token ids [B] int32 (module docstring)."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = logits.astype(jnp.float32) / s.temperature
+    neg = jnp.finfo(z.dtype).min
+    if s.top_k:
+        kth = jax.lax.top_k(z, min(s.top_k, z.shape[-1]))[0][..., -1:]
+        z = jnp.where(z < kth, neg, z)
+    if s.top_p < 1:
+        order = jnp.argsort(-z, axis=-1)
+        zs = jnp.take_along_axis(z, order, axis=-1)
+        ps = jax.nn.softmax(zs, axis=-1)
+        before = jnp.cumsum(ps, axis=-1) - ps                          # mass of the more likely tokens
+        keep_sorted = before < s.top_p                                 # always keeps the first
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
+        z = jnp.where(keep, z, neg)
+    return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+
+
+@dataclass
+class Generation:
+    tokens: np.ndarray  # [B, N] int32, -1 after a stop
+    logits: np.ndarray  # [B, N, W] float32, zeros after a stop
+    stop_reason: list
+    timing: dict = field(default_factory=dict)
+
+
+def prompt_lengths(prompts: np.ndarray) -> np.ndarray:
+    """Real tokens per row of a right-padded [B, T] prompt array (-1 = padding); refuses inner padding."""
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2:
+        raise CacheError(f"prompts must be [B, T] token ids, got shape {prompts.shape}")
+    real = prompts >= 0
+    n = real.sum(axis=1)
+    for b in range(prompts.shape[0]):
+        if n[b] == 0:
+            raise CacheError(f"prompt row {b} is empty (every id is -1 padding)")
+        if not real[b, : n[b]].all():
+            raise CacheError(f"prompt row {b}: -1 padding may only follow the prompt (right padding)")
+    return n.astype(np.int32)
+
+
+def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, max_new_tokens: int,
+             sampling: Sampling = Sampling(), seed: int = 0, stop=(), max_len: int | None = None,
+             on_token=None) -> Generation:
+    """Prefill ``prompts`` [B, T] (-1 right padding) and draw up to ``max_new_tokens`` per row.
+
+    stop: token ids that end a row (kept as its last token). max_len: the cache's positions per row (default
+    the longest prompt + max_new_tokens). on_token(step, ids [B], done [B]) is called after every draw."""
+    run = default_run(cfg) if run is None else run
+    prompts = np.asarray(prompts)
+    n = prompt_lengths(prompts)
+    if max_new_tokens < 1:
+        raise CacheError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    max_len = int(n.max()) + max_new_tokens if max_len is None else max_len
+    if int(n.max()) + max_new_tokens > max_len:
+        raise CacheError(f"the longest prompt ({int(n.max())} tokens) + {max_new_tokens} new tokens exceeds the "
+                         f"maximum length {max_len}")
+    B = prompts.shape[0]
+    stop_ids = np.asarray(sorted({int(s) for s in stop}), np.int64)
+    key = jax.random.key(seed)
+    t0 = time.perf_counter()
+    cache = init_cache(cfg, B, max_len, run)
+    logits, cache = prefill(params, np.where(prompts >= 0, prompts, 0), n, cache, cfg, run, last_only=True)
+    logits = jax.block_until_ready(logits)
+    t_prefill = time.perf_counter() - t0
+    tokens = np.full((B, max_new_tokens), -1, np.int32)
+    out_logits = np.zeros((B, max_new_tokens, logits.shape[-1]), np.float32)
+    done = np.zeros((B,), bool)
+    reason = ["length"] * B
+    t1 = time.perf_counter()
+    steps = 0
+    for t in range(max_new_tokens):
+        ids = np.asarray(sample(logits, jax.random.fold_in(key, t), sampling))
+        live = ~done
+        tokens[live, t] = ids[live]
+        out_logits[live, t] = np.asarray(logits, np.float32)[live]
+        hit = live & np.isin(ids, stop_ids)
+        for b in np.flatnonzero(hit):
+            reason[b] = "stop"
+        done |= hit
+        if on_token is not None:
+            on_token(t, np.where(live, ids, -1), done.copy())
+        if done.all() or t == max_new_tokens - 1:
+            break
+        logits, cache = decode_step(params, ids, cache, cfg, run, active=~done, donate=True)
+        steps += 1
+    jax.block_until_ready(logits)
+    t_decode = time.perf_counter() - t1
+    timing = {"prefill_s": t_prefill, "prefill_tokens": int(n.sum()), "decode_s": t_decode, "decode_steps": steps,
+              "decode_tokens_per_s": (steps * B / t_decode) if t_decode > 0 and steps else None}
+    return Generation(tokens, out_logits, reason, timing)
+
+
+__all__ = ["Generation", "Sampling", "generate", "prompt_lengths", "sample"]
