@@ -65,7 +65,7 @@ def layer_cache_shapes(cfg: K3Config, l: int, batch: int, max_len: int, run: Run
                 "k_rope": jax.ShapeDtypeStruct((batch, S, cfg.qk_rope_head_dim), acc)}
     N, K = cfg.kda_num_heads, cfg.kda_head_dim
     tail = jax.ShapeDtypeStruct((batch, cfg.kda_conv_size - 1, N * K), acc)
-    return {"state": jax.ShapeDtypeStruct((batch, N, K, K), jnp.float32 if acc == jnp.float32 else acc),
+    return {"state": jax.ShapeDtypeStruct((batch, N, K, K), acc),                  # fp32 (or wider)
             "conv_q": tail, "conv_k": tail, "conv_v": tail}
 
 

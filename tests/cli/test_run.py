@@ -24,6 +24,7 @@ def test_main_job_on_the_shipped_model(tmp_path, capsys):
                                           for p in out["plots"])
 
 
+@pytest.mark.slow
 def test_random_init_preset_and_text_output(capsys):
     assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--route-tokens", "1024", "--no-plots"]) == 0
     text = capsys.readouterr().out

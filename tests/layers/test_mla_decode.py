@@ -4,6 +4,7 @@ in every MLA layer of k3-mini (its initial weights), per step; the per-layer rep
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from k3jax.config import default_run, get_preset
@@ -15,6 +16,7 @@ from k3jax.testing import TOL, rel_rms
 STEPS = 256
 
 
+@pytest.mark.slow
 def test_absorbed_equals_materialized_over_256_steps_every_layer():
     cfg = get_preset("k3-mini")
     run = default_run(cfg)

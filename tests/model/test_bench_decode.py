@@ -5,6 +5,8 @@ timing assertion); and the HLO counter that flags a cache copied every step."""
 import json
 import math
 
+import pytest
+
 from k3jax.bench.decode import TARGETS, cache_sized_ops
 from k3jax.cli.main import main
 
@@ -12,6 +14,7 @@ TINY = ["bench", "decode", "--json", "--preset", "k3-tiny", "--contexts", "4,5",
         "--rounds", "1", "--steps", "1"]
 
 
+@pytest.mark.slow
 def test_bench_decode_tiny_json(capsys):
     rc = main(TINY)
     out = json.loads(capsys.readouterr().out)

@@ -127,6 +127,7 @@ def test_forward_at_init_equals_base(tiny):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # y + alpha/r · x A B with B = 0, exactly
 
 
+@pytest.mark.slow
 def test_grads_reach_only_lora_params(tiny):
     model = nnx.clone(tiny["lora"])
     toks = tiny["toks"]

@@ -29,6 +29,7 @@ def test_spaced_windows_are_fixed_full_windows_and_mod_vocab():
     np.testing.assert_array_equal(w.tokens, spaced_windows(t, num=5, seq_len=8, vocab=97).tokens)
 
 
+@pytest.mark.slow
 def test_heldout_loss_matches_a_per_token_reference_masked_or_not():
     cfg = get_preset("k3-tiny")
     params = init_params(cfg, jax.random.key(0))

@@ -51,6 +51,7 @@ def test_resume_is_bit_identical_and_qb_bias_moves(tmp_path):
     assert "eval_loss" in steps[-1] and np.isfinite(steps[-1]["eval_loss"])
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_path):
     ck = str(tmp_path / "ck")
     tc = BASE.replace(steps=6, ckpt_dir=ck, ckpt_every=1, keep=10, poison_steps=(2, 4, 5), max_bad_steps=2,

@@ -196,7 +196,7 @@ def _random_like(tree, seed):
     return treedef.unflatten([jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)])
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [m if m == "per_head" else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_stacked_step_equals_per_layer_steps(x64, mode):
     """Two optimizer updates of the stacked tree equal the updates of its per-layer view: the transforms run on the
     layer slices, so each layer gets its own Newton–Schulz, as unstacked.
