@@ -254,7 +254,7 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
 
 # --------------------------------------------------------------------------------------------------------- presets
 
-def _k3_full_attn(L: int) -> tuple[int, ...]:
+def k3_full_attn_layers(L: int) -> tuple[int, ...]:
     """K3's schedule rule: 1-based MLA layers at every 4th layer plus the last one."""
     return tuple(sorted({i for i in range(4, L + 1, 4)} | {L}))
 
@@ -274,7 +274,7 @@ def _k3_mini() -> K3Config:
     # dense layer 0, latent = hidden/2, 2 shared experts, 32 routed experts top-4 (1/8), AttnRes blocks of 4
     # (boundaries 0, 4, 8: two full blocks plus a tail).
     return K3Config(
-        name="k3-mini", vocab_size=256, hidden_size=384, num_layers=9, full_attn_layers=_k3_full_attn(9),
+        name="k3-mini", vocab_size=256, hidden_size=384, num_layers=9, full_attn_layers=k3_full_attn_layers(9),
         kda_num_heads=6, kda_head_dim=64, mla_num_heads=6, q_lora_rank=192, kv_lora_rank=128,
         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024,
         num_experts=32, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=160,
@@ -285,7 +285,7 @@ def _k3_mini() -> K3Config:
 def _k3_tiny() -> K3Config:
     # For unit tests: 5 layers (KDA 0-2, MLA 3-4), AttnRes blocks of 2 (boundaries 0, 2, 4), odd vocab.
     return K3Config(
-        name="k3-tiny", vocab_size=97, hidden_size=64, num_layers=5, full_attn_layers=_k3_full_attn(5),
+        name="k3-tiny", vocab_size=97, hidden_size=64, num_layers=5, full_attn_layers=k3_full_attn_layers(5),
         kda_num_heads=2, kda_head_dim=32, mla_num_heads=2, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=128,
         num_experts=8, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=32,
@@ -339,4 +339,4 @@ def default_run(cfg: K3Config, **overrides) -> RunConfig:
 
 
 __all__ = ["KDA_IMPLS", "MOE_IMPLS", "QAT_MODES", "K3Config", "ConfigError", "PRESETS", "PRESET_RUNS", "RUN_FIELDS",
-           "RunConfig", "default_run", "from_hf", "get_preset", "validate"]
+           "RunConfig", "default_run", "from_hf", "get_preset", "k3_full_attn_layers", "validate"]

@@ -59,7 +59,7 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3jax.config import ConfigError, K3Config, RunConfig, _k3_full_attn, from_hf, get_preset
+from k3jax.config import ConfigError, K3Config, RunConfig, from_hf, get_preset, k3_full_attn_layers
 
 DERIVED = ("params", "active_params", "tokens", "data_order", "eval_windows")
 NUMERIC_DERIVED = ("params", "active_params", "tokens")
@@ -100,7 +100,8 @@ FACTORS: dict[str, dict[str, Any]] = {
     "optimizer": dict(keys=["train.optimizer"],
                       levels={o: {"train": {"optimizer": o}} for o in ("per_head", "full", "adamw")}),
     "kda_mla": dict(keys=["model.full_attn_layers"], varies=["params", "active_params"],
-                    levels=lambda c: {"ratio_3_1": {"model": {"full_attn_layers": list(_k3_full_attn(c.num_layers))}},
+                    levels=lambda c: {"ratio_3_1": {"model": {
+                                          "full_attn_layers": list(k3_full_attn_layers(c.num_layers))}},
                                       "all_mla": {"model": {"full_attn_layers": list(range(1, c.num_layers + 1))}},
                                       "all_kda": {"model": {"full_attn_layers": []}}}),
     "qat": dict(keys=["train.qat"], levels={"off": {"train": {"qat": "off"}}, "weights": {"train": {"qat": "weights"}},
