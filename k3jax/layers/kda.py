@@ -56,6 +56,37 @@ def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lowe
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def _aligned(impl, q, k, v, g, beta, start, *, chunk_size, **kw):
+    """The chunked core for the cached (prefill) path, on a piece whose row b continues a state of start[b] tokens.
+
+    * The whole sequence's chunk grid: row b is shifted right by start[b] mod C behind no-op tokens (g = 0,
+      beta = 0, q = k = v = 0: S stays exactly as it was), so its chunks end where a one-shot prefill's do, and the
+      outputs are shifted back. The piece widens to a multiple of C holding T + C - 1 tokens (one chunk more).
+    * Exact pairwise in-sub-chunk decays (``gate_lower_bound=None``) also for K3's bounded gate: the bounded
+      factorisation (rows and columns scaled around one anchor) rounds each decay's exponent at |G| ~ 40 (k3-tiny's
+      fp32 prefill logits: 1.5e-6 rel-RMS from float64, vs 6.6e-7 pairwise, as close as the token-by-token
+      recurrence), and a prompt fed in pieces then differs from one prefill of it by 1.0e-6 at one cut chunk
+      (pairwise: 5.6e-7). The cost is ~1.4-1.9x the KDA core's time on prefill (T = 4096, k3-mini's heads, this CPU);
+      training keeps the faster factorisation (experiments/LOG.md, 2026-12-02)."""
+    kw["gate_lower_bound"] = None
+    B, T = q.shape[:2]
+    C = chunk_size
+    Tp = -(-(T + C - 1) // C) * C
+    off = jnp.asarray(start, jnp.int32) % C
+    src = jnp.arange(Tp, dtype=jnp.int32)[None, :] - off[:, None]             # [B, Tp]: source token or < 0 / >= T
+    keep = (src >= 0) & (src < T)
+    idx = jnp.clip(src, 0, T - 1)
+
+    def shift(a):
+        m = keep.reshape(keep.shape + (1,) * (a.ndim - 2))
+        got = jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * (a.ndim - 2)), axis=1)
+        return jnp.where(m, got, jnp.zeros((), a.dtype))
+
+    o, S = _core(impl, shift(q), shift(k), shift(v), shift(g), shift(beta), chunk_size=C, **kw)
+    back = jnp.arange(T, dtype=jnp.int32)[None, :] + off[:, None]
+    return jnp.take_along_axis(o, back.reshape(back.shape + (1,) * (o.ndim - 2)), axis=1), S
+
+
 class KDA(nnx.Module):
     """Kimi Delta Attention token mixer; HF module ``self_attn.``."""
 
@@ -112,7 +143,7 @@ class KDA(nnx.Module):
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
     def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
-                 lengths=None):
+                 lengths=None, start=None):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
@@ -155,6 +186,8 @@ class KDA(nnx.Module):
         state = cache.get("state")
         if state is not None and T == 1:
             o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
+        elif start is not None and impl != "recurrent":
+            o, S = _aligned(impl, q, k, v, g, beta, start, scale=scale, initial_state=state, chunk_size=chunk_size)
         else:
             o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
                          gate_lower_bound=self.gate_lower_bound)

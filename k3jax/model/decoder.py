@@ -76,7 +76,7 @@ class DecoderLayer(nnx.Module):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
                                    block_size=run.mla_block_size, absorbed=absorbed)
         return self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=cache,
-                        lengths=lengths)
+                        lengths=lengths, start=start)
 
     def ffn(self, h, cfg: K3Config, run: RunConfig, dispatch):
         """FFN on the normed input h → (y, aux)."""

@@ -2,10 +2,10 @@
 equals one-shot prefill and token-by-token decode; provenance keys refuse a snapshot used with another model,
 parameter set or prompt.
 
-The f32 property test runs the recurrent KDA form, for which splitting a prompt changes no rounding (the chunked
-form's fp32 noise, ~2e-6 on k3-tiny logits when its chunk boundaries move, is above the 1e-6 this checks); the
-chunked prefill — whose state at p is what a snapshot stores — is checked in float64, where the sums must agree
-to 1e-10, at random p and at p = 1 and p = a chunk multiple."""
+The f32 property test runs the chunked KDA prefill (16-token chunks on k3-tiny), whose state at p is what a
+snapshot stores, at the issue's 1e-6 (seen <= 7e-7; the prefill keeps the whole prompt's chunk grid and exact
+pairwise decays, layers/kda.py ``_aligned``); in float64 the three must agree to 1e-10, at random p and at p = 1
+and p = a chunk multiple."""
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +68,19 @@ def recurrent_f32():
     return _model(kda_impl="recurrent")
 
 
+@pytest.fixture(scope="module")
+def chunked_f32():
+    return _model()                                                      # k3-tiny: 16-token chunks
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2 ** 31 - 1), p=st.integers(1, T - 1))
-def test_snapshot_restore_continue_f32(recurrent_f32, seed, p):
+def test_snapshot_restore_continue_f32(chunked_f32, seed, p):
     rng = np.random.default_rng(seed)
     toks, other = rng.integers(0, 97, (2, T)).astype(np.int32)
-    cont, one, tbt, marked = _three_ways(recurrent_f32, toks, p, other, np.nan)
+    cont, one, tbt, marked = _three_ways(chunked_f32, toks, p, other, np.nan)
+    print(f"p={p}: continue {rel_rms(cont, one[p:]):.2e}, marked {rel_rms(marked, one):.2e}, "
+          f"token by token {rel_rms(tbt, one):.2e}")
     # Not bitwise: the batch's other row differs between the runs, which changes how the MoE groups tokens.
     assert_close(cont, one[p:], 1e-6, name="restore + continue vs one-shot")
     assert_close(marked, one, 1e-6, name="prefill with a mark vs one-shot")
