@@ -169,6 +169,7 @@ _RUN_CHOICES = {
     "qat_act_rule": ("floor", "ceil", "even"),
     "param_dtype": ("float32", "bfloat16", "float64"),
     "compute_dtype": ("float32", "bfloat16", "float64"),
+    "layer_stack": ("loop", "scan"),
 }
 
 
@@ -226,6 +227,9 @@ class RunConfig:
     qat: QATMode = "off"
     qat_weight_rule: str = "even"
     qat_act_rule: str = "ceil"
+    # The repeating layer group of the stacked layout (model/layout.py): unrolled ("loop") or one lax.scan over the
+    # groups ("scan": a compile time that does not grow with depth); equal up to reduction order (tests/model).
+    layer_stack: str = "loop"
 
     def __post_init__(self):
         for fld, opts in _RUN_CHOICES.items():
@@ -293,6 +297,20 @@ def _k3_tiny() -> K3Config:
     )
 
 
+def _k3_micro() -> K3Config:
+    # For CPU ablation grids (`k3 ablate`): k3-mini's structure (9 layers, MLA at 0-based {3, 7, 8}, dense layer 0,
+    # byte vocabulary, latent = hidden/2, 2 shared experts, routed top-k = 1/8 of the experts, AttnRes blocks of 4) at
+    # a third of its width: ~3M parameters, ~8x k3-mini's training tokens/s on 2 CPU cores, so a 16-run grid of
+    # 131K-token runs fits in well under an hour.
+    return K3Config(
+        name="k3-micro", vocab_size=256, hidden_size=128, num_layers=9, full_attn_layers=k3_full_attn_layers(9),
+        kda_num_heads=2, kda_head_dim=64, mla_num_heads=2, q_lora_rank=64, kv_lora_rank=64,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=384,
+        num_experts=16, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=64,
+        routed_expert_hidden_size=64, attn_res_block_size=4,
+    )
+
+
 def _kimi_linear_tiny() -> K3Config:
     # kimi-linear-48b with every size shrunk and every switch kept (softplus gate, low-rank output gate, direct
     # q_proj, no MLA gate, SwiGLU, standard MoE with 1 shared expert, routed scale 2.446, no AttnRes, BF16 experts):
@@ -311,6 +329,7 @@ PRESETS = {
     "kimi-linear-48b": _kimi_linear_48b,
     "kimi-linear-tiny": _kimi_linear_tiny,
     "k3-mini": _k3_mini,
+    "k3-micro": _k3_micro,
     "k3-tiny": _k3_tiny,
 }
 
@@ -319,6 +338,7 @@ PRESETS = {
 # (k3-tiny's small blocks also make short test sequences exercise the blockwise and multi-chunk paths).
 PRESET_RUNS = {
     "k3-mini": RunConfig(mla_block_size=128),
+    "k3-micro": RunConfig(mla_block_size=128),
     "k3-tiny": RunConfig(mla_block_size=8, kda_chunk_size=16),
     "kimi-linear-tiny": RunConfig(mla_block_size=16, kda_chunk_size=16),
 }

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
     src.add_argument("--qat", choices=QAT_MODES, default="off")
     src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
                      help="matmul operand dtype; master params and optimizer state stay fp32")
+    src.add_argument("--layer-stack", choices=("loop", "scan"), default="loop",
+                     help="the repeating layer group unrolled, or one lax.scan (compile time flat in depth; equal "
+                          "up to reduction order)")
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=300)
     run.add_argument("--batch", type=int, default=16, help="global sequences per optimizer step")
@@ -68,8 +71,9 @@ def run_cli(args) -> int:
     tc = TrainConfig(
         preset=args.preset or (None if args.init else "k3-mini"), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
-        optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, balance=args.balance,
-        qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed, data=tuple(args.data),
+        optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, layer_stack=args.layer_stack,
+        balance=args.balance, qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed,
+        data=tuple(args.data),
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
         ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
         export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import HFLeaf, param, vec
-from k3jax.ops.attn_res import attn_res
+from k3jax.ops.attn_res import attn_res, attn_res_masked
 
 
 class AttnResQuery(nnx.Module):
@@ -24,6 +24,11 @@ class AttnResQuery(nnx.Module):
     def __call__(self, sources, eps: float):
         """AttnRes mix of ``sources`` (a list of [..., D] arrays) → [..., D] in at-least-fp32."""
         return attn_res(sources, self.query[...], self.gain[...], eps)
+
+    def masked(self, blocks, count, part, eps: float):
+        """The mix of ``blocks[:count] + [part]`` for a block buffer [NB, ..., D] and a traced ``count`` (the
+        scanned stack, ``ops.attn_res.attn_res_masked``)."""
+        return attn_res_masked(blocks, count, part, self.query[...], self.gain[...], eps)
 
 
 __all__ = ["AttnResQuery"]

@@ -84,48 +84,138 @@ class K3Model(nnx.Module):
         def mixer(l, layer, h):
             return layer.mixer(h, self.cfg, self.run)
 
-        return self._walk(tokens, mixer, dispatch)
+        return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan")
 
-    def _walk(self, tokens, mixer, dispatch):
-        """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer."""
+    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False):
+        """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer (with
+        ``scan``, l is traced inside the repeating group: the mixer must not index by it).
+
+        ``scan``: the layout's head (``pre``) and tail (``post``) run as a Python loop, the repeating group as one
+        ``lax.scan`` over its stacked parameters. The AttnRes block sums then live in a fixed buffer [NB, B, T, D]
+        (NB = the commits of the whole stack) with a traced count, mixed by ``AttnResQuery.masked``; a commit at
+        layer l (l mod S = 0) falls at a different place of the period in different groups, so it is a select.
+        Per-layer outputs (routing, MLA max logits) come out of the scan stacked over groups and are put back in
+        layer order."""
         cfg, run = self.cfg, self.run
         cdt = jnp.dtype(run.compute_dtype)
         acc = acc_dtype(cdt)
         eps = cfg.rms_norm_eps
         dispatch = dispatch or run.moe_impl
         aux = {"routing": [], "mla_max_logit": []}
+        lay = layout(cfg)
 
         def collect(a):
             for k, v in a.items():
                 aux[k].append(v)
 
-        emb = self.embed[...][tokens]
-        if not cfg.uses_attn_res:
-            h = emb.astype(acc)
-            for l, layer in self.layers():
-                a, ax = mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
-                collect(ax)
-                h = h + a.astype(acc)
-                f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
-                collect(fx)
-                h = h + f.astype(acc)
-            return h, aux
+        def ffn(layer, h):
+            return layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+
+        def mix(l, layer, h):
+            return mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
+
         S = cfg.attn_res_block_size
-        blocks: list = []
-        part = emb.astype(acc)
-        for l, layer in self.layers():
+
+        def plain_layer(l, layer, h):
+            a, ax = mix(l, layer, h)
+            collect(ax)
+            h = h + a.astype(acc)
+            f, fx = ffn(layer, h)
+            collect(fx)
+            return h + f.astype(acc)
+
+        def attn_res_layer(l, layer, part):
             h = part if not blocks else layer.attn_res(blocks + [part], eps)
             if l % S == 0:
                 blocks.append(part)
                 part = None
-            a, ax = mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
+            a, ax = mix(l, layer, h)
             collect(ax)
             part = a.astype(acc) if part is None else part + a.astype(acc)
-            h = layer.mlp_res(blocks + [part], eps)
-            f, fx = layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+            f, fx = ffn(layer, layer.mlp_res(blocks + [part], eps))
             collect(fx)
-            part = part + f.astype(acc)
-        return self.out_res(blocks + [part], eps), aux
+            return part + f.astype(acc)
+
+        def unrolled(pairs, state):
+            for l, layer in pairs:
+                state = attn_res_layer(l, layer, state) if cfg.uses_attn_res else plain_layer(l, layer, state)
+            return state
+
+        stacked = scan and lay.groups > 0
+        blocks: list = []
+        state = self.embed[...][tokens].astype(acc)          # h (plain residual) or part (AttnRes)
+        if not stacked:
+            state = unrolled(self.layers(), state)
+        else:
+            state = unrolled(zip(lay.pre, self.pre, strict=True), state)
+            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn)(collect)
+            state = unrolled(zip(lay.post, self.post, strict=True), state)
+        if not cfg.uses_attn_res:
+            return state, aux
+        return self.out_res(blocks + [state], eps), aux
+
+    def _scan_groups(self, state, blocks: list, mix, ffn):
+        """The repeating group as one lax.scan (see ``_walk``). Returns a function of ``collect`` that hands the
+        per-layer aux to it in layer order and returns (the new state, the committed blocks as a list)."""
+        cfg = self.cfg
+        lay = layout(cfg)
+        acc = state.dtype
+        eps = cfg.rms_norm_eps
+        gdef, gparams, grest = nnx.split(self.groups, nnx.Param, ...)
+        attn_res = cfg.uses_attn_res
+        S = cfg.attn_res_block_size
+        commits = [l for l in range(cfg.num_layers) if attn_res and l % S == 0]
+        NB = len(commits)
+        n0 = len(blocks)
+        if attn_res:
+            buf = jnp.zeros((NB, *state.shape), acc)
+            for i, b in enumerate(blocks):
+                buf = buf.at[i].set(b)
+        carry0 = (state, buf) if attn_res else (state,)
+
+        def body(carry, xs):
+            p, g = xs
+            grp = nnx.merge(gdef, p, grest)
+            outs = []
+            if attn_res:
+                part, buf = carry
+            else:
+                (h,) = carry
+            for j, layer in enumerate(grp.layers):
+                l = lay.start + g * lay.period + j
+                if attn_res:
+                    nb = (l + S - 1) // S                     # blocks committed before layer l
+                    h = layer.attn_res.masked(buf, nb, part, eps)
+                    commit = l % S == 0
+                    buf = jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf)
+                    part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
+                    a, ax = mix(l, layer, h)
+                    part = part + a.astype(acc)
+                    f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
+                    part = part + f.astype(acc)
+                else:
+                    a, ax = mix(l, layer, h)
+                    h = h + a.astype(acc)
+                    f, fx = ffn(layer, h)
+                    h = h + f.astype(acc)
+                outs.append((ax, fx))
+            return ((part, buf) if attn_res else (h,)), outs
+
+        carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
+        last = lay.start + lay.groups * lay.period          # first layer after the group
+        n_end = sum(1 for l in commits if l < last)
+
+        def finish(collect):
+            for g in range(lay.groups):
+                for ax, fx in ys:
+                    collect(jax.tree.map(lambda x, g=g: x[g], ax))
+                    collect(jax.tree.map(lambda x, g=g: x[g], fx))
+            if attn_res:
+                assert n_end >= n0
+                return carry[0], [carry[1][i] for i in range(n_end)]
+            return carry[0], blocks
+
+        return finish
 
     def _logits(self, h):
         cdt = jnp.dtype(self.run.compute_dtype)

@@ -31,3 +31,20 @@ def attn_res(sources, query, gain, eps: float):
     z = jnp.einsum("n...d,d->n...", kappa, gw)
     alpha = jax.nn.softmax(z, axis=0)
     return jnp.einsum("n...,n...d->...d", alpha, v)
+
+
+def attn_res_masked(blocks, count, part, query, gain, eps: float):
+    """``attn_res(blocks[:count] + [part], ...)`` with a traced ``count``, for a scanned layer stack: blocks
+    [NB, ..., D] is a fixed-size buffer of which the first ``count`` entries are committed block sums (the rest
+    zeros), part [..., D] the running sum. The unused slots get logit -inf, hence weight exactly 0 and, holding
+    zeros, add exact zeros to the mix; only the length of the reductions differs from the unmasked form."""
+    acc = acc_dtype(part.dtype)
+    v = jnp.concatenate([blocks.astype(acc), part.astype(acc)[None]], axis=0)
+    kappa = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+    z = jnp.einsum("n...d,d->n...", kappa, gain.astype(acc) * query.astype(acc))
+    nb = blocks.shape[0]
+    used = (jnp.arange(nb + 1) < count) | (jnp.arange(nb + 1) == nb)
+    z = jnp.where(used.reshape((nb + 1,) + (1,) * (z.ndim - 1)), z, -jnp.inf)
+    alpha = jax.nn.softmax(z, axis=0)
+    return jnp.einsum("n...,n...d->...d", alpha, v)
+

@@ -70,6 +70,7 @@ class TrainConfig:
     optimizer: str = "per_head"  # OptimConfig.mode
     qat: str = "off"
     compute_dtype: str = "float32"
+    layer_stack: str = "loop"  # RunConfig.layer_stack: "scan" compiles the repeating layer group once
     balance: str = "qb"
     sign_gamma: float = 1e-3
     qb_ema: float = 0.0
@@ -155,6 +156,8 @@ def validate(tc: TrainConfig, n_dev: int) -> None:
         raise ValueError(f"--qat {tc.qat!r}: must be one of {', '.join(QAT_MODES)}")
     if tc.compute_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"--compute-dtype {tc.compute_dtype!r}: must be float32 or bfloat16")
+    if tc.layer_stack not in ("loop", "scan"):
+        raise ValueError(f"--layer-stack {tc.layer_stack!r}: must be loop or scan")
     if not 0.0 < tc.heldout_frac < 1.0:
         raise ValueError(f"--heldout-frac must be in (0, 1), got {tc.heldout_frac}")
     if tc.max_bad_steps < 1 or tc.ckpt_every < 1 or tc.eval_every < 1 or tc.keep < 1:
@@ -246,7 +249,8 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     # the periodic eval's fixed windows: eval_windows rounded down to a multiple of the devices (at least one each)
     eval_set = spaced_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
                               vocab=vocab)
-    settings = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32")  # fp32 master
+    settings = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32",  # fp32 master
+                           layer_stack=tc.layer_stack)
     return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, log=log, train_toks=train_toks, eval_set=eval_set,
                 vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
 
