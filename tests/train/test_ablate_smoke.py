@@ -1,9 +1,10 @@
-"""`k3 ablate experiments/smoke.toml` through the real train loop, as fresh processes (slow: 270 s on the shared 2-core
-CPU, most of it the first invocation's compiles; the later invocations read its compile cache):
+"""`k3 ablate experiments/smoke.toml` through the real train loop, as fresh processes:
 
-* run twice into two directories: identical results.json apart from ``timing`` (bit-for-bit losses, per-window
-  losses included);
-* SIGKILL in the middle of the grid (inside the second run), then the same command: the results of the
+* (default suite, ~45 s, nearly all of it compiles) one run of the grid: the results' schema, arms, paired
+  statistics, shared seed init and output files;
+* (slow: 270 s on the shared 2-core CPU; the later invocations read the first one's compile cache) run twice into
+  two directories: identical results.json apart from ``timing`` (bit-for-bit losses, per-window losses included);
+  SIGKILL in the middle of the grid (inside the second run), then the same command: the results of the
   uninterrupted run, and the runs that had finished are not redone.
 """
 
@@ -17,8 +18,6 @@ import time
 import pytest
 
 from k3jax.analysis.ablate_report import strip_timing
-
-pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMOKE = os.path.join(REPO, "experiments", "smoke.toml")
@@ -51,22 +50,31 @@ def _steps_done(metrics):
     return n
 
 
+def _run_and_check(out, cache):
+    r = subprocess.run(_cmd(out, cache), capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["schema"] == "k3jax.ablate/1" and res == _results(out)
+    assert set(res["arms"]) == {"base", "kda_gate=softplus"} and res["arms"]["base"]["seeds"] == [0, 1]
+    lv = res["factors"]["kda_gate"]["levels"]["softplus"]
+    assert lv["paired"]["n"] == 2 and lv["verdict"] in ("better", "worse", "within noise")
+    assert res["arms"]["kda_gate=softplus"]["init"]["own_leaves"] == ["layers/0/kda/A_log"]
+    for name in ("results.md", "curves.png", "seeds/seed-0.npz", "seeds/seed-1.npz"):
+        assert (out / name).exists()
+    return res
+
+
+def test_smoke_spec_runs(tmp_path):
+    _run_and_check(tmp_path / "a", tmp_path / "xla")
+
+
+@pytest.mark.slow
 def test_smoke_is_deterministic_and_resumes_after_a_kill(tmp_path):
     cache = tmp_path / "xla"
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    for out in (a, b):
-        r = subprocess.run(_cmd(out, cache), capture_output=True, text=True, timeout=1200)
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["schema"] == "k3jax.ablate/1"
-    ra = _results(a)
-    assert strip_timing(ra) == strip_timing(_results(b))
+    ra = _run_and_check(a, cache)
+    assert strip_timing(ra) == strip_timing(_run_and_check(b, cache))
     assert _windows(a) == _windows(b)
-    assert set(ra["arms"]) == {"base", "kda_gate=softplus"} and ra["arms"]["base"]["seeds"] == [0, 1]
-    lv = ra["factors"]["kda_gate"]["levels"]["softplus"]
-    assert lv["paired"]["n"] == 2 and lv["verdict"] in ("better", "worse", "within noise")
-    assert ra["arms"]["kda_gate=softplus"]["init"]["own_leaves"] == ["layers/0/kda/A_log"]
-    for name in ("results.md", "curves.png", "seeds/seed-0.npz", "seeds/seed-1.npz"):
-        assert (a / name).exists()
 
     p = subprocess.Popen(_cmd(c, cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     second = c / "runs" / RUNS[1] / "metrics.jsonl"
