@@ -166,7 +166,6 @@ class K3Model(nnx.Module):
         S = cfg.attn_res_block_size
         commits = [l for l in range(cfg.num_layers) if attn_res and l % S == 0]
         NB = len(commits)
-        n0 = len(blocks)
         if attn_res:
             buf = jnp.zeros((NB, *state.shape), acc)
             for i, b in enumerate(blocks):
@@ -211,7 +210,6 @@ class K3Model(nnx.Module):
                     collect(jax.tree.map(lambda x, g=g: x[g], ax))
                     collect(jax.tree.map(lambda x, g=g: x[g], fx))
             if attn_res:
-                assert n_end >= n0
                 return carry[0], [carry[1][i] for i in range(n_end)]
             return carry[0], blocks
 

@@ -199,7 +199,7 @@ def _capture(capsys, *argv) -> str:
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--preset", "kimi-k9"], "known presets: k3-mini, k3-tiny, kimi-k3, kimi-linear-48b"),
+    (["--preset", "kimi-k9"], "known presets: k3-micro, k3-mini, k3-tiny, kimi-k3, kimi-linear-48b, kimi-linear-tiny"),
     (["--preset", "k3-tiny", "--mesh", "8xTPU"], "known meshes: 8xB300, 16xB200"),
     (["--preset", "k3-tiny", "--batch", "0"], "--batch"),
 ])
