@@ -1,6 +1,6 @@
 """`k3 ablate experiments/smoke.toml` through the real train loop, as fresh processes:
 
-* (default suite, ~45 s, nearly all of it compiles) one run of the grid: the results' schema, arms, paired
+* (default suite, 75-97 s in CI, nearly all of it compiles) one run of the grid: the results' schema, arms, paired
   statistics, shared seed init and output files;
 * (slow: 270 s on the shared 2-core CPU; the later invocations read the first one's compile cache) run twice into
   two directories: identical results.json apart from ``timing`` (bit-for-bit losses, per-window losses included);
