@@ -299,15 +299,13 @@ def _k3_tiny() -> K3Config:
 
 def _k3_micro() -> K3Config:
     # For CPU ablation grids (`k3 ablate`): k3-mini's structure (9 layers, MLA at 0-based {3, 7, 8}, dense layer 0,
-    # byte vocabulary, latent = hidden/2, 2 shared experts, routed top-k = 1/8 of the experts, AttnRes blocks of 4) at
-    # a third of its width: ~3M parameters, ~8x k3-mini's training tokens/s on 2 CPU cores, so a 16-run grid of
-    # 131K-token runs fits in well under an hour.
-    return K3Config(
-        name="k3-micro", vocab_size=256, hidden_size=128, num_layers=9, full_attn_layers=k3_full_attn_layers(9),
-        kda_num_heads=2, kda_head_dim=64, mla_num_heads=2, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=384,
-        num_experts=16, num_experts_per_token=2, num_shared_experts=2, moe_intermediate_size=64,
-        routed_expert_hidden_size=64, attn_res_block_size=4,
+    # byte vocabulary, head dims, latent = hidden/2, 2 shared experts, routed top-k = 1/8 of the experts, AttnRes
+    # blocks of 4) at a third of its width: ~3M parameters, ~8x k3-mini's training tokens/s on 2 CPU cores, so a
+    # 16-run grid of 131K-token runs fits in well under an hour.
+    return _k3_mini().replace(
+        name="k3-micro", hidden_size=128, kda_num_heads=2, mla_num_heads=2, q_lora_rank=64, kv_lora_rank=64,
+        intermediate_size=384, num_experts=16, num_experts_per_token=2, moe_intermediate_size=64,
+        routed_expert_hidden_size=64,
     )
 
 
