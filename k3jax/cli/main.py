@@ -14,7 +14,10 @@ Errors in user input exit with status 2 and a message naming the field, file or 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
+import importlib.util
+import os
 import sys
 
 # subcommand -> module (imported lazily so `k3 --help` stays fast and one broken module does not hide the rest)
@@ -30,6 +33,23 @@ SUBCOMMANDS = {
     "route": "k3jax.cli.route",
     "generate": "k3jax.cli.generate",
 }
+
+
+def jax_platforms_override(environ, has_device, libtpu_installed: bool) -> str | None:
+    """The JAX_PLATFORMS value to set before jax starts, or None to leave the environment alone.
+
+    libtpu (the dev extra) lets one process at a time use it (/tmp/libtpu_lockfile), and a JAX process allowed to
+    try the TPU backend takes that lock for its lifetime even when it falls back to the CPU, so on a machine without
+    a TPU a second `k3` (or a test worker) would fail with "Internal error when accessing libtpu". So: "cpu" when
+    JAX_PLATFORMS is unset, libtpu is installed and there is no TPU (no /dev/accel*, no /dev/vfio/<n>) and no NVIDIA
+    GPU (/dev/nvidia0: left alone, so JAX picks the GPU as usual). ``has_device(pattern)`` says whether a device
+    file matching the glob pattern exists.
+    """
+    if "JAX_PLATFORMS" in environ or not libtpu_installed:
+        return None
+    if has_device("/dev/accel*") or has_device("/dev/vfio/[0-9]*") or has_device("/dev/nvidia0"):
+        return None
+    return "cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +84,10 @@ def _warnings_as_messages(command: str):
 
 
 def main(argv=None) -> int:
+    platforms = jax_platforms_override(os.environ, lambda pattern: bool(glob.glob(pattern)),
+                                       importlib.util.find_spec("libtpu") is not None)
+    if platforms is not None:
+        os.environ["JAX_PLATFORMS"] = platforms  # before anything below imports jax
     from k3jax.config import ConfigError
 
     parser = build_parser()

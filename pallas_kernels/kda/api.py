@@ -2,8 +2,11 @@
 
 Forward: the Pallas kernel (``kernel.py``). Backward: the VJP of the jnp chunked path
 (``k3jax.ops.kda.kda_chunked``), recomputed from the saved inputs; the kernel has no backward of its own yet.
-``interpret`` reaches ``pallas_call``; it defaults to True off-GPU. Input and tiling checks are the jnp rung's
-(``k3jax.ops.kda.validate_inputs``, ``check_chunking``), so both reject the same arguments.
+``interpret`` reaches ``pallas_call``; it defaults to True when the target platform
+(``pallas_kernels.platform.target_platform``: ``platform=``, else the current mesh's device, else the default
+backend) is the CPU. The platform picks the schedule (kernel.py: TPU = sequential chunk grid) and the default
+block_v. Input and tiling checks are the jnp rung's (``k3jax.ops.kda.validate_inputs``, ``check_chunking``), so both
+reject the same arguments.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ import jax.numpy as jnp
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.norms import acc_dtype
 from pallas_kernels.kda.kernel import BlockSizes, kda_fwd_pallas
+from pallas_kernels.platform import target_platform
 
-
-def _default_interpret() -> bool:
-    return jax.default_backend() != "gpu"
+# Value columns per program: 64 for Triton (registers); the whole lane width (128 = K3's V) for Mosaic.
+DEFAULT_BLOCK_V = {"cpu": 64, "gpu": 64, "tpu": 128}
 
 
 def in_chunk_sums(g, *, chunk: int, sub_chunk: int):
@@ -44,7 +47,7 @@ def in_chunk_sums(g, *, chunk: int, sub_chunk: int):
 
 
 @functools.cache
-def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, interpret: bool):
+def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, platform: str, interpret: bool):
     bs = BlockSizes(chunk=chunk, sub_chunk=sub_chunk, block_v=block_v)
 
     def forward(q, k, v, g, beta, h0):
@@ -57,7 +60,7 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
         gp, bp = pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32))
         lr, rex, gcs, tot = in_chunk_sums(gp, chunk=chunk, sub_chunk=sub_chunk)
         o, ht = kda_fwd_pallas(qp, kp, vp, gp, bp, lr, rex, gcs, tot, h0.astype(jnp.float32), scale=scale,
-                               gate_lower_bound=gate_lower_bound, bs=bs, interpret=interpret)
+                               gate_lower_bound=gate_lower_bound, bs=bs, platform=platform, interpret=interpret)
         return o[:, :T], ht.astype(ct)
 
     def reference(q, k, v, g, beta, h0):
@@ -81,23 +84,26 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
 
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-              gate_lower_bound: float | None = None, sub_chunk: int = kda_ops.SUB_CHUNK, block_v: int = 64,
-              interpret: bool | None = None):
+              gate_lower_bound: float | None = None, sub_chunk: int = kda_ops.SUB_CHUNK, block_v: int | None = None,
+              platform: str | None = None, interpret: bool | None = None):
     """Chunked KDA with a Pallas forward kernel; same contract as ``k3jax.ops.kda.kda_chunked``.
 
     q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] log decay <= 0; beta: [B, T, N] in [0, 1];
     initial_state: [B, N, K, V] K-first fp32 (zeros if None). Returns o [B, T, N, V] (q.dtype) and the final
     state [B, N, K, V] in ``acc_dtype(q.dtype)`` (float64 inputs are computed in fp32 inside the kernel).
     Unbounded gates (gate_lower_bound None) use in-sub-chunk differences of sums for the exact diagonal decays;
-    see README.md "Known limits".
+    see README.md "Known limits". ``platform``: "cpu", "gpu" ("cuda", "rocm") or "tpu" (None: ``target_platform()``)
+    picks the schedule and the default ``block_v`` (``DEFAULT_BLOCK_V``); ``interpret`` None = platform is "cpu".
     """
     kda_ops.validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
     kda_ops.check_chunking(chunk_size, sub_chunk, gate_lower_bound)
     B, T, N, K = q.shape
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
-    interpret = _default_interpret() if interpret is None else bool(interpret)
+    platform = target_platform(platform)
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    block_v = DEFAULT_BLOCK_V[platform] if block_v is None else block_v
     h0 = jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None else initial_state
     f = _make(scale, chunk_size, sub_chunk, block_v, None if gate_lower_bound is None else float(gate_lower_bound),
-              interpret)
+              platform, interpret)
     return f(q, k, v, g, beta, h0)

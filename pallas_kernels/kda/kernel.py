@@ -5,6 +5,9 @@ its sequence in an in-kernel ``lax.fori_loop`` carrying the state tile S [K, blo
 axis would do on TPU, but GPU grid programs run concurrently, so the chunk loop lives inside the kernel.)
 Columns of the state are independent, so value tiles only duplicate the cheap A_kk / W work.
 
+On TPU (``_kda_tpu``) the chunks are a sequential fourth grid axis instead, with the state tile in VMEM scratch
+and one chunk per block (README.md "Tiling" says why).
+
 Everything is built from 2-D ops that the Triton lowering supports: ``pl.ds`` slices of 16 rows, 2-D dots with
 ``precision=HIGHEST`` (no TF32), elementwise exp/where and row reductions. Block shapes are the caller's: use powers
 of two (K = V = 128, chunk 64) on GPU; interpret mode accepts anything.
@@ -63,6 +66,11 @@ def _invert_unit_lower(L, c):
     return T
 
 
+def _column(b):
+    """beta rows as a [c, 1] column: the GPU layout reads [c], the TPU layout (trailing unit dim) already [c, 1]."""
+    return b[:, None] if b.ndim == 1 else b
+
+
 def _load_chunk(in_refs, ic, bs: BlockSizes):
     """Chunk ``ic`` as fp32 lists over its n sub-chunks (rows [c, K] / [c, V], beta [c, 1], g_r0 and tot [1, K]),
     plus the row factors a = exp(lr) and the column factors kf = k exp(rex)."""
@@ -74,7 +82,7 @@ def _load_chunk(in_refs, ic, bs: BlockSizes):
     x = {name: [rows(ref, I) for I in range(n)]
          for name, ref in (("qs", q_ref), ("ks", k_ref), ("vs", v_ref), ("lr", lr_ref), ("rex", rex_ref),
                            ("gcs", gcs_ref))}
-    x["bts"] = [beta_ref[pl.ds(base + I * c, c)].astype(jnp.float32)[:, None] for I in range(n)]
+    x["bts"] = [_column(beta_ref[pl.ds(base + I * c, c)].astype(jnp.float32)) for I in range(n)]
     x["g_r0"] = [g_ref[pl.ds(base + I * c, 1), :].astype(jnp.float32) for I in range(n)]      # [1, K]
     x["tot"] = [tot_ref[pl.ds(ic * n + M, 1), :].astype(jnp.float32) for M in range(n)]      # [1, K]
     x["a"] = [_exp_flushed(lr) for lr in x["lr"]]
@@ -82,7 +90,23 @@ def _load_chunk(in_refs, ic, bs: BlockSizes):
     return base, x
 
 
-def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl):
+def _pairwise_by_column(k_sub, q_sub, lr_sub):
+    """The unbounded-gate diagonal sums one column j at a time ([c, K] tiles, no [c, c, K] one):
+    d[i, j] = sum_K x_i k_j exp(lr_i - lr_j) for j <= i, x = k and x = q. The TPU formulation: Mosaic aborts the
+    process on the [c, c, K] broadcast (libtpu 0.0.51: "layout.h:253 Check failed: rem == 0 (1024 vs. 0)"). Same
+    products as the 3-D form; the K sums are separate 2-D reductions (rounding may differ in the last place)."""
+    c = k_sub.shape[0]
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    dkk = dqk = jnp.zeros((c, c), jnp.float32)
+    for j in range(c):
+        kk = k_sub[j:j + 1, :] * _exp_flushed(jnp.where(rows >= j, lr_sub - lr_sub[j:j + 1, :], -jnp.inf))
+        dkk = jnp.where(col == j, jnp.sum(k_sub * kk, axis=-1, keepdims=True), dkk)
+        dqk = jnp.where(col == j, jnp.sum(q_sub * kk, axis=-1, keepdims=True), dqk)
+    return dkk, dqk
+
+
+def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl, by_column: bool = False):
     """A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I) as dicts keyed (I, J), anchored at r0(I)."""
     qs, ks, bts, lr, tot = x["qs"], x["ks"], x["bts"], x["lr"], x["tot"]
     Akk, Aqk = {}, {}
@@ -101,6 +125,8 @@ def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl):
             left = jnp.exp(lr[I] - delta)
             dkk = _dot_nt(ks[I] * left, right)
             dqk = _dot_nt(qs[I] * left, right)
+        elif by_column:                                           # exact pairwise decays, TPU
+            dkk, dqk = _pairwise_by_column(ks[I], qs[I], lr[I])
         else:                                                     # exact pairwise decays
             diff = lr[I][:, None, :] - lr[I][None, :, :]          # [c, c, K]
             decay = _exp_flushed(jnp.where(incl[:, :, None], diff, -jnp.inf))
@@ -153,9 +179,9 @@ def _next_state(x, v_new, S, n: int, kr, kc):
     return S_new
 
 
-def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
-                    o_ref, ht_ref, *, num_chunks, bs: BlockSizes, K: int, scale: float, gate_lower_bound):
-    """One (batch, head, value tile): a fori_loop over the chunks, carrying the state tile S [K, block_v]."""
+def _chunk_step(in_refs, o_ref, ic, S, *, bs: BlockSizes, K: int, scale: float, gate_lower_bound,
+                by_column: bool = False):
+    """Chunk ``ic`` of the refs' rows: writes its outputs to o_ref and returns the next state tile [K, block_v]."""
     C, c = bs.chunk, bs.sub_chunk
     n = C // c
     ri = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -164,27 +190,51 @@ def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_r
     incl = ri >= ci
     kr = jax.lax.broadcasted_iota(jnp.int32, (K, K), 0)
     kc = jax.lax.broadcasted_iota(jnp.int32, (K, K), 1)
+    base, x = _load_chunk(in_refs, ic, bs)
+    Akk, Aqk = _a_blocks(x, n, c, scale, gate_lower_bound, strict, incl, by_column)
+    v_new = _solve_and_write(x, Akk, Aqk, S, o_ref, base, n, c, scale)
+    return _next_state(x, v_new, S, n, kr, kc)
+
+
+def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
+                    o_ref, ht_ref, *, num_chunks, **consts):
+    """One (batch, head, value tile): a fori_loop over the chunks, carrying the state tile S [K, block_v]."""
     in_refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref)
-
-    def chunk_body(ic, S):
-        base, x = _load_chunk(in_refs, ic, bs)
-        Akk, Aqk = _a_blocks(x, n, c, scale, gate_lower_bound, strict, incl)
-        v_new = _solve_and_write(x, Akk, Aqk, S, o_ref, base, n, c, scale)
-        return _next_state(x, v_new, S, n, kr, kc)
-
     S0 = h0_ref[...].astype(jnp.float32)
-    S = jax.lax.fori_loop(0, num_chunks, chunk_body, S0)
+    S = jax.lax.fori_loop(0, num_chunks, lambda ic, S: _chunk_step(in_refs, o_ref, ic, S, **consts), S0)
     ht_ref[...] = S.astype(ht_ref.dtype)
 
 
+def _kda_tpu_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
+                    o_ref, ht_ref, state_ref, **consts):
+    """One (batch, head, value tile, chunk) step: the blocks hold one chunk; the state tile lives in VMEM scratch
+    across the sequential chunk axis (grid axis 3)."""
+    ic = pl.program_id(3)
+
+    @pl.when(ic == 0)
+    def _init():
+        state_ref[...] = h0_ref[...].astype(jnp.float32)
+
+    in_refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref)
+    state_ref[...] = _chunk_step(in_refs, o_ref, 0, state_ref[...], **consts)
+
+    @pl.when(ic == pl.num_programs(3) - 1)
+    def _final():
+        ht_ref[...] = state_ref[...].astype(ht_ref.dtype)
+
+
 def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes,
-                   interpret: bool):
+                   platform: str, interpret: bool):
     """Raw kernel launch. All time axes are padded to a multiple of bs.chunk.
 
     q, k, g, lr, rex, gcs: [B, Tp, N, K]; v: [B, Tp, N, V]; beta: [B, Tp, N]; tot: [B, Tp / c, N, K];
     h0: [B, N, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). Returns o [B, Tp, N, V]
-    (q.dtype) and the final state [B, N, K, V] fp32.
+    (q.dtype) and the final state [B, N, K, V] fp32. ``platform`` picks the schedule: "tpu" -> ``_kda_tpu``; else
+    grid (B, N, V / block_v) with the chunk loop in the kernel (Triton compiler params on "gpu" when compiled).
     """
+    if platform == "tpu":
+        return _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, scale=scale, gate_lower_bound=gate_lower_bound,
+                        bs=bs, interpret=interpret)
     B, Tp, N, K = q.shape
     V = v.shape[-1]
     bv = min(bs.block_v, V)
@@ -196,7 +246,7 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
     tk = pl.BlockSpec((None, Tp, None, K), lambda b, n, j: (b, 0, n, 0))
     tv = pl.BlockSpec((None, Tp, None, bv), lambda b, n, j: (b, 0, n, j))
     kwargs = {}
-    if not interpret:
+    if platform == "gpu" and not interpret:
         from jax.experimental.pallas import triton as pltriton
         kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
@@ -215,3 +265,44 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
     )(q, k, v, g, beta, lr, rex, gcs, tot, h0)
 
 
+def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes, interpret: bool):
+    """TPU schedule: grid (B, N, V / block_v, Tp / C), chunk axis sequential ("arbitrary"), state in VMEM scratch.
+
+    Blocks hold one chunk (C rows), not the whole sequence as on GPU: Mosaic copies each block into VMEM, and whole
+    sequences (T = 8192 x K = 128 x fp32 = 4 MiB per input) would not fit. Mosaic wants every block's last two dims
+    divisible by (8, 128) or whole, and rejects a squeezed head dim in the second-minor place of [B, Tp, N, K]
+    ("last two dimensions of your block shape ... divisible by 8 and 128"), so the inputs go head-major
+    [B, N, Tp, K] here (XLA transposes: one more HBM pass over the inputs and o), beta gets a trailing unit dim and
+    tot is split [B, N, Tp / C, n, K] (its n = 4 rows per chunk would break the rule as a [.., Tp / c, K] block).
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    B, Tp, N, K = q.shape
+    V = v.shape[-1]
+    C, n = bs.chunk, bs.chunk // bs.sub_chunk
+    bv = min(bs.block_v, V)
+    if V % bv or (bv % 128 and bv != V):
+        raise ValueError(f"TPU: block_v = {bv} must divide V = {V} and be a multiple of 128 (or V)")
+    kernel = functools.partial(_kda_tpu_kernel, bs=bs, K=K, scale=float(scale), gate_lower_bound=gate_lower_bound,
+                               by_column=True)
+    tk = pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, h, c, 0))
+    tv = pl.BlockSpec((None, None, C, bv), lambda b, h, j, c: (b, h, c, j))
+    state = pl.BlockSpec((None, None, K, bv), lambda b, h, j, c: (b, h, 0, j))
+    heads_major = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  [B, T, N, ...] -> [B, N, T, ...]
+    o, ht = pl.pallas_call(
+        kernel,
+        grid=(B, N, V // bv, Tp // C),
+        in_specs=[tk, tk, tv, tk,
+                  pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
+                  tk, tk, tk,
+                  pl.BlockSpec((None, None, None, n, K), lambda b, h, j, c: (b, h, c, 0, 0)),
+                  state],
+        out_specs=[tv, state],
+        out_shape=[jax.ShapeDtypeStruct((B, N, Tp, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((K, bv), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="kda_chunk_tpu_fwd",
+    )(*map(heads_major, (q, k, v, g, beta[..., None], lr, rex, gcs)),
+      heads_major(tot).reshape(B, N, Tp // C, n, K), h0)
+    return heads_major(o), ht

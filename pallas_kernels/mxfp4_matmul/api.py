@@ -6,6 +6,10 @@
 y = x @ dequant(W)ᵀ, fp32 accumulation, output in x.dtype (bfloat16 or float32). The weights are frozen storage:
 the VJP gives dx = g @ dequant(W) (from the jnp reference, until the kernel has its own backward) and no cotangent
 for the uint8 arrays. ``act_quant="ceil"`` (or another rule) MXFP8-fake-quantizes x along K first (STE).
+
+Per platform (``platform=``, default ``pallas_kernels.platform.target_platform()``): block sizes default to
+``DEFAULT_BLOCKS[platform]``; on TPU both entry points run ``kernel.mxfp4_gmm_tpu`` (see kernel.py for its scale
+layout), on GPU the loop schedule, on CPU (interpret mode) the grid / loop schedules.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from k3jax.ops import mx
 from pallas_kernels.mxfp4_matmul import kernel as _k
 from pallas_kernels.mxfp4_matmul import reference as _ref
 from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
+from pallas_kernels.platform import target_platform
+
+# (block_m, block_n, block_k) per platform. GPU / CPU: Triton-sized tiles (the CPU tests interpret them). TPU: bk/2 =
+# 256 lanes and bn = 256 (multiples of 128), MXU-sized row tiles; bk = 512 is the largest power of two dividing
+# K = 3584 (w1 / w3) and K = 3072 (w2).
+DEFAULT_BLOCKS = {"cpu": (16, 128, 256), "gpu": (16, 128, 256), "tpu": (128, 256, 512)}
 
 
 def _check(x, packed, scale, *, grouped: bool) -> None:
@@ -40,6 +50,22 @@ def _fit(block: int, dim: int) -> int:
     while block > 1 and dim % block:
         block //= 2
     return block
+
+
+def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) -> BlockSizes:
+    """Platform defaults for the unset sizes; n and k shrink to divide N and K; on TPU, Mosaic's tiling rules."""
+    dm, dn, dk = DEFAULT_BLOCKS[platform]
+    bm = block_m or dm
+    if platform == "tpu" and block_m is None:  # small M (decode): the next power of two >= M, at least 16 (bf16 tile)
+        bm = min(bm, max(16, 1 << (max(M, 1) - 1).bit_length()))
+    bs = BlockSizes(bm, _fit(block_n or dn, N), _fit(block_k or dk, K))
+    if platform == "tpu":
+        ok_n = bs.block_n % 128 == 0 or bs.block_n == N
+        ok_k = (bs.block_k // 2) % 128 == 0 or bs.block_k == K
+        if bs.block_m % 16 or not ok_n or not ok_k:
+            raise ValueError(f"TPU blocks need block_m % 16 == 0, block_n % 128 == 0 (or = N) and block_k/2 % 128 == "
+                             f"0 (or block_k = K); got {bs} for N = {N}, K = {K}")
+    return bs
 
 
 def _split_even_odd(x):
@@ -89,21 +115,22 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
 # grouped
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret: bool):
     M = x.shape[0]
     tile_group, src_rows, dst_rows, valid_rows = group_tile_metadata(group_sizes, M, bs.block_m)
     x_rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src_rows]
     xe, xo = _split_even_odd(x_rows)
-    y_pad = _k.mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs, interpret=interpret)
+    launch = _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
+    y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret)
     return jnp.where(valid_rows[:, None], y_pad[dst_rows], 0.0).astype(x.dtype)
 
 
-def _gmm_fwd(x, packed, scale, group_sizes, bs, interpret):
-    return _gmm(x, packed, scale, group_sizes, bs, interpret), (packed, scale, group_sizes)
+def _gmm_fwd(x, packed, scale, group_sizes, bs, platform, interpret):
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret), (packed, scale, group_sizes)
 
 
-def _gmm_bwd(bs, interpret, res, g):
+def _gmm_bwd(bs, platform, interpret, res, g):
     packed, scale, group_sizes = res
     dx = _ref.mxfp4_gmm_reference_vjp_x(g, packed, scale, group_sizes)
     return dx.astype(g.dtype), None, None, None  # uint8 storage and int sizes: no cotangent
@@ -112,17 +139,20 @@ def _gmm_bwd(bs, interpret, res, g):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int = 16, block_n: int = 128, block_k: int = 256,
-              act_quant: str | None = None, interpret: bool = False):
+def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
+              block_k: int | None = None, act_quant: str | None = None, platform: str | None = None,
+              interpret: bool = False):
     """Grouped MXFP4 matmul over experts (ragged groups; empty groups and partial tiles allowed).
 
     Args:
       x: [M, K] float32/bfloat16, rows sorted by expert.
       packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32] (per-expert torch orientation, blocks along K).
       group_sizes: int [G], sum <= M; rows past the sum give zeros.
-      block_m, block_n, block_k: tile sizes (powers of two; n and k shrink to divide N and K).
+      block_m, block_n, block_k: tile sizes (powers of two; n and k shrink to divide N and K); None: the
+        platform's ``DEFAULT_BLOCKS`` (on TPU block_m is capped near M).
       act_quant: None, or the MXFP8 scale rule to fake-quantize x with (blocks of 32 along K).
-      interpret: run the Pallas interpreter (CPU).
+      platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
+      interpret: run the Pallas interpreter (CPU) on the chosen platform's kernel.
     Returns: y [M, N] in x.dtype.
     """
     _check(x, packed, scale, grouped=True)
@@ -130,30 +160,35 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int = 16, block_n: int 
         raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{packed.shape[0]}]")
     if act_quant is not None:
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
-    N, K = packed.shape[1], x.shape[1]
-    bs = BlockSizes(block_m, _fit(block_n, N), _fit(block_k, K))
-    return _gmm(x, packed, scale, group_sizes, bs, interpret)
+    platform = target_platform(platform)
+    bs = _blocks(platform, x.shape[0], packed.shape[1], x.shape[1], block_m, block_n, block_k)
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # dense
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _matmul(x, packed, scale, bs: BlockSizes, schedule: str, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _matmul(x, packed, scale, bs: BlockSizes, schedule: str, platform: str, interpret: bool):
     if schedule == "loop":
-        return _gmm(x, packed[None], scale[None], jnp.array([x.shape[0]], jnp.int32), bs, interpret)
+        return _gmm(x, packed[None], scale[None], jnp.array([x.shape[0]], jnp.int32), bs, platform, interpret)
     M = x.shape[0]
     Mp = -(-M // bs.block_m) * bs.block_m
     xe, xo = _split_even_odd(jnp.pad(x, ((0, Mp - M), (0, 0))))
-    return _k.mxfp4_matmul_grid(xe, xo, packed, scale, bs, interpret=interpret)[:M].astype(x.dtype)
+    if platform == "tpu":  # one expert, every row tile used: no row gather
+        tile_group = jnp.zeros((Mp // bs.block_m,), jnp.int32)
+        y = _k.mxfp4_gmm_tpu(tile_group, xe, xo, packed[None], scale[None], bs, interpret=interpret)
+    else:
+        y = _k.mxfp4_matmul_grid(xe, xo, packed, scale, bs, interpret=interpret)
+    return y[:M].astype(x.dtype)
 
 
-def _matmul_fwd(x, packed, scale, bs, schedule, interpret):
-    return _matmul(x, packed, scale, bs, schedule, interpret), (packed, scale)
+def _matmul_fwd(x, packed, scale, bs, schedule, platform, interpret):
+    return _matmul(x, packed, scale, bs, schedule, platform, interpret), (packed, scale)
 
 
-def _matmul_bwd(bs, schedule, interpret, res, g):
+def _matmul_bwd(bs, schedule, platform, interpret, res, g):
     packed, scale = res
     dx = jnp.dot(g.astype(jnp.float32), _ref.dequantize_packed(packed, scale), precision=jax.lax.Precision.HIGHEST)
     return dx.astype(g.dtype), None, None  # y has x's dtype, so g does too
@@ -162,22 +197,26 @@ def _matmul_bwd(bs, schedule, interpret, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
-def mxfp4_matmul(x, packed, scale, *, block_m: int = 16, block_n: int = 128, block_k: int = 256,
-                 schedule: str | None = None, act_quant: str | None = None, interpret: bool = False):
+def mxfp4_matmul(x, packed, scale, *, block_m: int | None = None, block_n: int | None = None,
+                 block_k: int | None = None, schedule: str | None = None, act_quant: str | None = None,
+                 platform: str | None = None, interpret: bool = False):
     """y [..., N] = x [..., K] @ dequant(W)ᵀ for one MXFP4 weight W (torch [N, K]: packed [N, K/2], scale [N, K/32]).
 
-    ``schedule``: "grid" (grid (M/bm, N/bn, K/bk), reduction last; TPU / interpret) or "loop" (K loop inside the
-    kernel; GPU). Default: "loop" on GPU, else "grid". Other arguments as for ``mxfp4_gmm``.
+    ``schedule``: "grid" (grid (M/bm, N/bn, K/bk), reduction last; CPU / TPU) or "loop" (K loop inside the kernel;
+    GPU, CPU). Default: "loop" on GPU, else "grid". On TPU "grid" is ``kernel.mxfp4_gmm_tpu`` with one expert and
+    "loop" is refused (it hands the whole weight to the kernel as one block, which VMEM does not hold at K3 sizes).
+    Other arguments as for ``mxfp4_gmm``.
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     _check(x2, packed, scale, grouped=False)
+    platform = target_platform(platform)
     if schedule is None:
-        schedule = "loop" if jax.default_backend() == "gpu" else "grid"
-    if schedule not in ("grid", "loop"):
-        raise ValueError(f"schedule must be 'grid' or 'loop', got {schedule!r}")
+        schedule = "loop" if platform == "gpu" else "grid"
+    if schedule not in ("grid", "loop") or (platform == "tpu" and schedule == "loop"):
+        raise ValueError(f"schedule must be 'grid' or 'loop' ('grid' on TPU), got {schedule!r} for {platform}")
     if act_quant is not None:
         x2 = mx.fake_quant_mxfp8(x2, axis=-1, rule=act_quant)
     N, K = packed.shape[0], x2.shape[1]
-    bs = BlockSizes(block_m, _fit(block_n, N), _fit(block_k, K))
-    return _matmul(x2, packed, scale, bs, schedule, interpret).reshape(*lead, N)
+    bs = _blocks(platform, x2.shape[0], N, K, block_m, block_n, block_k)
+    return _matmul(x2, packed, scale, bs, schedule, platform, interpret).reshape(*lead, N)

@@ -13,7 +13,15 @@ Two schedules share the tile math:
     zeroed at k == 0 (the TPU-style pipeline of SPEC §10.8; also what interpret mode runs by default);
   * ``loop``: grid (tiles, N/bn) and a fori_loop over K inside the kernel. A GPU (Triton) grid has no sequential
     reduction axis, so this is the schedule for GPUs; it is also the grouped (per-expert) kernel, where each row
-    tile reads its expert id from ``tile_group`` (-1 = unused tile: writes zeros, loads no weights).
+    tile reads its expert id from ``tile_group`` (-1 = unused tile: writes zeros, loads no weights);
+  * ``tpu``: grid (tiles, N/bn, K/bk), reduction last, the expert id of each row tile scalar-prefetched into SMEM and
+    read by the weight index maps (dense = one expert). Mosaic wants the last two block dims divisible by (8, 128) or
+    equal to the array's, and a scale block (bn, bk/32) meets neither for K3 (bk/32 = 16 of K/32 = 112 at K = 3584;
+    bk ≥ 4096 does not divide 3584). So the scale block spans the whole K/32 (index (g, j, 0), fetched once per
+    (tile, j)) and at k == 0 the kernel spreads it into a VMEM scratch [bn, K/2] of fp32 scales
+    (``_expand_scale_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of 128 (a
+    dynamic lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that index
+    in dimension 1 is a multiple of 128"). The scales stay uint8 in HBM (no wrapper-side relayout of the weights).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
 
@@ -48,22 +57,43 @@ class BlockSizes:
             raise ValueError(f"block_k must be >= 32 (one scale block), got {self.block_k}")
 
 
-def _decode_tile(bytes_u8, scale_u8, dtype):
-    """Packed bytes [bn, bk/2] + scale bytes [bn, bk/32] -> (even, odd) weight tiles [bn, bk/2] in ``dtype``.
+def _expand_scale(scale_u8):
+    """Scale bytes [bn, n] -> fp32 scales [bn, 16 n], one per packed byte (from the bit pattern, never exp2)."""
+    bn, n = scale_u8.shape
+    scale = mx.e8m0_to_float(scale_u8)
+    return jnp.broadcast_to(scale[:, :, None], (bn, n, SCALE_GROUP_BYTES)).reshape(bn, n * SCALE_GROUP_BYTES)
 
-    fp4 x 2^e is exact in fp32 and bf16 (unless subnormal), so the cast to the matmul dtype loses nothing.
+
+def _expand_scale_by_dot(scale_u8):
+    """``_expand_scale`` as one matmul with a 0/1 matrix E[s, c] = (c // 16 == s): [bn, n] @ [n, 16 n].
+
+    For the TPU kernel, where the broadcast + reshape of a whole-K scale block needs more scoped VMEM than the
+    default 16 MiB (measured: 19.6 MiB at bn = 256, K = 3584) and unrolling it over static slices took 9 s to
+    compile. Exact: each output is one scale times 1, and scales (powers of two) and E are exact in bf16, with fp32
+    accumulation; only the subnormal 2^-127 (scale byte 0) may be flushed to 0 by the MXU.
     """
-    bn, half = bytes_u8.shape
+    n = scale_u8.shape[1]
+    rows = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 0)
+    cols = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 1)
+    spread = jnp.where(rows == cols // SCALE_GROUP_BYTES, 1.0, 0.0).astype(jnp.bfloat16)
+    scale = mx.e8m0_to_float(scale_u8).astype(jnp.bfloat16)
+    return lax.dot_general(scale, spread, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _decode_tile(bytes_u8, scale, dtype):
+    """Packed bytes [bn, bk/2] + their fp32 scales [bn, bk/2] -> (even, odd) weight tiles [bn, bk/2] in ``dtype``.
+
+    fp4 x 2^e is exact in fp32 and bf16 (unless subnormal), so the cast to the matmul dtype loses nothing. The bytes
+    are widened to int32 before any bit op (Mosaic has no 8-bit vector arithmetic).
+    """
     b = bytes_u8.astype(jnp.int32)
-    scale = mx.e8m0_to_float(scale_u8)  # [bn, bk/32] float32, from the bit pattern
-    scale = jnp.broadcast_to(scale[:, :, None], (bn, half // SCALE_GROUP_BYTES, SCALE_GROUP_BYTES)).reshape(bn, half)
     # E2M1 code -> value by arithmetic (no table lookups in the kernel); low nibble = even column
     return (mx.e2m1_decode(b & 15) * scale).astype(dtype), (mx.e2m1_decode(b >> 4) * scale).astype(dtype)
 
 
-def _tile_product(xe, xo, bytes_u8, scale_u8):
-    """x halves [bm, bk/2] and one packed weight tile -> fp32 [bm, bn] partial product."""
-    we, wo = _decode_tile(bytes_u8, scale_u8, xe.dtype)
+def _tile_product(xe, xo, bytes_u8, scale):
+    """x halves [bm, bk/2], one packed weight tile and its fp32 scales -> fp32 [bm, bn] partial product."""
+    we, wo = _decode_tile(bytes_u8, scale, xe.dtype)
     precision = lax.Precision.HIGHEST if xe.dtype == jnp.float32 else None
     dims = (((1,), (1,)), ((), ()))
     out = lax.dot_general(xe, we, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -75,7 +105,7 @@ def _grid_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref):
     def _init():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], s_ref[...])
+    o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], _expand_scale(s_ref[...]))
 
 
 def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
@@ -110,7 +140,8 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
         def body(k, acc):
             kh = pl.ds(k * (bk // 2), bk // 2)
             ks = pl.ds(k * (bk // 32), bk // 32)
-            return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], s_ref[g, rows, ks])
+            scale = _expand_scale(s_ref[g, rows, ks])
+            return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
         o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
 
@@ -147,3 +178,73 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
         interpret=interpret,
         name="mxfp4_gmm_fwd",
     )(tile_group, xe, xo, packed, scale)
+
+
+def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, *, bk: int):
+    del dma_tile_ref  # read by the index maps only
+    k = pl.program_id(2)
+    used = tile_group_ref[pl.program_id(0)] >= 0
+
+    @pl.when(k == 0)
+    def _init():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(used & (k == 0))
+    def _expand():
+        scale_ref[...] = _expand_scale_by_dot(s_ref[...])
+
+    @pl.when(used)
+    def _compute():
+        kh = pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
+        o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], scale_ref[:, kh])
+
+
+def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
+    """Grouped kernel, TPU schedule (also the dense kernel on TPU: one expert, every tile used).
+
+    Args as ``mxfp4_gmm_loop``; used tiles must come first (as ``api.group_tile_metadata`` lays them out). Needs
+    bm % 16 == 0 (bf16 sublane tiling), bn % 32 == 0 (uint8 tiling) and bk/2 % 128 == 0 (``api`` checks). An unused
+    tile (group -1) names the blocks of the last used tile's last step, so the pipeline fetches nothing for it, and
+    writes zeros. Returns: fp32 [T*bm, N].
+    """
+    Mp, half = xe.shape
+    _, N, _ = packed.shape
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    nj, nk = N // bn, 2 * half // bk
+    used = tile_group >= 0
+    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
+    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
+
+    def steps(t, j, k, tg):  # (j, k) of the step whose blocks tile t names
+        on = tg[t] >= 0
+        return jnp.where(on, j, nj - 1), jnp.where(on, k, nk - 1)
+
+    def x_map(t, j, k, tg, dt):
+        return dt[t], steps(t, j, k, tg)[1]
+
+    def w_map(t, j, k, tg, dt):
+        return (jnp.maximum(tg[dt[t]], 0), *steps(t, j, k, tg))
+
+    def s_map(t, j, k, tg, dt):
+        return jnp.maximum(tg[dt[t]], 0), steps(t, j, k, tg)[0], 0
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(Mp // bm, nj, nk),
+        in_specs=[
+            pl.BlockSpec((bm, bk // 2), x_map),
+            pl.BlockSpec((bm, bk // 2), x_map),
+            pl.BlockSpec((None, bn, bk // 2), w_map),
+            pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32: see the module docstring
+        ],
+        out_specs=pl.BlockSpec((bm, bn), lambda t, j, k, tg, dt: (t, j)),
+        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32)],
+    )
+    return pl.pallas_call(
+        functools.partial(_tpu_kernel, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.float32),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="mxfp4_gmm_tpu_fwd",
+    )(tile_group.astype(jnp.int32), dma_tile, xe, xo, packed, scale)

@@ -1,0 +1,251 @@
+"""Every Pallas kernel builds for every target at K3's shapes, on this CPU-only machine (shared/ACCELERATORS.md):
+
+  * cuda: Triton lowering for an abstract NVIDIA H200 (jax.export; the module must hold the Triton custom call);
+  * tpu:  Mosaic, compiled by libtpu for deviceless TPU v5p / v6e topologies (one chip of each).
+
+Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 3584], w2 [3584, 3072]), M = 256 rows;
+KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks). The platform comes from the mesh each test enters
+(``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry point lowered
+for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with K3's bounded
+gate); the other combinations run in the slow pass. The TPU schedules' numerics are checked here too (slow pass),
+in interpret mode against the jnp references.
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.cli.main import jax_platforms_override
+from k3jax.ops import kda
+from k3jax.quant import mxfp4_pack
+from k3jax.reference import kda as kda_ref
+from k3jax.testing import TOL, assert_close
+from pallas_kernels.kda import kda_chunk
+from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
+from pallas_kernels.mxfp4_matmul.reference import mxfp4_gmm_loop_reference, mxfp4_matmul_reference
+from pallas_kernels.platform import target_platform
+
+M, G = 256, 8  # rows, experts in the grouped call
+# (N, K) in torch orientation: w1 / w3 map 3584 -> 3072 (K = 3584), w2 maps 3072 -> 3584
+WEIGHTS = {"w13": (3072, 3584), "w2": (3584, 3072)}
+B, T, H, DK = 1, 256, 96, 128  # KDA: batch, tokens, heads, K = V
+TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _mxfp4_args(N, K, grouped, sharding=None):
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    lead = (G,) if grouped else ()
+    args = [S((M, K), jnp.bfloat16), S((*lead, N, K // 2), jnp.uint8), S((*lead, N, K // 32), jnp.uint8)]
+    return args + [S((G,), jnp.int32)] if grouped else args
+
+
+def _kda_args(sharding=None):
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    qkv = [S((B, T, H, DK), jnp.bfloat16) for _ in range(3)]
+    return qkv + [S((B, T, H, DK), jnp.float32), S((B, T, H), jnp.float32), S((B, H, DK, DK), jnp.float32)]
+
+
+def _dense(x, packed, scale):
+    return mxfp4_matmul(x, packed, scale)
+
+
+def _grouped(x, packed, scale, group_sizes):
+    return mxfp4_gmm(x, packed, scale, group_sizes)
+
+
+def _kda(lb):
+    def f(q, k, v, g, beta, h0):
+        return kda_chunk(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb)
+    return f
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda: Triton lowering (seconds)
+
+
+@pytest.fixture(scope="module")
+def h200_mesh():
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    return jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+
+
+def _lower_cuda(mesh, f, args) -> str:
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert target_platform() == "gpu"
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"],
+                                     disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("grouped,weight", [
+    (False, "w13"), (True, "w2"), pytest.param(False, "w2", marks=pytest.mark.slow),
+    pytest.param(True, "w13", marks=pytest.mark.slow)], ids=["dense-w13", "grouped-w2", "dense-w2", "grouped-w13"])
+def test_mxfp4_lowers_for_cuda(h200_mesh, grouped, weight):
+    text = _lower_cuda(h200_mesh, _grouped if grouped else _dense, _mxfp4_args(*WEIGHTS[weight], grouped))
+    assert f"stablehlo.custom_call @{TRITON_CALL}" in text
+    assert "mxfp4_gmm_fwd" in text  # the GPU default for both entry points: the loop schedule
+
+
+@pytest.mark.parametrize("lb", [-5.0, pytest.param(None, marks=pytest.mark.slow)], ids=["bounded", "softplus"])
+def test_kda_lowers_for_cuda(h200_mesh, lb):
+    text = _lower_cuda(h200_mesh, _kda(lb), _kda_args())
+    assert f"stablehlo.custom_call @{TRITON_CALL}" in text and "kda_chunk_fwd" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tpu: Mosaic compiled by libtpu for deviceless topologies, in a child process
+#
+# libtpu lets one process at a time load it (/tmp/libtpu_lockfile) and keeps the lock until that process exits, so
+# the compiles run in one child python per test, one test at a time (an flock around the child), and the pytest
+# worker never loads libtpu. The xdist_group mark is not enough on its own: pytest-xdist 3.8 tags grouped node ids
+# through `item._nodeid`, which pytest 9 no longer reads, so `--dist loadgroup` spreads a group over the workers.
+
+# case -> (entry point, generation, weight or gate lower bound)
+TPU_CASES = {
+    "dense-v5p-w13": ("dense", "v5p", "w13"), "dense-v6e-w2": ("dense", "v6e", "w2"),
+    "grouped-v5p-w2": ("grouped", "v5p", "w2"), "grouped-v6e-w13": ("grouped", "v6e", "w13"),
+    "kda-v5p-bounded": ("kda", "v5p", -5.0), "kda-v6e-bounded": ("kda", "v6e", -5.0),  # K3's gate (kimi-k3: -5)
+    "dense-v5p-w2": ("dense", "v5p", "w2"), "dense-v6e-w13": ("dense", "v6e", "w13"),
+    "grouped-v5p-w13": ("grouped", "v5p", "w13"), "grouped-v6e-w2": ("grouped", "v6e", "w2"),
+    "kda-v5p-softplus": ("kda", "v5p", None), "kda-v6e-softplus": ("kda", "v6e", None),
+}
+# default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it)
+TPU_TIERS = {"default": list(TPU_CASES)[:6], "slow": list(TPU_CASES)[6:]}
+_LOCK = "/tmp/k3jax_libtpu_tests.lock"
+
+
+def _tpu_compile(name) -> dict:
+    """In the child: compile one case for one chip of its topology; sizes and seconds as a dict."""
+    from jax.experimental import topologies
+
+    kind, generation, arg = TPU_CASES[name]
+    topo = topologies.get_topology_desc(topology_name=TOPOLOGIES[generation], platform="tpu")
+    # One chip: a Mosaic kernel is not auto-partitioned (several chips would need a shard_map around it).
+    mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if kind == "kda":
+        f, args, out_bytes = _kda(arg), _kda_args(sharding), B * T * H * DK * 2 + B * H * DK * DK * 4
+    else:
+        N, K = WEIGHTS[arg]
+        f, args, out_bytes = ({"dense": _dense, "grouped": _grouped}[kind],
+                              _mxfp4_args(N, K, kind == "grouped", sharding), M * N * 2)
+    t0 = time.perf_counter()
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # also what Mosaic reads the TPU version from
+        platform = target_platform()
+        compiled = jax.jit(f).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {"platform": platform, "compile_s": round(time.perf_counter() - t0, 2),
+            "input_bytes": sum(a.size * a.dtype.itemsize for a in args), "want_output_bytes": out_bytes,
+            "mosaic": "tpu_custom_call" in compiled.as_text(), **{k: getattr(mem, k) for k in fields}}
+
+
+def _child_main(names) -> None:
+    for name in names:
+        try:
+            result = {"name": name, **_tpu_compile(name)}
+        except Exception as e:  # reported per case by the parent
+            result = {"name": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _compile_in_child(names) -> dict:
+    import fcntl
+    import subprocess
+    import sys
+
+    with open(_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one libtpu child at a time, across pytest workers
+        proc = subprocess.run([sys.executable, __file__, *names], capture_output=True, text=True, timeout=900)
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[len("RESULT "):])
+            results[r.pop("name")] = r
+    assert set(results) == set(names), f"child exit {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
+    return results
+
+
+@pytest.mark.xdist_group("libtpu")
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_kernels_compile_for_tpu(tier):
+    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]')")
+    results = _compile_in_child(TPU_TIERS[tier])
+    print(json.dumps(results, indent=1))  # compile seconds and memory_analysis per case: pytest -rP shows them
+    errors = {name: r["error"] for name, r in results.items() if "error" in r}
+    assert not errors, errors
+    for name, r in results.items():
+        assert r["platform"] == "tpu" and r["mosaic"], name
+        assert r["argument_size_in_bytes"] >= r["input_bytes"], name  # every input reaches the chip, maybe padded
+        assert r["output_size_in_bytes"] >= r["want_output_bytes"], name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the TPU schedules' numerics, in interpret mode on CPU (small shapes; TPU tiling rules respected). Slow pass: the
+# Pallas interpreter takes 15-25 s per case on the shared 2-core machine, more than the compiles above.
+
+
+@pytest.mark.slow
+def test_mxfp4_tpu_schedule_matches_reference():
+    k = jax.random.split(jax.random.key(0), 3)
+    packed, scale = mxfp4_pack(jax.random.normal(k[0], (3, 128, 512)))
+    x = jax.random.normal(k[1], (40, 512))
+    blocks = {"block_n": 128, "block_k": 256, "platform": "tpu", "interpret": True}  # two k steps
+    y = mxfp4_matmul(x, packed[0], scale[0], **blocks)
+    assert_close(y, mxfp4_matmul_reference(x, packed[0], scale[0]), TOL["fp32_vs_fp64"], name="dense")
+    gs = jnp.array([5, 0, 23], jnp.int32)  # an empty expert, unused tail tiles, rows past the groups
+    y = mxfp4_gmm(x, packed, scale, gs, block_m=16, **blocks)
+    assert_close(y, mxfp4_gmm_loop_reference(x, packed, scale, gs), TOL["fp32_vs_fp64"], name="grouped")
+    np.testing.assert_array_equal(np.asarray(y)[28:], 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gate,lb", [("safe", -5.0), ("softplus", None)])
+def test_kda_tpu_schedule_matches_chunked(gate, lb):
+    j = {n: jnp.asarray(v, jnp.float32) for n, v in kda_ref.random_inputs(3, B=1, T=100, N=1, K=64, V=128,
+                                                                           gate=gate).items()}
+    args = [j[a] for a in ("q", "k", "v", "g", "beta")]
+    with jax.default_matmul_precision("highest"):
+        o, s = kda_chunk(*args, initial_state=j["h0"], gate_lower_bound=lb, platform="tpu", interpret=True)
+        o_ref, s_ref = kda.kda_chunked(*args, initial_state=j["h0"], gate_lower_bound=lb)
+    assert_close(o, o_ref, TOL["fp32_vs_fp64"], name="o")
+    assert_close(s, s_ref, TOL["fp32_vs_fp64"], name="state")
+
+
+def test_tpu_blocks_are_checked():
+    packed, scale = jnp.zeros((256, 512), jnp.uint8), jnp.zeros((256, 32), jnp.uint8)
+    with pytest.raises(ValueError, match="TPU blocks"):
+        mxfp4_matmul(jnp.ones((8, 1024)), packed, scale, block_k=128, platform="tpu", interpret=True)
+    with pytest.raises(ValueError, match="'grid' on TPU"):
+        mxfp4_matmul(jnp.ones((8, 1024)), packed, scale, schedule="loop", platform="tpu", interpret=True)
+    assert target_platform() == "cpu" and target_platform("cuda") == "gpu"
+    with pytest.raises(ValueError, match="platform must be"):
+        target_platform("metal")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `k3` picks JAX_PLATFORMS so libtpu's one-process lock is not taken on machines without a TPU
+
+
+@pytest.mark.parametrize("env,devices,libtpu,want", [
+    ({}, set(), True, "cpu"),                                   # CPU machine with libtpu: keep off the lock
+    ({}, set(), False, None),                                   # no libtpu: nothing to avoid
+    ({"JAX_PLATFORMS": "tpu"}, set(), True, None),              # the caller's choice stands
+    ({"JAX_PLATFORMS": ""}, set(), True, None),
+    ({}, {"/dev/accel*"}, True, None),                          # TPU VM (v4 / v5e / v6e)
+    ({}, {"/dev/vfio/[0-9]*"}, True, None),                     # TPU VM (v5p / vfio)
+    ({}, {"/dev/nvidia0"}, True, None),                         # GPU machine: JAX finds the GPU as usual
+])
+def test_cli_jax_platforms_override(env, devices, libtpu, want):
+    assert jax_platforms_override(env, lambda pattern: pattern in devices, libtpu) == want
+
+
+if __name__ == "__main__":  # the libtpu child of test_kernels_compile_for_tpu
+    import sys
+
+    _child_main(sys.argv[1:])
