@@ -1,9 +1,13 @@
 """The one place layers reach Pallas kernels (STYLE.md §2: ops → pallas_kernels → layers/backends.py only).
 
-Kernels are imported lazily, so the XLA paths never import Pallas. Off-GPU the kernels run in interpret mode.
+Kernels are imported lazily, so the XLA paths never import Pallas. Off-GPU the KDA kernel runs in interpret mode; so
+does the MXFP4 grouped matmul on CPU (off GPU/TPU the packed experts run the XLA loop of k3jax/ops/packed_experts.py
+unless the "ragged" dispatch asks for the kernel).
 """
 
 from __future__ import annotations
+
+import jax
 
 
 def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound):
@@ -12,3 +16,13 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate
 
     return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                      gate_lower_bound=gate_lower_bound)
+
+
+def mxfp4_gmm(x, packed, scale, group_sizes):
+    """Grouped MXFP4 matmul y [M, N] = x [M, K] @ W_gᵀ per expert group (packed uint8 [G, N, K/2], scale uint8
+    [G, N, K/32]; rows sorted by group; output in x.dtype), with pallas_kernels/mxfp4_matmul's block sizes. Compiled
+    on GPU/TPU; on CPU the Pallas interpreter (the packed experts' "sorted" dispatch never runs it there: it takes
+    the XLA loop of k3jax/ops/packed_experts.py)."""
+    from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm
+
+    return gmm(x, packed, scale, group_sizes, interpret=jax.default_backend() == "cpu")

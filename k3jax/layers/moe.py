@@ -13,22 +13,42 @@ shared: a GLU of hidden num_shared · F (absent if 0); down [D, P], up [P, D], l
 (reference). A callable ``experts_fn(z, ids, weights, w1, w3, w2, act, act_quant=...)`` may be passed instead
 (expert parallelism plugs in here). QAT (SPEC §10.7) fake-quantizes the expert weights (MXFP4, blocks along `in`)
 and the expert GEMM inputs (MXFP8) with straight-through gradients.
+
+Packed experts (frozen, the checkpoint's MXFP4 bytes): ``Experts.to_packed()`` swaps the three Params for
+``PackedExperts`` variables (not Params: ``nnx.state(model, nnx.Param)``, gradients and optimizers never see them)
+w1_packed / w3_packed uint8 [E, F, P/2], w1_scale / w3_scale [E, F, P/32], w2_packed [E, P, F/2], w2_scale
+[E, P, F/32] — the torch orientation of ``load(..., keep_experts_packed=True)``. The experts then run from the bytes
+(k3jax/ops/packed_experts.py; the Pallas grouped MXFP4 matmul on GPU/TPU): dispatch "sorted" = platform choice,
+"tiled" = the XLA loop, "ragged" = the Pallas kernel, "dense" = dequantize + the dense reference; a callable gets
+``PackedWeight`` pairs in its weight slots. QAT leaves packed weights alone (they are on the MXFP4 grid already) and
+still fake-quantizes the GEMM inputs.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import QAT_MODES
+from k3jax.layers import backends
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.layers.ffn import GLU
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
 from k3jax.ops.norms import acc_dtype, rms_norm
 from k3jax.ops.routing import Routing, route
+
+# dispatch name → packed-experts implementation (k3jax/ops/packed_experts.py)
+PACKED_DISPATCH = {"sorted": "auto", "tiled": "tiles", "ragged": "gmm", "dense": "dense"}
+STACKS = ("w1", "w3", "w2")
+
+
+class PackedExperts(nnx.Variable):
+    """Frozen routed-expert storage in the checkpoint's MXFP4 form (uint8 bytes or E8M0 scale bytes). Not an
+    ``nnx.Param``: parameter filters, gradients and optimizers skip it."""
 
 
 class Experts(nnx.Module):
@@ -42,6 +62,33 @@ class Experts(nnx.Module):
         self.w1 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
         self.w3 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
         self.w2 = param(normal(rngs, (E, F, P), dtype), ("experts", "expert_mlp", width_axis))
+
+    @property
+    def is_packed(self) -> bool:
+        return hasattr(self, "w1_packed")
+
+    def to_packed(self) -> None:
+        """Replace the Params w1/w3/w2 [..., in, out] (any leading axes, e.g. a stacked group's) by ShapeDtypeStruct
+        placeholders of their packed form: ``w*_packed`` [..., out, in/2] and ``w*_scale`` [..., out, in/32] uint8
+        ``PackedExperts`` with the transposed logical axes. The structure a packed params tree merges into."""
+        for name in STACKS:
+            var = getattr(self, name)
+            *lead, n_in, n_out = var.shape
+            *lead_axes, in_axis, out_axis = var.get_metadata()["axes"]
+            axes = (*lead_axes, out_axis, in_axis)
+            delattr(self, name)
+            for part, width in (("packed", n_in // 2), ("scale", n_in // 32)):
+                setattr(self, f"{name}_{part}",
+                        PackedExperts(jax.ShapeDtypeStruct((*lead, n_out, width), jnp.uint8), axes=axes))
+
+    def weights(self) -> tuple:
+        """(w1, w3, w2): the stacks [E, P, F], [E, P, F], [E, F, P], or their ``PackedWeight`` pairs."""
+        if self.is_packed:
+            from k3jax.ops.packed_experts import PackedWeight  # imported lazily, as mx: the plain model needs neither
+
+            return tuple(PackedWeight(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
+                         for n in STACKS)
+        return tuple(getattr(self, n)[...] for n in STACKS)
 
 
 class MoE(nnx.Module):
@@ -88,17 +135,26 @@ class MoE(nnx.Module):
         latent = hasattr(self, "down")
         z = (jnp.einsum("md,dp->mp", x2, self.down[...].astype(cdt), preferred_element_type=acc).astype(cdt)
              if latent else x2)
-        w1, w3, w2 = self.experts.w1[...], self.experts.w3[...], self.experts.w2[...]
+        w1, w3, w2 = self.experts.weights()
+        packed = self.experts.is_packed
         act_quant = None
         if qat != "off":
             from k3jax.ops import mx  # imported lazily: the plain model never touches MX code
 
-            w1 = mx.fake_quant_mxfp4(w1, axis=1, rule=qat_weight_rule)
-            w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
-            w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
+            if not packed:
+                w1 = mx.fake_quant_mxfp4(w1, axis=1, rule=qat_weight_rule)
+                w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
+                w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
             if qat == "weights+acts":
                 act_quant = partial(mx.fake_quant_mxfp8, axis=-1, rule=qat_act_rule)
-        experts_fn = EXPERT_IMPLS[dispatch] if isinstance(dispatch, str) else dispatch
+        if not isinstance(dispatch, str):
+            experts_fn = dispatch
+        elif packed:
+            from k3jax.ops.packed_experts import experts_packed
+
+            experts_fn = partial(experts_packed, impl=PACKED_DISPATCH[dispatch], gmm=backends.mxfp4_gmm)
+        else:
+            experts_fn = EXPERT_IMPLS[dispatch]
         glu = partial(glu_activation, act=act, beta1=beta1, beta2=beta2)
         u = experts_fn(z, r.ids, r.weights, w1, w3, w2, glu, act_quant=act_quant)
         if latent:
@@ -114,4 +170,4 @@ class MoE(nnx.Module):
         return y.reshape(B, T, D).astype(cdt), routing
 
 
-__all__ = ["Experts", "MoE", "QAT_MODES"]
+__all__ = ["PACKED_DISPATCH", "Experts", "MoE", "PackedExperts", "QAT_MODES"]

@@ -4,6 +4,7 @@
     params = init_params(cfg, jax.random.key(0))      # nnx.split(K3Model(...)) state as a nested dict of arrays
     logits = forward(params, tokens, cfg)             # nnx.merge(graphdef(cfg), params)(tokens)
     logits = forward(params, tokens, cfg, RunConfig(compute_dtype="bfloat16", qat="weights"))   # run settings
+    logits = forward(packed, tokens, cfg)             # experts as MXFP4 bytes (load(..., keep_experts_packed=True))
     shapes = abstract_params(cfg)                     # ShapeDtypeStructs; allocates nothing (full 2.78T model too)
     axes   = param_axes(cfg)                          # logical axes per leaf, read from the Params' metadata
 """
@@ -32,13 +33,37 @@ def abstract_model(cfg: K3Config, run: RunConfig | None = None) -> K3Model:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract(cfg: K3Config, run: RunConfig):
-    return nnx.split(abstract_model(cfg, run))
+def _abstract(cfg: K3Config, run: RunConfig, packed_experts: tuple = ()):
+    model = abstract_model(cfg, run)
+    for path in packed_experts:
+        node = model
+        for key in path:
+            node = node[key] if isinstance(key, int) else getattr(node, key)
+        node.to_packed()
+    return nnx.split(model)
 
 
-def graphdef(cfg: K3Config, run: RunConfig | None = None):
-    """The static structure of ``K3Model(cfg, run)`` (cached per config and run settings)."""
-    return _abstract(cfg, _run(cfg, run))[0]
+def packed_expert_paths(params) -> tuple:
+    """State paths of the ``experts`` dicts that hold their stacks packed (``w1_packed``, ``w1_scale``, … as
+    ``load(..., keep_experts_packed=True)`` returns them; ``k3jax.layers.moe.Experts.to_packed``)."""
+    out = []
+
+    def walk(node, path):
+        if "w1_packed" in node:
+            out.append(path)
+            return
+        for k, v in node.items():
+            if hasattr(v, "items"):
+                walk(v, (*path, k))
+
+    walk(params, ())
+    return tuple(out)
+
+
+def graphdef(cfg: K3Config, run: RunConfig | None = None, packed_experts: tuple = ()):
+    """The static structure of ``K3Model(cfg, run)``, with the experts at ``packed_experts`` (state paths) in packed
+    form (cached per config, run settings and packed paths)."""
+    return _abstract(cfg, _run(cfg, run), tuple(packed_experts))[0]
 
 
 def init_params(cfg: K3Config, key, run: RunConfig | None = None) -> dict:
@@ -49,19 +74,21 @@ def init_params(cfg: K3Config, key, run: RunConfig | None = None) -> dict:
 
 def abstract_params(cfg: K3Config, run: RunConfig | None = None) -> dict:
     """ShapeDtypeStructs of the parameter tree; allocates nothing (works for the full 2.78T model)."""
-    return _abstract(cfg, _run(cfg, run))[1].to_pure_dict()
+    return _abstract(cfg, _run(cfg, run), ())[1].to_pure_dict()
 
 
 def param_axes(cfg: K3Config) -> dict:
     """Logical axes (a tuple of ``notation.LOGICAL_AXES`` names) per parameter leaf, from each Param's metadata."""
-    state = _abstract(cfg, _run(cfg, None))[1]
+    state = _abstract(cfg, _run(cfg, None), ())[1]
     axes = nnx.State.from_flat_path({p: tuple(v.get_metadata()["axes"]) for p, v in nnx.to_flat_state(state)})
     return axes.to_pure_dict()
 
 
 def merge(params, cfg: K3Config, run: RunConfig | None = None) -> K3Model:
-    """The module for a state dict (under jit this happens at trace time only)."""
-    return nnx.merge(graphdef(cfg, run), params)
+    """The module for a state dict (under jit this happens at trace time only). Routed experts may be packed (uint8
+    ``w*_packed`` / ``w*_scale`` leaves in place of ``w1``/``w3``/``w2``): they become frozen ``PackedExperts``
+    variables, not Params, and run from the bytes."""
+    return nnx.merge(graphdef(cfg, run, packed_expert_paths(params)), params)
 
 
 def hidden_states(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, dispatch=None):
@@ -96,4 +123,4 @@ def count_params(tree) -> int:
 
 
 __all__ = ["abstract_model", "abstract_params", "count_params", "forward", "graphdef", "hidden_states",
-           "init_params", "lm_loss", "merge", "mla_dims", "param_axes"]
+           "init_params", "lm_loss", "merge", "mla_dims", "packed_expert_paths", "param_axes"]

@@ -16,6 +16,7 @@ Step 3 has two implementations with the same contract:
               [V, P, F] weight gather costs more than the matmuls on CPU). Work follows the routed rows
               (≤ R + E·(tile − 1) padded rows), not the expert count. The default on CPU; custom VJP.
 "sorted" (the model default) picks "tiled" on CPU and "ragged" elsewhere with ``lax.platform_dependent``.
+Frozen experts held as MXFP4 checkpoint bytes run through k3jax/ops/packed_experts.py (same contract and steps 1, 2, 4).
 """
 
 from __future__ import annotations
@@ -128,16 +129,20 @@ def _tile_scan_bwd(act, act_quant, acc, res, dy):
         dw2 = upd(dw2, jnp.dot(h.T.astype(acc), dy_t))
         return (dw1, dw3, dw2), dx.astype(x.dtype)
 
-    # Inside shard_map the carry must have the same varying-mesh-axes type as its updates; an exact zero derived
-    # from every input (a sum over an empty slice) gives the initial carry that type on every jax version.
-    zero = sum(jnp.sum(a.ravel()[:0]).astype(acc) for a in (xt, dy, w1, w3, w2))
-    zeros = tuple(jnp.zeros(w.shape, acc_dtype(w.dtype)) + zero.astype(acc_dtype(w.dtype)) for w in (w1, w3, w2))
+    zeros = tuple(varying_zeros(w.shape, acc_dtype(w.dtype), xt, dy, w1, w3, w2) for w in (w1, w3, w2))
     (dw1, dw3, dw2), dxt = lax.scan(step, zeros, (xt, g_tile, dy))
-    return (_match_varying(dxt, xt), None, _match_varying(dw1, w1).astype(w1.dtype),
-            _match_varying(dw3, w3).astype(w3.dtype), _match_varying(dw2, w2).astype(w2.dtype))
+    return (match_varying(dxt, xt), None, match_varying(dw1, w1).astype(w1.dtype),
+            match_varying(dw3, w3).astype(w3.dtype), match_varying(dw2, w2).astype(w2.dtype))
 
 
-def _match_varying(ct, primal):
+def varying_zeros(shape, dtype, *inputs):
+    """Zeros for a loop carry. Inside shard_map the carry must have the same varying-mesh-axes type as its updates;
+    an exact zero derived from every input (a sum over an empty slice) gives it that type on every jax version."""
+    zero = sum(jnp.sum(jnp.ravel(a)[:0]).astype(dtype) for a in jax.tree.leaves(inputs))
+    return jnp.zeros(shape, dtype) + zero
+
+
+def match_varying(ct, primal):
     """Inside shard_map: sum a cotangent over the mesh axes it varies along but its primal does not (what autodiff
     does for a replicated operand, e.g. expert weights × data-sharded tokens). A no-op outside shard_map."""
     extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
@@ -156,11 +161,18 @@ def _varying_axes(x) -> frozenset:
 _tile_scan_ffn.defvjp(_tile_scan_fwd, _tile_scan_bwd)
 
 
-def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | None = None):
-    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with per-expert tiles (module docstring)."""
+def tile_rows(xs, group_sizes, tile: int):
+    """Expert-sorted rows xs [R, P] (group_sizes [E]) → per-expert row tiles.
+
+    Steps: 1. each group is padded to whole tiles of ``tile`` rows (padded offsets ``poff``); 2. slot s of the tiled
+    layout holds row off[g] + i of group g = g(s) when i < size_g, else an all-zero row; 3. row r of xs sits at slot
+    back[r]. The static tile count V = ceil((R + E·(tile − 1)) / tile) bounds the padded tiles; tiles past the last
+    group are all padding (their expert id is clipped to E − 1). Rows past sum(group_sizes) have no slot of their own:
+    back[r] then points at a padding slot.
+    Returns (xt [V, tile, P], tile_expert int [V], back int [R]).
+    """
     R, P = xs.shape
-    E = w1.shape[0]
-    tile = tile or default_tile(R, E)
+    E = group_sizes.shape[0]
     n_tiles = -(-(R + E * (tile - 1)) // tile)  # static bound on the padded tiles
     padded = -(-group_sizes // tile) * tile
     off = jnp.cumsum(group_sizes) - group_sizes
@@ -170,16 +182,26 @@ def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | Non
     i = slot - poff[g_slot]
     src = jnp.where(i < group_sizes[g_slot], off[g_slot] + i, R)  # R → an all-zero padding row
     xt = jnp.concatenate([xs, jnp.zeros((1, P), xs.dtype)])[src].reshape(n_tiles, tile, P)
+    row_e = jnp.clip(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(R), side="right"), 0, E - 1)
+    return xt, g_slot[::tile], poff[row_e] + jnp.arange(R) - off[row_e]
+
+
+def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | None = None):
+    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with per-expert tiles (module docstring)."""
+    R, P = xs.shape
+    tile = tile or default_tile(R, w1.shape[0])
+    xt, tile_expert, back = tile_rows(xs, group_sizes, tile)
     if act_quant is not None:
         xt = act_quant(xt)
-    y = _tile_scan_ffn(xt, g_slot[::tile], w1, w3, w2, act, act_quant, acc).reshape(-1, P)
-    row_e = jnp.clip(jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(R), side="right"), 0, E - 1)
-    return y[poff[row_e] + jnp.arange(R) - off[row_e]]
+    y = _tile_scan_ffn(xt, tile_expert, w1, w3, w2, act, act_quant, acc).reshape(-1, P)
+    return y[back]
 
 
-def _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None):
+def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None):
+    """Steps 1, 2 and 4 of the module docstring around step 3, ``ffn(xs [R, P], group_sizes [E], w1, w3, w2, act,
+    act_quant, acc) → [R, P]`` on the expert-sorted rows."""
     M, A = ids_ma.shape
-    E = w1_epf.shape[0]
+    E = jax.tree.leaves(w1_epf)[0].shape[0]  # an array [E, P, F], or a pytree of per-expert stacks (packed experts)
     acc = acc_dtype(z_mp.dtype)
     order, inverse, group_sizes = sort_by_expert(ids_ma, E)
     rows = jnp.broadcast_to(z_mp[:, None, :], (M, A, z_mp.shape[-1])).reshape(M * A, -1)
@@ -191,14 +213,14 @@ def _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act,
 
 def experts_ragged(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
     """Sort-based dropless experts with ``lax.ragged_dot``: Σ_a weights[m, a] · E_{ids[m, a]}(z[m]) → [M, P]."""
-    return _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_ragged_ffn,
-                            act_quant=act_quant)
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_ragged_ffn,
+                           act_quant=act_quant)
 
 
 def experts_tiled(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
     """Sort-based dropless experts with per-expert row tiles (work follows the rows, not the expert count)."""
-    return _experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_tiled_ffn,
-                            act_quant=act_quant)
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_tiled_ffn,
+                           act_quant=act_quant)
 
 
 def experts_sorted(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):

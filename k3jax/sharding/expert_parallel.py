@@ -10,7 +10,9 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
     3. exchange: CPU — fixed buckets [X, C, P] + int bucket of local ids (pad = El), ``lax.all_to_all(tiled)``;
                  GPU/TPU — ``lax.ragged_all_to_all`` of the sorted rows (sizes exchanged with a tiny all_to_all)
     4. local experts: ``experts_sorted`` (sort by local id, ``lax.ragged_dot`` w1/w3 → GLU → w2); pad rows (id El)
-       fall outside every group and come out zero; with tensor-sharded expert_mlp, psum over ``tensor``
+       fall outside every group and come out zero; with tensor-sharded expert_mlp, psum over ``tensor``. Frozen
+       MXFP4 experts (``PackedWeight`` stacks) run ``experts_packed`` instead (k3jax/ops/packed_experts.py; its XLA
+       loop on every platform, see ``_local_experts``)
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
 The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
@@ -44,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.grouped_matmul import experts_sorted
 from k3jax.ops.norms import acc_dtype
+from k3jax.ops.packed_experts import PackedWeight, experts_packed, num_experts
 from k3jax.sharding.mesh import axis_sizes
 from k3jax.sharding.rules import mesh_axes_of
 
@@ -77,16 +80,22 @@ def _sort_rows(ids_ma, local_experts: int, n_shards: int):
 
 
 def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes):
-    """Run the local experts on received rows x [R, P] with local ids [R] (pad id = El → zero output)."""
+    """Run the local experts on received rows x [R, P] with local ids [R] (pad id = El → zero output). The stacks
+    are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts: k3jax/ops/packed_experts.py)."""
     ones = jnp.ones((x.shape[0], 1), acc_dtype(x.dtype))
-    out = experts_sorted(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant)
+    if isinstance(w1, PackedWeight):
+        # The XLA loop on every platform here: the Pallas grouped MXFP4 matmul cannot be traced inside shard_map
+        # (check_vma) while its pallas_call's out_shape does not declare the output's varying mesh axes.
+        out = experts_packed(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant, impl="tiles")
+    else:
+        out = experts_sorted(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant)
     return lax.psum(out, tensor_axes) if tensor_axes else out
 
 
 def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
     """CPU path: fixed-size buckets + all_to_all. Returns (y [m, P] acc, dropped int32 local count)."""
     m, A = ids.shape
-    El = w1.shape[0]
+    El = num_experts(w1)
     X, C = n_shards, capacity
     flat, order, inverse, dest, counts = _sort_rows(ids, El, X)
     starts = _excl_cumsum(counts)
@@ -111,7 +120,7 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     """GPU/TPU path: ragged_all_to_all of the sorted rows, dropless (receive buffer = X · worst-case bucket)."""
     del capacity
     m, A = ids.shape
-    El = w1.shape[0]
+    El = num_experts(w1)
     X = n_shards
     flat, order, inverse, dest, send_sizes = _sort_rows(ids, El, X)
     rows = z[order // A]  # [m·A, P] sorted by global expert (⇒ by destination)
@@ -171,9 +180,10 @@ class ExpertParallel:
                                f"(capacity_factor={self.capacity_factor}); raise it or use -1 (worst case, dropless)")
 
     def dispatch(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
-        """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] → (y [M, P] acc dtype, dropped int32)."""
+        """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] (or each a ``PackedWeight``: w1/w3 uint8
+        [E, F, P/2] + [E, F, P/32], w2 [E, P, F/2] + [E, P, F/32]) → (y [M, P] acc dtype, dropped int32)."""
         M, A = ids.shape
-        E = w1.shape[0]
+        E = num_experts(w1)
         X, T = self.n_shards, self.n_token_shards
         if E % X:
             raise ValueError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
@@ -201,6 +211,8 @@ class ExpertParallel:
         tok = P(self.token_axes or None, None)
         t = self.tensor_axes or None
         wspec_in, wspec_out = P(self.expert_axis, None, t), P(self.expert_axis, t, None)
+        if isinstance(w1, PackedWeight):  # torch orientation [E, out, in/2 | in/32]: F is w1/w3's dim 1, w2's dim 2
+            wspec_in, wspec_out = wspec_out, wspec_in
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
                            out_specs=(tok, P()))
         return fn(z, ids, weights, w1, w3, w2)
@@ -208,7 +220,7 @@ class ExpertParallel:
     def __call__(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
         y, dropped = self.dispatch(z, ids, weights, w1, w3, w2, act, act_quant=act_quant)
         M, A = ids.shape
-        El = w1.shape[0] // self.n_shards
+        El = num_experts(w1) // self.n_shards
         m = M // self.n_token_shards
         if bucket_capacity(m, A, El, self.n_shards, self.capacity_factor) < m * min(A, El):
             jax.debug.callback(self._record, dropped)

@@ -1,0 +1,270 @@
+"""Routed experts run from their MXFP4 checkpoint bytes (SPEC §10.3): frozen weights, and never a high-precision copy
+of a whole expert stack.
+
+Weights, torch orientation as on disk and as ``checkpoint.load(..., keep_experts_packed=True)`` returns them
+(y = x @ W_eᵀ with W_e [out, in], blocks of 32 along ``in``):
+
+    w1, w3   packed uint8 [E, F, P/2]   scale uint8 [E, F, P/32]        (out F, in P)
+    w2       packed uint8 [E, P, F/2]   scale uint8 [E, P, F/32]        (out P, in F)
+
+``experts_sorted_packed`` has the contract of ``grouped_matmul.experts_sorted`` (sort rows by expert, grouped GLU FFN,
+un-sort, weighted sum over the A slots in at-least-fp32) with the FFN step replaced by ``_packed_ffn``:
+
+  "tiles" (CPU, XLA): rows padded to per-expert tiles (``grouped_matmul.tile_rows``); a loop over experts e, inside it
+      over chunks c of fc columns of F (fc ≤ 512, whole scale blocks), decodes W1[e, c], W3[e, c] [fc, P] and
+      W2[e, :, c] [P, fc] — 3·fc·P values, the only decoded weights alive at any time — and runs e's row tiles through
+      that slice of the FFN: a = x W1[c]ᵀ, b = x W3[c]ᵀ, y += act(a, b) W2[:, c]ᵀ. act is elementwise and MXFP8 blocks
+      of h (act_quant) are 32 wide, so the F split changes only the summation order of y. Each weight byte is decoded
+      once per pass; experts without rows are skipped.
+  "gmm" (GPU/TPU): three grouped MXFP4 matmuls, ``gmm(x, packed, scale, group_sizes) → x @ W_gᵀ`` per group — the
+      Pallas kernel, which ops cannot import: ``layers/backends.py`` passes it in. Its outputs are in the rows' dtype,
+      so in bf16 runs a and b are rounded to bf16 before act (the XLA loop keeps them in fp32).
+  "auto": ``lax.platform_dependent(cpu="tiles", default="gmm")`` ("tiles" everywhere when no ``gmm`` is given).
+
+Gradients (custom_vjp): w.r.t. the rows only — the uint8 storage has no cotangent. The backward pass runs the "tiles"
+loop on every platform (the Pallas kernel contracts over ``in`` only; dx needs the contraction over ``out``):
+per (e, c) and tile it recomputes a, b, then dh = dy W2[:, c], (da, db) = act_vjp(dh), dx += da W1[c] + db W3[c].
+``act_quant`` on the GEMM inputs is a straight-through estimator, as in grouped_matmul: applied to the rows outside
+the custom_vjp, and passed through unchanged for h.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3jax.ops import mx
+from k3jax.ops.grouped_matmul import (
+    Act,
+    default_tile,
+    experts_dense,
+    experts_grouped,
+    match_varying,
+    tile_rows,
+    varying_zeros,
+)
+
+PACKED_IMPLS = ("auto", "tiles", "gmm", "dense")
+FFN_CHUNK = 512  # columns of F decoded per (expert, chunk) step of the "tiles" loop (at most; whole scale blocks)
+
+
+class PackedWeight(NamedTuple):
+    """One MXFP4 expert stack in the checkpoint's form: packed uint8 [E, N, K/2] + E8M0 scale uint8 [E, N, K/32] for
+    W_e [N = out, K = in]. A pytree: it passes through jit, shard_map (one PartitionSpec covers both leaves) and the
+    experts_fn weight slots of the MoE layer."""
+
+    packed: jax.Array
+    scale: jax.Array
+
+
+def num_experts(w) -> int:
+    """E of an expert stack: an array [E, in, out] or a ``PackedWeight``."""
+    return jax.tree.leaves(w)[0].shape[0]
+
+
+def dequantize_stack(w: PackedWeight, dtype=jnp.float32) -> jax.Array:
+    """PackedWeight → the dense stack [E, in, out] in ``dtype`` (exact). Materializes the whole stack: references and
+    the dequantize-then-matmul comparison only."""
+    return jnp.swapaxes(mx.mxfp4_dequantize(mx.unpack_codes(w.packed), w.scale, axis=-1, dtype=dtype), -1, -2)
+
+
+def ffn_chunk(hidden: int, target: int | None = None) -> int:
+    """Columns of F per chunk: the largest multiple of 32 that divides F and is ≤ ``target`` (default FFN_CHUNK; F
+    itself if F ≤ target)."""
+    target = FFN_CHUNK if target is None else target
+    if hidden % mx.BLOCK_SIZE:
+        raise ValueError(f"expert hidden F = {hidden} is not a multiple of {mx.BLOCK_SIZE} (w2's MXFP4 blocks)")
+    if hidden <= target:
+        return hidden
+    return max(c for c in range(mx.BLOCK_SIZE, target + 1, mx.BLOCK_SIZE) if hidden % c == 0)
+
+
+def _decode(packed, scale, dtype):
+    """Bytes [N, k/2] + scale bytes [N, k/32] → W [N, k] in ``dtype`` (exact: fp4 × 2^e)."""
+    return mx.mxfp4_dequantize(mx.unpack_codes(packed), scale, axis=-1, dtype=dtype)
+
+
+def _chunk(w1: PackedWeight, w3: PackedWeight, w2: PackedWeight, e, c, fc: int, dtype):
+    """The decoded weights of expert e, F-chunk c: W1[e, c], W3[e, c] [fc, P] and W2[e, :, c] [P, fc]."""
+    _, _, half = w1.packed.shape
+    P = w2.packed.shape[1]
+
+    def rows(w):  # rows c·fc … of [E, F, P/2] / [E, F, P/32]
+        return _decode(lax.dynamic_slice(w.packed, (e, c * fc, 0), (1, fc, half))[0],
+                       lax.dynamic_slice(w.scale, (e, c * fc, 0), (1, fc, w.scale.shape[2]))[0], dtype)
+
+    b2 = lax.dynamic_slice(w2.packed, (e, 0, c * (fc // 2)), (1, P, fc // 2))[0]
+    s2 = lax.dynamic_slice(w2.scale, (e, 0, c * (fc // mx.BLOCK_SIZE)), (1, P, fc // mx.BLOCK_SIZE))[0]
+    return rows(w1), rows(w3), _decode(b2, s2, dtype)
+
+
+def _dot_nt(x, w, acc):
+    """x [t, K] @ w [N, K]ᵀ → [t, N] in ``acc``."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+
+
+def _expert_chunk_loop(group_sizes, tile: int, weights, fc: int, dtype, body, carry):
+    """carry ← body(v, (W1c, W3c, W2c), carry) for every (expert e, F-chunk c) and every row tile v of e, decoding
+    each (e, c) once. Tiles of e: [tile_start[e], tile_start[e] + ceil(size_e / tile)) — the layout of ``tile_rows``."""
+    E = group_sizes.shape[0]
+    F = weights[0].packed.shape[1]
+    n_tiles = -(-group_sizes // tile)
+    tile_start = jnp.cumsum(n_tiles) - n_tiles
+
+    def expert(e, carry):
+        def chunk(c, carry):
+            w = _chunk(*weights, e, c, fc, dtype)
+            return lax.fori_loop(tile_start[e], tile_start[e] + n_tiles[e], lambda v, cy: body(v, w, cy), carry)
+
+        return lax.cond(n_tiles[e] > 0, lambda cy: lax.fori_loop(0, F // fc, chunk, cy), lambda cy: cy, carry)
+
+    return lax.fori_loop(0, E, expert, carry)
+
+
+def _add_tile(y, v, update):
+    return lax.dynamic_update_index_in_dim(y, lax.dynamic_index_in_dim(y, v, keepdims=False) + update, v, 0)
+
+
+def _tiles_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int, fc: int):
+    """y [R, P] (acc) = the GLU FFN of each row's expert, by the (expert, F-chunk) loop over row tiles."""
+    R, P = xs.shape
+    cdt = xs.dtype
+    xt, _, back = tile_rows(xs, group_sizes, tile)
+
+    def body(v, w, y):
+        w1c, w3c, w2c = w
+        x = lax.dynamic_index_in_dim(xt, v, keepdims=False)
+        h = act(_dot_nt(x, w1c, acc), _dot_nt(x, w3c, acc)).astype(cdt)
+        if act_quant is not None:
+            h = act_quant(h)
+        return _add_tile(y, v, _dot_nt(h, w2c, acc))
+
+    y0 = varying_zeros(xt.shape, acc, xt, group_sizes, w1, w3, w2)
+    yt = _expert_chunk_loop(group_sizes, tile, (w1, w3, w2), fc, cdt, body, y0)
+    return yt.reshape(-1, P)[back]
+
+
+def _tiles_backward(xs, group_sizes, w1, w3, w2, act, acc, tile: int, fc: int, dy):
+    """dx [R, P] for the rows of ``_tiles_forward`` (weights frozen); act_quant on h is straight-through."""
+    R, P = xs.shape
+    xt, _, back = tile_rows(xs, group_sizes, tile)
+    dyt, _, _ = tile_rows(dy.astype(acc), group_sizes, tile)
+
+    def body(v, w, dx):
+        w1c, w3c, w2c = w
+        x = lax.dynamic_index_in_dim(xt, v, keepdims=False)
+        a, b = _dot_nt(x, w1c.astype(x.dtype), acc), _dot_nt(x, w3c.astype(x.dtype), acc)
+        dh = jnp.dot(lax.dynamic_index_in_dim(dyt, v, keepdims=False), w2c)  # [t, P] @ [P, fc]
+        _, act_vjp = jax.vjp(act, a, b)
+        da, db = act_vjp(dh.astype(a.dtype))
+        return _add_tile(dx, v, jnp.dot(da.astype(acc), w1c) + jnp.dot(db.astype(acc), w3c))
+
+    dx0 = varying_zeros(xt.shape, acc, xt, dyt, group_sizes, w1, w3, w2)
+    dxt = _expert_chunk_loop(group_sizes, tile, (w1, w3, w2), fc, acc, body, dx0)
+    return dxt.reshape(-1, P)[back].astype(xs.dtype)
+
+
+def _gmm_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm):
+    """y [R, P] (acc) with three grouped MXFP4 matmuls (the Pallas kernel on GPU/TPU; its output is in xs.dtype)."""
+    cdt = xs.dtype
+    a = gmm(xs, w1.packed, w1.scale, group_sizes).astype(acc)
+    b = gmm(xs, w3.packed, w3.scale, group_sizes).astype(acc)
+    h = act(a, b).astype(cdt)
+    if act_quant is not None:
+        h = act_quant(h)
+    return gmm(h, w2.packed, w2.scale, group_sizes).astype(acc)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
+    """Grouped GLU FFN of expert-sorted rows xs [R, P] with PackedWeight stacks → [R, P] acc (module docstring)."""
+    return _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)[0]
+
+
+def _tiling(xs, group_sizes, w2):
+    return default_tile(xs.shape[0], group_sizes.shape[0]), ffn_chunk(w2.packed.shape[2] * 2)
+
+
+def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
+    tile, fc = _tiling(xs, group_sizes, w2)
+    tiles = partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc)
+    args = (xs, group_sizes, w1, w3, w2)
+    if impl == "gmm" or (impl == "auto" and gmm is not None):
+        on_gmm = partial(_gmm_forward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
+        y = on_gmm(*args) if impl == "gmm" else lax.platform_dependent(*args, cpu=tiles, default=on_gmm)
+    else:
+        y = tiles(*args)
+    return y, args
+
+
+def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, res, dy):
+    xs, group_sizes, w1, w3, w2 = res
+    tile, fc = _tiling(xs, group_sizes, w2)
+    dx = _tiles_backward(xs, group_sizes, w1, w3, w2, act, acc, tile, fc, dy)
+    # with F sharded (tensor), each device's dx is a partial sum over its F slice: psum to the rows' varying axes
+    return match_varying(dx, xs), None, None, None, None  # frozen uint8 storage and int sizes: no cotangent
+
+
+_packed_ffn.defvjp(_packed_ffn_fwd, _packed_ffn_bwd)
+
+
+def _check(w: PackedWeight, name: str, n: int, k: int, num: int) -> None:
+    want_p, want_s = (num, n, k // 2), (num, n, k // mx.BLOCK_SIZE)
+    if w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or w.packed.shape != want_p \
+            or w.scale.shape != want_s or k % mx.BLOCK_SIZE:
+        raise ValueError(f"{name}: expected packed uint8 {want_p} and scale uint8 {want_s} (in = {k} a multiple of "
+                         f"{mx.BLOCK_SIZE}), got {w.packed.dtype} {w.packed.shape} and {w.scale.dtype} {w.scale.shape}")
+
+
+def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight, w2: PackedWeight, act: Act, *,
+                   act_quant: Callable | None = None, gmm: Callable | None = None, impl: str = "auto"):
+    """``experts_sorted_packed`` with each stack as one ``PackedWeight`` (the MoE layer's experts_fn form)."""
+    if impl not in PACKED_IMPLS:
+        raise ValueError(f"impl must be one of {PACKED_IMPLS}, got {impl!r}")
+    if impl == "gmm" and gmm is None:
+        raise ValueError("impl='gmm' needs the grouped MXFP4 matmul (layers/backends.py: mxfp4_gmm)")
+    E, F, half = w1.packed.shape
+    P = 2 * half
+    _check(w1, "w1", F, P, E)
+    _check(w3, "w3", F, P, E)
+    _check(w2, "w2", P, F, E)
+    if z_mp.shape[-1] != P:
+        raise ValueError(f"z [M, P] has P = {z_mp.shape[-1]}, the packed experts have in = {P}")
+    if impl == "dense":
+        dt = z_mp.dtype
+        return experts_dense(z_mp, ids_ma, weights_ma, *(dequantize_stack(w, dt) for w in (w1, w3, w2)), act,
+                             act_quant=act_quant)
+
+    def ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):
+        if act_quant is not None:  # straight-through: differentiated here, outside the custom_vjp
+            xs = act_quant(xs)
+        return _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)
+
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant)
+
+
+def experts_sorted_packed(z_mp, ids_ma, weights_ma, w1p, w1s, w3p, w3s, w2p, w2s, act: Act, *,
+                          act_quant: Callable | None = None, gmm: Callable | None = None, impl: str = "auto"):
+    """Dropless routed experts from MXFP4 bytes: Σ_a weights[m, a] · E_{ids[m, a]}(z[m]) → [M, P] (acc dtype).
+
+    Args:
+      z_mp: [M, P] float rows (the latent, or the model width for a standard MoE).
+      ids_ma, weights_ma: [M, A] expert ids (int) and gate weights.
+      w1p, w3p: uint8 [E, F, P/2]; w1s, w3s: uint8 [E, F, P/32]; w2p: uint8 [E, P, F/2]; w2s: uint8 [E, P, F/32].
+      act: the GLU activation act(a, b) (elementwise).
+      act_quant: None, or MXFP8 fake-quant of the GEMM inputs (straight-through), as in experts_sorted.
+      gmm: the grouped MXFP4 matmul for GPU/TPU (``layers.backends.mxfp4_gmm``); None: the XLA loop everywhere.
+      impl: "auto" | "tiles" (XLA loop) | "gmm" | "dense" (dequantize, then the dense reference).
+    Gradients: w.r.t. z_mp and weights_ma; none for the uint8 stacks.
+    """
+    return experts_packed(z_mp, ids_ma, weights_ma, PackedWeight(w1p, w1s), PackedWeight(w3p, w3s),
+                          PackedWeight(w2p, w2s), act, act_quant=act_quant, gmm=gmm, impl=impl)
+
+
+__all__ = ["FFN_CHUNK", "PACKED_IMPLS", "PackedWeight", "dequantize_stack", "experts_packed", "experts_sorted_packed",
+           "ffn_chunk", "num_experts"]
