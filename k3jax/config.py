@@ -21,11 +21,16 @@ Act = Literal["situ", "silu"]
 MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
+# Per-decoder-layer rematerialisation (model/network.py): none; "full" = jax.checkpoint without a policy (keep only
+# the layer's inputs); the rest name a jax.checkpoint_policies entry (what of the layer's forward stays saved).
+Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+                "everything_saveable"]
 # The one list of each run-mode family (the Literals above are their single spelling): blocks, the train loop and
 # the CLIs import these.
 MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
 QAT_MODES: tuple[str, ...] = get_args(QATMode)
+REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 
 
 class ConfigError(ValueError):
@@ -170,6 +175,7 @@ _RUN_CHOICES = {
     "param_dtype": ("float32", "bfloat16", "float64"),
     "compute_dtype": ("float32", "bfloat16", "float64"),
     "layer_stack": ("loop", "scan"),
+    "remat": REMAT_POLICIES,
 }
 
 
@@ -230,6 +236,9 @@ class RunConfig:
     # The repeating layer group of the stacked layout (model/layout.py): unrolled ("loop") or one lax.scan over the
     # groups ("scan": a compile time that does not grow with depth); equal up to reduction order (tests/model).
     layer_stack: str = "loop"
+    # Each decoder layer's forward under jax.checkpoint with this policy (REMAT_POLICIES; loop and scan alike): the
+    # same math, less activation memory kept for the backward pass, more recompute.
+    remat: Remat = "none"
 
     def __post_init__(self):
         for fld, opts in _RUN_CHOICES.items():
@@ -356,5 +365,6 @@ def default_run(cfg: K3Config, **overrides) -> RunConfig:
     return run.replace(**overrides) if overrides else run
 
 
-__all__ = ["KDA_IMPLS", "MOE_IMPLS", "QAT_MODES", "K3Config", "ConfigError", "PRESETS", "PRESET_RUNS", "RUN_FIELDS",
-           "RunConfig", "default_run", "from_hf", "get_preset", "k3_full_attn_layers", "validate"]
+__all__ = ["KDA_IMPLS", "MOE_IMPLS", "QAT_MODES", "REMAT_POLICIES", "K3Config", "ConfigError", "PRESETS",
+           "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "default_run", "from_hf", "get_preset", "k3_full_attn_layers",
+           "validate"]

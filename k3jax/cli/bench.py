@@ -27,6 +27,7 @@ BENCHES = {
     "load": "k3jax.bench.load",
     "train": "k3jax.bench.train",
     "decode": "k3jax.bench.decode",
+    "compile": "k3jax.bench.compile",
 }
 
 

@@ -19,12 +19,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import HFLeaf, normal, param, vec
+from k3jax.layers.moe import PackedExperts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
 from k3jax.ops.norms import acc_dtype, rms_norm
+
+# The leaves stacked over the groups, sliced per group: Params, and routed experts held packed (frozen, not Params).
+STACKED = (nnx.Param, PackedExperts)
 
 
 class K3Model(nnx.Module):
@@ -69,8 +73,8 @@ class K3Model(nnx.Module):
         lay = layout(self.cfg)
         out = list(zip(lay.pre, self.pre, strict=True))
         if lay.groups:
-            # Only the Params are stacked; other variables a wrapper attaches (e.g. qwix's Rngs) are not sliced.
-            gdef, gparams, grest = nnx.split(self.groups, nnx.Param, ...)
+            # Only the STACKED leaves are sliced; other variables a wrapper attaches (e.g. qwix's Rngs) are not sliced.
+            gdef, gparams, grest = nnx.split(self.groups, STACKED, ...)
             for g in range(lay.groups):
                 grp = nnx.merge(gdef, jax.tree.map(lambda x, g=g: x[g], gparams), grest)
                 out += [(lay.start + g * lay.period + j, layer) for j, layer in enumerate(grp.layers)]
@@ -84,9 +88,9 @@ class K3Model(nnx.Module):
         def mixer(l, layer, h):
             return layer.mixer(h, self.cfg, self.run)
 
-        return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan")
+        return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
 
-    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False):
+    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none"):
         """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer (with
         ``scan``, l is traced inside the repeating group: the mixer must not index by it).
 
@@ -95,7 +99,11 @@ class K3Model(nnx.Module):
         (NB = the commits of the whole stack) with a traced count, mixed by ``AttnResQuery.masked``; a commit at
         layer l (l mod S = 0) falls at a different place of the period in different groups, so it is a select.
         Per-layer outputs (routing, MLA max logits) come out of the scan stacked over groups and are put back in
-        layer order."""
+        layer order.
+
+        ``remat`` (a ``RunConfig.remat`` name): each decoder layer — its AttnRes mixes, token mixer and FFN — runs
+        under ``jax.checkpoint`` with that policy (``_checkpointed``), in the loop and inside the scan body alike.
+        The mixer must then be free of side effects (the cached ``extend`` path passes the default "none")."""
         cfg, run = self.cfg, self.run
         cdt = jnp.dtype(run.compute_dtype)
         acc = acc_dtype(cdt)
@@ -118,27 +126,35 @@ class K3Model(nnx.Module):
 
         def plain_layer(l, layer, h):
             a, ax = mix(l, layer, h)
-            collect(ax)
             h = h + a.astype(acc)
             f, fx = ffn(layer, h)
-            collect(fx)
-            return h + f.astype(acc)
+            return h + f.astype(acc), (ax, fx)
 
-        def attn_res_layer(l, layer, part):
+        def attn_res_layer(l, layer, part, blocks):
+            """blocks: the block sums committed before layer l (a commit at l appends ``part``, the caller's)."""
+            blocks = list(blocks)
             h = part if not blocks else layer.attn_res(blocks + [part], eps)
             if l % S == 0:
                 blocks.append(part)
                 part = None
             a, ax = mix(l, layer, h)
-            collect(ax)
             part = a.astype(acc) if part is None else part + a.astype(acc)
             f, fx = ffn(layer, layer.mlp_res(blocks + [part], eps))
-            collect(fx)
-            return part + f.astype(acc)
+            return part + f.astype(acc), (ax, fx)
 
         def unrolled(pairs, state):
             for l, layer in pairs:
-                state = attn_res_layer(l, layer, state) if cfg.uses_attn_res else plain_layer(l, layer, state)
+                if cfg.uses_attn_res:
+                    fn = self._checkpointed(lambda layer, *xs, l=l: attn_res_layer(l, layer, *xs), remat)
+                    new, (ax, fx) = fn(layer, state, tuple(blocks))
+                    if l % S == 0:
+                        blocks.append(state)
+                else:
+                    fn = self._checkpointed(lambda layer, *xs, l=l: plain_layer(l, layer, *xs), remat)
+                    new, (ax, fx) = fn(layer, state)
+                collect(ax)
+                collect(fx)
+                state = new
             return state
 
         stacked = scan and lay.groups > 0
@@ -148,20 +164,47 @@ class K3Model(nnx.Module):
             state = unrolled(self.layers(), state)
         else:
             state = unrolled(zip(lay.pre, self.pre, strict=True), state)
-            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn)(collect)
+            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat)(collect)
             state = unrolled(zip(lay.post, self.post, strict=True), state)
         if not cfg.uses_attn_res:
             return state, aux
         return self.out_res(blocks + [state], eps), aux
 
-    def _scan_groups(self, state, blocks: list, mix, ffn):
+    @staticmethod
+    def _checkpointed(fn, remat: str, *, prevent_cse: bool = True):
+        """``fn(layer, *arrays)`` under ``jax.checkpoint`` with the ``remat`` policy ("none": ``fn`` itself).
+
+        An NNX module is not a JAX pytree: the layer is split into its graph and state, the state enters the
+        checkpoint as an explicit input (its parameters, like the incoming activations, are inputs: always kept),
+        and the layer is merged back inside. "full" is ``jax.checkpoint`` without a policy (only the inputs are
+        kept); any other name is the ``jax.checkpoint_policies`` entry of that name. ``prevent_cse`` stays on in
+        the unrolled stack (XLA could otherwise merge the recompute with the forward and keep the activations after
+        all) and is off inside ``lax.scan``, whose loop already keeps them apart (the JAX docs' advice for
+        checkpoint in scan)."""
+        if remat == "none":
+            return fn
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat policy {remat!r}: must be one of {REMAT_POLICIES}")
+        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+
+        def wrapped(layer, *xs):
+            gdef, state = nnx.split(layer)
+
+            def pure(state, *xs):
+                return fn(nnx.merge(gdef, state), *xs)
+
+            return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, *xs)
+
+        return wrapped
+
+    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none"):
         """The repeating group as one lax.scan (see ``_walk``). Returns a function of ``collect`` that hands the
         per-layer aux to it in layer order and returns (the new state, the committed blocks as a list)."""
         cfg = self.cfg
         lay = layout(cfg)
         acc = state.dtype
         eps = cfg.rms_norm_eps
-        gdef, gparams, grest = nnx.split(self.groups, nnx.Param, ...)
+        gdef, gparams, grest = nnx.split(self.groups, STACKED, ...)
         attn_res = cfg.uses_attn_res
         S = cfg.attn_res_block_size
         commits = [l for l in range(cfg.num_layers) if attn_res and l % S == 0]
@@ -172,33 +215,35 @@ class K3Model(nnx.Module):
                 buf = buf.at[i].set(b)
         carry0 = (state, buf) if attn_res else (state,)
 
+        def one_layer(layer, carry, l):
+            """Layer l (traced) of the group on the carry → (the new carry, (mixer aux, FFN aux))."""
+            if attn_res:
+                part, buf = carry
+                nb = (l + S - 1) // S                     # blocks committed before layer l
+                h = layer.attn_res.masked(buf, nb, part, eps)
+                commit = l % S == 0
+                buf = jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf)
+                part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
+                a, ax = mix(l, layer, h)
+                part = part + a.astype(acc)
+                f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
+                return (part + f.astype(acc), buf), (ax, fx)
+            (h,) = carry
+            a, ax = mix(l, layer, h)
+            h = h + a.astype(acc)
+            f, fx = ffn(layer, h)
+            return (h + f.astype(acc),), (ax, fx)
+
+        step = self._checkpointed(one_layer, remat, prevent_cse=False)
+
         def body(carry, xs):
             p, g = xs
             grp = nnx.merge(gdef, p, grest)
             outs = []
-            if attn_res:
-                part, buf = carry
-            else:
-                (h,) = carry
             for j, layer in enumerate(grp.layers):
-                l = lay.start + g * lay.period + j
-                if attn_res:
-                    nb = (l + S - 1) // S                     # blocks committed before layer l
-                    h = layer.attn_res.masked(buf, nb, part, eps)
-                    commit = l % S == 0
-                    buf = jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf)
-                    part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
-                    a, ax = mix(l, layer, h)
-                    part = part + a.astype(acc)
-                    f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
-                    part = part + f.astype(acc)
-                else:
-                    a, ax = mix(l, layer, h)
-                    h = h + a.astype(acc)
-                    f, fx = ffn(layer, h)
-                    h = h + f.astype(acc)
-                outs.append((ax, fx))
-            return ((part, buf) if attn_res else (h,)), outs
+                carry, ax_fx = step(layer, carry, lay.start + g * lay.period + j)
+                outs.append(ax_fx)
+            return carry, outs
 
         carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
         last = lay.start + lay.groups * lay.period          # first layer after the group
