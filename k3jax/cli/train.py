@@ -3,6 +3,7 @@
     k3 train --preset k3-mini --steps 300 --ckpt-dir runs/mini --metrics runs/mini.jsonl      # stdlib corpus
     k3 train --init exported/ --qat weights+acts --steps 50 --export runs/qat-export          # QAT fine-tune
     k3 train --preset k3-tiny --steps 5 --batch 4 --seq-len 32 --max-bytes 200000             # seconds-scale CPU
+    k3 train --preset k3-mini --mesh data=2,expert=4 --steps 20 --batch 8                     # expert-parallel
 
 Re-running the same command with the same --ckpt-dir resumes exactly (bit-identical parameters). SIGTERM saves a
 checkpoint and exits 0. Bad input exits 2 before any compute; N non-finite steps in a row exit 1.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from k3jax.config import QAT_MODES
+from k3jax.config import QAT_MODES, REMAT_POLICIES
 
 
 def add_parser(sub) -> None:
@@ -30,6 +31,9 @@ def add_parser(sub) -> None:
     src.add_argument("--layer-stack", choices=("loop", "scan"), default="loop",
                      help="the repeating layer group unrolled, or one lax.scan (compile time flat in depth; equal "
                           "up to reduction order)")
+    src.add_argument("--remat", choices=REMAT_POLICIES, default="none",
+                     help="per-layer activation checkpointing: none, full (keep only each layer's inputs) or a "
+                          "jax.checkpoint_policies name; the same math, less activation memory, more recompute")
     run = p.add_argument_group("run")
     run.add_argument("--steps", type=int, default=300)
     run.add_argument("--batch", type=int, default=16, help="global sequences per optimizer step")
@@ -45,13 +49,24 @@ def add_parser(sub) -> None:
     run.add_argument("--no-qk-clip", action="store_true")
     run.add_argument("--qk-tau", type=float, default=100.0)
     run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all)")
+    run.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all); "
+                     "the same as --mesh data=N")
+    run.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                     help="device mesh over data, fsdp, expert, tensor (e.g. data=2,expert=4); parameters, "
+                          "optimizer state and batches are placed by the sharding rules")
+    run.add_argument("--frozen-experts", action="store_true",
+                     help="keep --init's routed experts as their MXFP4 bytes, frozen (run by the grouped MXFP4 "
+                          "matmul); attention, router, shared experts and norms train")
+    run.add_argument("--strategy", default=None, metavar="NAME",
+                     help="sharding rules column: single, fsdp, ep, ep_tp, fsdp_ep_tp (default: from the mesh "
+                          "axes, e.g. data+expert -> ep)")
     dat = p.add_argument_group("data")
     dat.add_argument("--data", nargs="*", default=(), help="text or JSONL ({\"text\": ...}) files "
                      "(default: the Python stdlib sources)")
     dat.add_argument("--max-bytes", type=int, default=4 << 20)
     dat.add_argument("--heldout-frac", type=float, default=0.05)
     dat.add_argument("--eval-every", type=int, default=50)
+    dat.add_argument("--eval-at-start", action="store_true", help="also score the initial parameters (step 0)")
     out = p.add_argument_group("output")
     out.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (resumes from the latest one)")
     out.add_argument("--ckpt-every", type=int, default=50)
@@ -72,11 +87,13 @@ def run_cli(args) -> int:
         preset=args.preset or (None if args.init else "k3-mini"), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
         optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, layer_stack=args.layer_stack,
+        remat=args.remat,
         balance=args.balance, qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed,
         data=tuple(args.data),
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
         ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
         export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,
+        mesh=args.mesh, strategy=args.strategy, frozen_experts=args.frozen_experts, eval_at_start=args.eval_at_start,
         progress=args.progress, strict_config=args.strict_config)
     try:
         s = train(tc)

@@ -123,12 +123,24 @@ def param_specs(cfg: K3Config, rules, mesh, params=None):
     axes = param_axes(cfg)
 
     def one(path, x):
-        logical = _get(axes, key_names(path))
+        logical = leaf_axes(axes, key_names(path))
         if len(logical) != len(x.shape):
             raise ValueError(f"{path_str(path)}: logical axes {logical} do not match shape {tuple(x.shape)}")
         return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path))
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def leaf_axes(axes, names: tuple) -> tuple:
+    """Logical axes of the leaf at ``names`` in ``axes`` (``param_axes(cfg)``). A routed-expert stack held packed
+    (``w1_packed`` / ``w1_scale`` [..., out, in/2 or in/32], k3jax.layers.moe.Experts.to_packed) has its float
+    stack's axes with the last two swapped: the packed bytes run along ``in``."""
+    last = names[-1] if names else None
+    if isinstance(last, str) and last.endswith(("_packed", "_scale")) and len(names) >= 2 and \
+            names[-2] == "experts":
+        base = tuple(_get(axes, (*names[:-1], last.rsplit("_", 1)[0])))
+        return (*base[:-2], base[-1], base[-2])
+    return tuple(_get(axes, names))
 
 
 def _get(tree, keys):

@@ -49,13 +49,14 @@ def spaced_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 2
     return Windows(w % vocab if vocab < 256 else w, None)
 
 
-def make_scorer(cfg, run=None, *, params_sharding=None, batch_sharding=None):
+def make_scorer(cfg, run=None, *, params_sharding=None, batch_sharding=None, dispatch=None):
     """(params, tokens [b, T + 1], mask [b, T] or None) -> summed (masked) cross-entropy (f32), jitted. With
     shardings (the train loop's data-parallel eval), tokens and mask are placed with ``batch_sharding`` first."""
     from k3jax.model import forward
 
     def score(params, tokens, mask):
-        ce = optax.softmax_cross_entropy_with_integer_labels(forward(params, tokens[:, :-1], cfg, run), tokens[:, 1:])
+        logits = forward(params, tokens[:, :-1], cfg, run, dispatch=dispatch)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         # no multiply without a mask: an all-ones one changes XLA's summation order (the last bits of the loss)
         return jnp.sum(ce) if mask is None else jnp.sum(ce * mask)
 

@@ -12,7 +12,9 @@ statistics / QB histograms and per-head max logits are summed (max-ed) over micr
   3. QK-Clip on the updated MLA weights with the step's max logits
   4. bias ← next-step bias from the step's global statistics
   5. if not finite: params, optimizer state and bias stay as they were (the step counter still advances)
-With data parallelism the token axis of ``tokens`` is sharded; XLA inserts the gradient / histogram all-reduces.
+On a mesh the token axis of ``tokens`` is sharded and the state is placed by the rules table
+(``k3jax.sharding.placement``); XLA inserts the gradient / histogram reductions and the FSDP gathers, and the MoE
+layers run through the expert-parallel ``dispatch``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from k3jax.model import forward, unstack
+from k3jax.sharding.placement import merge_trees
 from k3jax.train import balance as bal
 from k3jax.train.qk_clip import qk_clip
 
@@ -46,18 +49,26 @@ class StepSpec:
             raise ValueError(f"qk_tau must be > 0, got {self.qk_tau}")
 
 
-def init_state(params, tx, seed: int = 0) -> dict:
-    return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.key(seed)), "bad_streak": jnp.zeros((), jnp.int32)}
+def init_state(params, tx, seed: int = 0, frozen=None) -> dict:
+    """The train state; ``frozen``: parameters the step uses but never updates (packed routed experts, as uint8
+    leaves; ``k3 train --frozen-experts``), kept beside ``params`` so gradients and the optimizer never see them."""
+    state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32),
+             "rng": jax.random.key_data(jax.random.key(seed)), "bad_streak": jnp.zeros((), jnp.int32)}
+    if frozen is not None:
+        state["frozen"] = frozen
+    return state
 
 
 def _select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
-def make_loss(cfg, run, spec: StepSpec):
+def make_loss(cfg, run, spec: StepSpec, dispatch=None):
+    """``dispatch``: the MoE layers' expert computation (None: the model's default; an ``ExpertParallel`` on a mesh
+    whose rules shard the experts)."""
+
     def loss_fn(params, tokens):
-        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True)
+        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True, dispatch=dispatch)
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
         loss = ce
         if spec.balance == "aux" and aux["routing"]:
@@ -67,20 +78,25 @@ def make_loss(cfg, run, spec: StepSpec):
     return loss_fn
 
 
-def make_train_step(cfg, run, tx, spec: StepSpec):
+def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
     """(state, tokens [M, b, T+1] int32, poison f32 scalar) -> (state, metrics). Not jitted here (see loop.py)."""
-    loss_fn = make_loss(cfg, run, spec)
+    loss_fn = make_loss(cfg, run, spec, dispatch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     E = cfg.num_experts
 
     def step(state, tokens, poison):
         params = state["params"]
+        frozen = state.get("frozen")
+        if frozen is not None:  # gradients w.r.t. the trainable leaves only; the frozen ones join the forward
+            full = jax.value_and_grad(lambda p, tok: loss_fn(merge_trees(p, frozen), tok), has_aux=True)
+        else:
+            full = grad_fn
         moe_idx = bal.moe_layer_indices(cfg)
         n_mla = len(cfg.mla_layers)
         b_le = bal.biases(params, cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
 
         def micro(carry, tok):
-            (loss, (ce, aux)), g = grad_fn(params, tok)
+            (loss, (ce, aux)), g = full(params, tok)
             stats = bal.micro_stats(aux["routing"], b_le, E, mode=spec.balance) if moe_idx else {}
             ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]) if n_mla
                   else jnp.zeros((0, 1), jnp.float32))
@@ -91,7 +107,7 @@ def make_train_step(cfg, run, tx, spec: StepSpec):
 
         M = tokens.shape[0]
         # shapes of the per-micro-batch outputs, to build a zero carry
-        _, (_, aux0) = jax.eval_shape(loss_fn, params, tokens[0])
+        _, (_, aux0) = jax.eval_shape(loss_fn, params if frozen is None else merge_trees(params, frozen), tokens[0])
         stats0 = jax.eval_shape(lambda a: bal.micro_stats(a, b_le, E, mode=spec.balance), aux0["routing"]) \
             if moe_idx else {}
         N = aux0["mla_max_logit"][0].shape[-1] if n_mla else 1
@@ -118,6 +134,8 @@ def make_train_step(cfg, run, tx, spec: StepSpec):
         new_state = {"params": _select(finite, new_params, params), "opt": _select(finite, opt, state["opt"]),
                      "step": state["step"] + 1, "rng": state["rng"],
                      "bad_streak": jnp.where(finite, 0, state["bad_streak"] + 1).astype(jnp.int32)}
+        if frozen is not None:
+            new_state["frozen"] = frozen
         b_next = bal.biases(new_state["params"], cfg) if moe_idx else b_le
         metrics = {"loss": loss, "ce": ce, "grad_norm": gnorm, "finite": finite,
                    "load_ratio": bal.load_ratio(stats["loads"]) if moe_idx else jnp.zeros((0,)),

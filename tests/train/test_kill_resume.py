@@ -3,6 +3,8 @@
 * SIGKILL at two random steps (checkpoints every step, async: a kill may land mid-save), then the same command
   again: the final parameters are bit-identical to an uninterrupted run.
 * SIGTERM: the run saves a checkpoint, exits 0, and resuming ends bit-identical too.
+* SIGKILL on a mesh (``--mesh expert=2``: expert-parallel, sharded state and checkpoints), then resume on the same
+  mesh: bit-identical to an uninterrupted run on that mesh.
 """
 
 import json
@@ -24,9 +26,9 @@ pytestmark = pytest.mark.slow
 STEPS = 8
 
 
-def _cmd(ck, metrics):
+def _cmd(ck, metrics, placement=("--devices", "2")):
     return [sys.executable, "-m", "k3jax.cli.main", "train", "--preset", "k3-tiny", "--steps", str(STEPS),
-            "--batch", "4", "--micro-batches", "2", "--seq-len", "16", "--max-bytes", "100000", "--devices", "2",
+            "--batch", "4", "--micro-batches", "2", "--seq-len", "16", "--max-bytes", "100000", *placement,
             "--ckpt-dir", str(ck), "--ckpt-every", "1", "--keep", "2", "--metrics", str(metrics),
             "--eval-every", "100", "--no-progress"]
 
@@ -110,3 +112,25 @@ def test_sigterm_saves_exits_0_and_resumes_bit_identical(reference, tmp_path):
     assert load_checkpoint_params(str(ck))[0] == ev[0]["step"]
     _finish(_cmd(ck, m))
     _assert_bit_identical(reference, _params(ck))
+
+
+EP = ("--mesh", "expert=2")
+
+
+@pytest.fixture(scope="module")
+def reference_ep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref_ep")
+    _finish(_cmd(d / "ck", d / "m.jsonl", EP))
+    return _params(d / "ck")
+
+
+def test_sigkill_on_a_mesh_then_resume_is_bit_identical(reference_ep, tmp_path):
+    kill_at = random.Random(2027).randrange(2, STEPS - 1)
+    ck, m = tmp_path / "ck", tmp_path / "m.jsonl"
+    rc, _ = _run_until(_cmd(ck, m, EP), m, kill_at, signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    err = _finish(_cmd(ck, m, EP))
+    assert "resumed from" in err and "(ep)" in err
+    start = [json.loads(x) for x in open(m) if '"start"' in x]
+    assert [r["strategy"] for r in start] == ["ep", "ep"] and start[0]["mesh"]["expert"] == 2
+    _assert_bit_identical(reference_ep, _params(ck))

@@ -1,0 +1,106 @@
+"""Placement of a whole train state from the rules table (k3jax/sharding/placement.py), without compiling.
+
+The full-size case places kimi-k3's optimizer state abstractly (eval_shape; no memory) on the mesh the compile
+issue plans for, and checks that every parameter moment is sharded exactly like its parameter (slices of stacked
+leaves included), so the optimizer never holds a replica of what the rules shard.
+"""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from k3jax.config import get_preset
+from k3jax.model import abstract_params
+from k3jax.pytree import key_names
+from k3jax.sharding import param_specs
+from k3jax.sharding.placement import (
+    batch_sharding,
+    bytes_per_device,
+    default_strategy,
+    format_mesh,
+    opt_specs,
+    parse_mesh,
+    token_parallel,
+)
+from k3jax.train.optim import OptimConfig, make_optimizer
+from k3jax.train.step import init_state
+
+
+def test_parse_and_format_mesh():
+    assert parse_mesh("data=2,expert=4") == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert format_mesh(parse_mesh(" fsdp=2 , tensor=2")) == "fsdp=2,tensor=2"
+    assert format_mesh(parse_mesh("data=1")) == "data=1"
+    for bad, msg in [("data", "expected axis=size"), ("data=2,data=2", "given twice"), ("gpu=2", "unknown mesh"),
+                     ("data=0", ">= 1"), ("data=-1", "expected axis=size")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_mesh(bad)
+
+
+@pytest.mark.parametrize("mesh, strategy", [("data=8", "fsdp"), ("fsdp=8", "fsdp"), ("data=2,expert=4", "ep"),
+                                            ("expert=4,tensor=2", "ep_tp"), ("fsdp=2,expert=2,tensor=2", "fsdp_ep_tp"),
+                                            ("fsdp=2,expert=4", "fsdp_ep_tp"), ("data=1", "fsdp")])
+def test_default_strategy(mesh, strategy):
+    assert default_strategy(parse_mesh(mesh)) == strategy
+
+
+def _fraction(spec: PartitionSpec, sizes) -> int:
+    return math.prod(sizes[a] for p in spec for a in ((p,) if isinstance(p, str) else (p or ())))
+
+
+def test_full_size_optimizer_state_is_sharded_like_its_parameters():
+    cfg = get_preset("kimi-k3")
+    sizes = parse_mesh("fsdp=8,expert=64")
+    params = abstract_params(cfg)
+    state = jax.eval_shape(lambda p: init_state(p, make_optimizer(p, OptimConfig())[0]), params)
+    p_specs = param_specs(cfg, "fsdp_ep_tp", sizes, params)
+    o_specs = opt_specs(cfg, "fsdp_ep_tp", sizes, state["opt"], params)
+    by_name = {key_names(path): (s, tuple(x.shape)) for (path, s), (_, x) in
+               zip(jax.tree_util.tree_leaves_with_path(p_specs, is_leaf=lambda s: isinstance(s, PartitionSpec)),
+                   jax.tree_util.tree_leaves_with_path(params))}
+    checked, expert_moments = 0, 0
+    o_leaves = jax.tree_util.tree_leaves_with_path(o_specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    for (path, spec), (_, x) in zip(o_leaves, jax.tree_util.tree_leaves_with_path(state["opt"])):
+        names = key_names(path)
+        hit = next(((names[i:], by_name[names[i:]]) for i in range(len(names)) if names[i:] in by_name), None)
+        stacked = hit is None and any(names[i:-1] in by_name for i in range(len(names)))
+        if hit is None and not stacked:
+            assert math.prod(x.shape) <= 64, f"{names}: unmatched and not tiny"
+            continue
+        if stacked:  # a per-layer slice of a stacked [G, ...] leaf: the parameter's spec without its layers axis
+            pname = next(names[i:-1] for i in range(len(names)) if names[i:-1] in by_name)
+            pspec, pshape = by_name[pname]
+            assert pspec[:1] in ((), (None,)), f"{pname}: the layers axis is sharded"
+            want = _fraction(pspec, sizes)
+        else:
+            pspec, pshape = hit[1]
+            want = _fraction(pspec, sizes)
+        assert _fraction(spec, sizes) == want, f"{names}: moment 1/{_fraction(spec, sizes)}, parameter 1/{want}"
+        checked += 1
+        if "experts" in names and len(x.shape) == 3:
+            assert want == 512, names  # [E, latent, F]: experts over expert (64) x latent over fsdp (8)
+            expert_moments += 1
+    # one Muon momentum per routed-expert stack (w1, w3, w2) of each of the 92 MoE layers
+    assert expert_moments == 3 * (cfg.num_layers - cfg.first_k_dense_replace)
+    assert checked > 1000
+
+
+def test_batch_sharding_and_bytes_per_device():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    from k3jax.sharding import make_mesh
+
+    mesh = make_mesh(parse_mesh("data=2,expert=2,tensor=2"))
+    assert token_parallel("ep_tp", mesh) == 4
+    sh = batch_sharding("ep_tp", mesh, 3, batch_dim=1)
+    x = jax.device_put(np.zeros((2, 8, 5), np.float32), sh)
+    assert {s.data.shape for s in x.addressable_shards} == {(2, 2, 5)}
+    # 2·2·5 floats of x on each device, plus a replicated 3-float vector on each; a 1-float array on device 0 only
+    from jax.sharding import NamedSharding
+
+    r = jax.device_put(np.zeros(3, np.float32), NamedSharding(mesh, PartitionSpec()))
+    one = jax.device_put(np.zeros(1, np.float32), jax.devices()[0])
+    assert bytes_per_device({"x": x, "r": r}) == 2 * 2 * 5 * 4 + 12
+    assert bytes_per_device({"x": x, "r": r, "one": one}) == 2 * 2 * 5 * 4 + 12 + 4
