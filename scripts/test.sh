@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The default test suite (.ci/run's first pass): everything not marked slow/gpu, 2 workers, 8 simulated CPU devices.
-# Usage: bash scripts/test.sh [extra pytest args]      e.g. bash scripts/test.sh -m "slow and not gpu"
+# Usage: bash scripts/test.sh [extra pytest args]      e.g. bash scripts/test.sh -m "slow and not gpu and not manual"
 # (a later -m replaces the default one; .ci/run runs the default suite, then that slow pass)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +12,4 @@ export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # --dist loadgroup: tests marked xdist_group("libtpu") (the deviceless TPU compiles) share one worker. (pytest 9 +
 # pytest-xdist 3.8 ignore the group, so tests/pallas/test_targets.py also runs libtpu in one locked child process.)
-exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=40 -m "not slow and not gpu" "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=40 -m "not slow and not gpu and not manual" "$@"
