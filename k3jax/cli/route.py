@@ -63,16 +63,13 @@ def parse_mesh_arg(s: str | None):
     if s is None:
         return None
     from k3jax.sharding.mesh import make_mesh
+    from k3jax.sharding.placement import parse_mesh
 
-    shape = {}
-    for part in s.split(","):
-        k, eq, v = part.partition("=")
-        if not eq or not v.strip().isdigit():
-            raise ValueError(f"--mesh must look like data=8, got {s!r}")
-        shape[k.strip()] = int(v)
-    if set(shape) != {"data"}:
-        raise ValueError(f"k3 route shards windows over 'data' only, got axes {sorted(shape)}")
-    return make_mesh(shape)
+    shape = parse_mesh(s)
+    other = sorted(a for a, n in shape.items() if a != "data" and n > 1)
+    if other:
+        raise ValueError(f"k3 route shards windows over 'data' only, got axes {other}")
+    return make_mesh({"data": shape["data"]})
 
 
 def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
