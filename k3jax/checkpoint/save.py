@@ -13,6 +13,9 @@
 - ``model.safetensors.index.json``: indent 2, no trailing newline, ``metadata.total_size`` = payload bytes, keys in
   byte order. ``config.json``: indent 2, sorted keys, no trailing newline (the release's format).
 - Everything is written into a temporary sibling directory that is renamed into place only when complete.
+- In a multi-process (``jax.distributed``) run, or with arrays this process cannot address whole, every process calls
+  ``save`` and writes only the tensors it holds into the shared directory (``save_dist``); the bytes are the
+  single-process ``save``'s.
 """
 
 from __future__ import annotations
@@ -91,9 +94,6 @@ def _leaf(params, path):
 
 
 def _host(x) -> np.ndarray:
-    if hasattr(x, "is_fully_addressable") and not x.is_fully_addressable:
-        raise CheckpointError("save() needs fully addressable arrays (gather them first; multi-host export is "
-                              "not supported)")
     return np.asarray(x)
 
 
@@ -173,13 +173,16 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
     """Write ``params`` (the k3jax tree for ``cfg``) as an official-layout checkpoint at ``out_dir``.
 
     Args:
-      params: nested dict of arrays (jax or numpy, fully addressable), as from ``init_params`` or ``load``.
+      params: nested dict of arrays (jax or numpy), as from ``init_params`` or ``load``; in a multi-process run,
+        the global arrays, with every process calling ``save`` (each writes the tensors it holds; module doc).
       cfg: its config; ``expert_format`` defaults to ``cfg.expert_format``.
       out_dir: created atomically (temp dir + rename). An existing one is replaced only with ``overwrite=True``.
       vision_from: for the full K3 config, a release directory whose vision shards are copied byte for byte.
       manifest: also write ``SHA256SUMS`` (checked by ``load(..., verify=True)``).
     Returns: {"files": [...], "total_size": payload bytes, "dir": out_dir}.
     """
+    from k3jax.checkpoint import save_dist
+
     layout = layout or nm.default_layout(cfg)
     fmt = expert_format or cfg.expert_format
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -187,21 +190,41 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
         raise CheckpointError("output directory exists and is not empty (pass overwrite=True)", file=out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    dist = save_dist.needs_distributed(params)
+    if dist:  # every process writes its own tensors into one directory (k3jax/checkpoint/save_dist.py)
+        import jax
+
+        tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-dist")
+        if jax.process_index() == 0 and os.path.exists(tmp):
+            shutil.rmtree(tmp)  # a previous distributed save that died
+        save_dist.barrier(f"k3jax save: start {out_dir}")
+        if jax.process_index() != 0:
+            shards = list(nm.shard_tensors(cfg, layout, fmt))
+            weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, shards)
+            save_dist.barrier(f"k3jax save: done {out_dir}")
+            if save_dist.any_failed(False):
+                raise CheckpointError("process 0 failed to finish the checkpoint", file=out_dir)
+            return {"dir": out_dir, "files": files, "total_size": total_size}
+    else:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    failed = written = False
     try:
         shards = nm.shard_tensors(cfg, layout, fmt)
         total = nm.num_shards(cfg, layout)
-        weight_map: dict[str, str] = {}
-        total_size = 0
-        files = []
-        it = shards
-        if progress:
-            from tqdm import tqdm
-            it = tqdm(shards, desc="save", unit="shard")
-        for fname, specs in it:
-            total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params, cfg))
-            weight_map.update((s.name, fname) for s in specs)
-            files.append(fname)
+        if dist:
+            # (raises in every process alike when a process failed: then no final barrier is owed)
+            weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, list(shards))
+            written = True
+        else:
+            weight_map, total_size, files = {}, 0, []
+            it = shards
+            if progress:
+                from tqdm import tqdm
+                it = tqdm(shards, desc="save", unit="shard")
+            for fname, specs in it:
+                total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params, cfg))
+                weight_map.update((s.name, fname) for s in specs)
+                files.append(fname)
         if nm.has_vision_shards(cfg, layout) and vision_from is not None:
             for k in range(cfg.num_layers + 2, total + 1):
                 fname = shard_file_name(k, total)
@@ -226,8 +249,13 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
         else:
             os.rename(tmp, out_dir)
     except BaseException:
+        failed = True
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if dist and written:  # process 0 tells the others whether the directory is in place
+            save_dist.barrier(f"k3jax save: done {out_dir}")
+            save_dist.any_failed(failed)
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 

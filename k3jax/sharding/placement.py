@@ -6,13 +6,13 @@
     dispatch = expert_dispatch(strategy, mesh)                 # ExpertParallel, or None when experts are not sharded
 
 Optimizer state: optax keeps per-parameter moments (Muon momentum, AdamW mu / nu) in trees that mirror the
-parameters, nested under its own containers, and k3jax's optimizer holds a stacked leaf [G, ...] as G per-layer
-slices (``k3jax.train.optim``). A state leaf is matched to its parameter by the longest suffix of its key path that
-is a parameter path (a slice: the parameter's path + its layer index) and gets that parameter's logical axes (a slice
-drops the leading ``layers`` axis). A moment Muon keeps in a reshaped view (kv_b [R, N, 2·X] → [R, N, 2, X]) keeps
-the axes of the dimensions the view leaves unchanged. Leaves that match no parameter (step counts, Newton–Schulz
-coefficients) are tiny and replicated; a larger leaf that matches nothing is an error, so nothing the rules shard
-is replicated silently.
+parameters, nested under its own containers; k3jax's optimizer keeps the per-layer state of the stacked group
+stacked [G, ...] like its parameters (under "stacked", ``k3jax.train.optim``). A state leaf is matched to its
+parameter by the longest suffix of its key path that is a parameter path and gets that parameter's logical axes. A
+moment Muon keeps in a reshaped view (kv_b [R, N, 2·X] → [R, N, 2, X]) keeps the axes of the dimensions the view
+leaves unchanged. Leaves that match no parameter (step counts, Newton–Schulz coefficients; per layer under
+"stacked") are tiny and replicated; a larger leaf that matches nothing is an error, so nothing the rules shard is
+replicated silently.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def expert_dispatch(strategy: str, mesh):
 
 
 def _slice_table(cfg, params) -> dict:
-    """{key names: (logical axes, shape)} for every parameter and every per-layer slice of a stacked one."""
+    """{key names: (logical axes, shape)} for every parameter."""
     from k3jax.model import param_axes
 
     axes = param_axes(cfg)
@@ -115,9 +115,6 @@ def _slice_table(cfg, params) -> dict:
             logical = logical[k]
         logical, shape = tuple(logical), tuple(x.shape)
         table[names] = (logical, shape)
-        if names[0] == "groups":  # the optimizer's per-layer view: names + (g,) → one layer's slice
-            for g in range(shape[0]):
-                table[names + (g,)] = (logical[1:], shape[1:])
     return table
 
 
@@ -143,7 +140,9 @@ def opt_specs(cfg, strategy: str, mesh, opt_shapes, params):
         shape = tuple(x.shape)
         hit = _match(table, key_names(path))
         if hit is None:
-            if math.prod(shape) <= _HYPER_STATE_MAX:
+            # the optimizer's per-layer state of the stacked group ("stacked", k3jax/train/optim.py) is [G, ...]
+            per_layer = shape[1:] if key_names(path)[:1] == ("stacked",) else shape
+            if math.prod(per_layer) <= _HYPER_STATE_MAX:
                 return PartitionSpec()
             raise ValueError(f"optimizer state leaf {path_str(path)} {shape} matches no parameter; its sharding "
                              "is unknown")

@@ -20,6 +20,7 @@ layer was <= 1.2 from step 43 on, except one layer at 1.202 at step 48.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from k3jax.model import gather_layers, map_layers
@@ -48,11 +49,16 @@ def set_biases(params, b_le, cfg):
 
 
 def micro_stats(routing, b_le, num_experts: int, *, mode: str, bins: int = QB_BINS) -> dict:
-    """Integer statistics of one micro-batch: loads [L, E] and (qb) histograms [L, E, bins]."""
-    loads = jnp.stack([jnp.bincount(r.ids.reshape(-1), length=num_experts).astype(jnp.int32) for r in routing])
+    """Integer statistics of one micro-batch: loads [L, E] and (qb) histograms [L, E, bins].
+
+    One vmapped computation over the MoE layers (their routing outputs all have one shape), so the train step's
+    program does not grow with depth."""
+    ids = jnp.stack([r.ids for r in routing])
+    loads = jax.vmap(lambda i: jnp.bincount(i.reshape(-1), length=num_experts).astype(jnp.int32))(ids)
     out = {"loads": loads}
     if mode == "qb":
-        out["hist"] = jnp.stack([qb_histogram(r.scores, r.cutoff, b_le[i], bins=bins) for i, r in enumerate(routing)])
+        scores, cutoff = jnp.stack([r.scores for r in routing]), jnp.stack([r.cutoff for r in routing])
+        out["hist"] = jax.vmap(lambda s, a, b: qb_histogram(s, a, b, bins=bins))(scores, cutoff, b_le)
     return out
 
 
@@ -75,10 +81,10 @@ def new_biases(stats: dict, b_le, *, mode: str, top_k: int, sign_gamma: float = 
     qb_ema = ρ in [0, 1): the QB target is averaged with the current bias, which is itself the previous average,
     so the bias is an exponential moving average of the per-step b̂ (ρ = 0: plain QB)."""
     if mode == "qb":
-        b_hat = jnp.stack([qb_bias_from_hist(stats["hist"][i], b_le[i], top_k) for i in range(b_le.shape[0])])
+        b_hat = jax.vmap(lambda h, b: qb_bias_from_hist(h, b, top_k))(stats["hist"], b_le)
         if qb_ema:
             b_hat = qb_ema * b_le + (1.0 - qb_ema) * b_hat
-        return jnp.stack([center(b) for b in b_hat])
+        return jax.vmap(center)(b_hat)
     if mode == "sign":
         load = stats["loads"].astype(jnp.float32)
         return b_le + sign_gamma * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)

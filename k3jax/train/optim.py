@@ -151,29 +151,23 @@ def _stacked_mask(params):
     return jax.tree_util.tree_map_with_path(lambda p, _: key_names(p)[0] == "groups", params)
 
 
-def _split(tree, stacked):
-    """Stacked leaves [G, ...] → tuples of their G layer slices (the per-layer view the transforms run on)."""
-    return jax.tree.map(lambda s, x: tuple(x[g] for g in range(x.shape[0])) if s else x, stacked, tree)
+def _part(tree, stacked, want: bool):
+    """The leaves whose stacked flag is ``want``, None (an empty subtree) at the others."""
+    return jax.tree.map(lambda s, x: x if s == want else None, stacked, tree)
 
 
-def _unsplit(tree, stacked):
-    return jax.tree.map(lambda s, x: jnp.stack(x) if s else x, stacked, tree)
+def _merge(stacked, flat, stack):
+    """Inverse of ``_part``: one tree from its unstacked and stacked halves."""
+    return jax.tree.map(lambda s, a, b: b if s else a, stacked, flat, stack, is_leaf=lambda x: x is None)
 
 
-def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
-    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree).
-
-    Stacked leaves are updated per layer (see ``leaf_rule``), each slice by the Newton–Schulz it gets unstacked.
-    Measured: with one group (k3-mini) 20 training steps are bitwise the unstacked model's; with two, XLA rounds 4
-    of 61 leaves differently (float64 rel_rms <= 1.4e-14, float32 <= 6.5e-6), where one batched Newton–Schulz over
-    [G, ...] left about half the float32 Muon leaves different by up to ~1e-5 (tests/train/test_optim.py)."""
-    stacked = _stacked_mask(params)
-    view = _split(params, stacked)
-    rules = _rules(view, cfg)
+def _inner(params, cfg: OptimConfig, lr, adam_lr):
+    """The partitioned transform (Muon / AdamW groups / frozen) for ``params`` (leaves or None) and its labels.
+    For the stacked half, ``params`` holds the whole stacked leaves: their rules are one layer's (``leaf_rule``), and
+    the transform runs on one layer's slices."""
+    rules = _rules(params, cfg)
     labels = jax.tree.map(lambda r: r[0], rules, is_leaf=_is_rule)
     shapes = jax.tree.map(lambda r: r[2], rules, is_leaf=_is_rule)
-    lr = schedule(cfg.lr, cfg)
-    adam_lr = schedule(cfg.adam_lr or cfg.lr, cfg)
 
     def dim_nums(masked_params):
         # muon's partition hands us the params with non-Muon leaves masked out; mirror that mask.
@@ -186,23 +180,58 @@ def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
         adam_learning_rate=adam_lr, adam_b2=cfg.adam_b2)  # no leaf reaches muon's internal AdamW branch
     adamw = lambda wd: optax.adamw(adam_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,  # noqa: E731
                                    weight_decay=wd, nesterov=False)
-    inner = optax.partition(
+    tx = optax.partition(
         {"muon": _reshaping(muon, shapes), "adam_decay": adamw(cfg.weight_decay), "adam_nodecay": adamw(0.0),
          "frozen": optax.set_to_zero()},
         labels)
+    return tx, labels
+
+
+def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
+    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree).
+
+    Stacked leaves [G, ...] (the repeating layer group, k3jax/model/layout.py) are updated one layer at a time by
+    ``lax.map`` over the G axis: the per-layer transform (each layer's own Newton–Schulz, as unstacked — see
+    ``leaf_rule``) is traced and compiled once, whatever G is, and its state is stacked [G, ...] like the
+    parameters (so the optimizer state shards like its parameter, leaf by leaf). The unstacked leaves get the same
+    transform directly. State: ``{"flat": <unstacked leaves' state>, "stacked": <per-layer state, stacked>}``.
+
+    Numerics (tests/train/test_optim.py): the stacked update equals the update of the per-layer view within float64
+    rounding; a batched Newton–Schulz over [G, ...] (vmap instead of map) left about half the float32 Muon leaves
+    different by up to ~1e-5, which is why this is a map. Before the map (session 8) the G slices were unrolled in
+    Python: the train step's optimizer HLO then grew with G (31,603 StableHLO lines at 12 layers, 247,619 at 92)."""
+    stacked = _stacked_mask(params)
+    lr = schedule(cfg.lr, cfg)
+    adam_lr = schedule(cfg.adam_lr or cfg.lr, cfg)
+    flat_tx, flat_labels = _inner(_part(params, stacked, False), cfg, lr, adam_lr)
+    any_stacked = any(jax.tree.leaves(stacked))
+    if any_stacked:
+        layer_tx, layer_labels = _inner(_part(params, stacked, True), cfg, lr, adam_lr)
+    else:
+        layer_labels = _part(params, stacked, True)
 
     def init(p):
-        return inner.init(_split(p, stacked))
+        state = {"flat": flat_tx.init(_part(p, stacked, False))}
+        if any_stacked:  # vmap of init only builds zeros / counts (no arithmetic); counts come out [G]
+            state["stacked"] = jax.vmap(layer_tx.init)(_part(p, stacked, True))
+        return state
 
     def update(updates, state, p=None):
-        new, state = inner.update(_split(updates, stacked), state, None if p is None else _split(p, stacked))
-        return _unsplit(new, stacked), state
+        u_flat, s_flat = flat_tx.update(_part(updates, stacked, False), state["flat"],
+                                        None if p is None else _part(p, stacked, False))
+        new_state = {"flat": s_flat}
+        u_stack = _part(updates, stacked, True)
+        if any_stacked:
+            def one(args):
+                u, s, q = args
+                return layer_tx.update(u, s, q)
 
-    return optax.GradientTransformation(init, update), _unsplit_labels(labels, stacked)
+            u_stack, new_state["stacked"] = jax.lax.map(
+                one, (u_stack, state["stacked"], None if p is None else _part(p, stacked, True)))
+        return _merge(stacked, u_flat, u_stack), new_state
 
-
-def _unsplit_labels(labels, stacked):
-    return jax.tree.map(lambda s, x: x[0] if s else x, stacked, labels)
+    labels = _merge(stacked, flat_labels, layer_labels)
+    return optax.GradientTransformation(init, update), labels
 
 
 def group_sizes(labels, params) -> dict:

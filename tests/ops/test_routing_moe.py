@@ -80,15 +80,16 @@ def test_dense_and_sorted_dispatch_agree(M, A, pattern, seed):
     wts = jnp.asarray(rng.uniform(size=ids.shape), jnp.float32)
     w1, w3, w2 = _experts(seed % 97)
 
-    def loss(fn, z, w1, w3, w2, wts):
-        return jnp.sum(jnp.sin(fn(z, ids, wts, w1, w3, w2, ACT)))
+    def fwd_grad(fn):  # one jit per path: far fewer compiles than op-by-op grads at every new example shape
+        def loss(z, w1, w3, w2, wts):
+            return jnp.sum(jnp.sin(fn(z, ids, wts, w1, w3, w2, ACT)))
 
-    want = experts_dense(z, ids, wts, w1, w3, w2, ACT)
-    gb = jax.grad(lambda *a: loss(experts_dense, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
+        return jax.jit(lambda *a: (fn(a[0], ids, a[4], *a[1:4], ACT), jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*a)))
+
+    want, gb = fwd_grad(experts_dense)(z, w1, w3, w2, wts)
     for impl in ("ragged", "tiled", "sorted"):
-        fn = EXPERT_IMPLS[impl]
-        assert_close(fn(z, ids, wts, w1, w3, w2, ACT), want, TOL["fp32_shallow"], name=impl)
-        ga = jax.grad(lambda *a, fn=fn: loss(fn, *a), argnums=(0, 1, 2, 3, 4))(z, w1, w3, w2, wts)
+        got, ga = fwd_grad(EXPERT_IMPLS[impl])(z, w1, w3, w2, wts)
+        assert_close(got, want, TOL["fp32_shallow"], name=impl)
         for x, y, n in zip(ga, gb, ["z", "w1", "w3", "w2", "weights"]):
             assert_close(x, y, TOL["fp32_vs_fp64"], name=f"{impl} d{n}")
 

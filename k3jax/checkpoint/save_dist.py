@@ -1,0 +1,235 @@
+"""Multi-process export (``jax.distributed``): every process writes only the tensors whose bytes it holds, into
+one official-layout checkpoint on a filesystem all processes share — byte-identical to a single-process ``save``.
+
+    save(params, cfg, "out/")      # in every process of a jax.distributed run; params sharded over the global mesh
+
+Who writes a tensor: each checkpoint tensor is a region of one k3jax leaf — a whole leaf, one layer of a stacked
+leaf, one routed expert of an expert stack (``name_map.TensorSpec``). Its writer is the lowest-numbered process
+with a device whose shard of the leaf covers that region, read from the leaf's global sharding
+(``devices_indices_map``), so every process agrees without communicating, and a tensor held on several processes
+(a replicated leaf) is written once. A routed expert sharded over the expert axis is written by the process that
+holds it, straight from its device shard (packed if it is held packed, or packed from that one expert's float
+values: the MXFP4 scale is per 32-element block of one row, so packing one expert gives the bytes packing the stack
+gives). A leaf whose regions no single device holds (e.g. one sharded over fsdp by rows of the torch layout) is
+gathered first with ``multihost_utils.process_allgather`` — by every process in the same leaf order, since that is
+a collective — and written by process 0.
+
+Protocol (barriers: ``multihost_utils.sync_global_devices``): process 0 creates the temporary sibling directory and
+every shard file at its final size with its header written (the header depends on names, dtypes and shapes only)
+→ barrier → each process ``pwrite``s its tensors at their offsets → barrier → process 0 checks the sizes, writes the
+index, config.json and the optional SHA256SUMS, and renames the directory into place → barrier. A process that fails
+raises; the others then wait at the next barrier until the distributed runtime's own timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import numpy as np
+
+from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.errors import CheckpointError
+from k3jax.checkpoint.safetensors_layout import shard_layout
+
+
+def _leaf(params, path):
+    x = params
+    for k in path:
+        x = x[k]
+    return x
+
+
+def _covers(index: tuple, region: tuple, shape: tuple) -> bool:
+    """Does the shard ``index`` (tuple of slices) contain ``region`` (ints for the leading axes, then whole axes)?"""
+    for d, (sl, r) in enumerate(zip(index, region + (None,) * (len(shape) - len(region)))):
+        start, stop, _ = sl.indices(shape[d])
+        if r is None:
+            if (start, stop) != (0, shape[d]):
+                return False
+        elif not start <= r < stop:
+            return False
+    return True
+
+
+class _Pieces:
+    """Host values of checkpoint tensors from the shards this process holds (``owner`` / ``get``)."""
+
+    def __init__(self, params, cfg):
+        self.params, self.cfg = params, cfg
+        self.me = jax.process_index()
+        self._gathered: dict[tuple, np.ndarray] = {}
+        self._shards: dict[tuple, np.ndarray] = {}
+
+    def gather_unheld(self, specs_by_file) -> None:
+        """Collectively gather every leaf with a tensor region that no single device holds (same order everywhere)."""
+        from jax.experimental import multihost_utils
+
+        seen: set = set()
+        for _, specs in specs_by_file:
+            for s in specs:
+                for spath, region in self._regions(s):
+                    if spath in seen:
+                        continue
+                    seen.add(spath)
+                    x = _leaf(self.params, spath)
+                    if not hasattr(x, "sharding") or self._holders(x, region):
+                        continue
+                    if x.is_fully_addressable and jax.process_count() == 1:
+                        self._gathered[spath] = np.asarray(x)
+                    elif x.is_fully_addressable:  # a process-local array in a multi-process run: no one writer
+                        raise CheckpointError(f"leaf {'/'.join(map(str, spath))} lives on one process only and no "
+                                              "device holds it whole; pass global arrays", tensor=s.name)
+                    else:
+                        self._gathered[spath] = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    def _regions(self, spec: nm.TensorSpec) -> list[tuple[tuple, tuple]]:
+        """(state path, leading indices) of the leaf regions the tensor ``spec`` is made from."""
+        from k3jax.model import leaf_location
+
+        spath, g = leaf_location(spec.path, self.cfg)
+        lead = () if g is None else (g,)
+        if spec.transform == "mxfp4":
+            experts = _leaf(self.params, leaf_location(spec.path[:-1], self.cfg)[0])
+            w = spec.path[-1]
+            if f"{w}_packed" in experts:
+                base = leaf_location((*spec.path[:-1], f"{w}_{spec.part}"), self.cfg)[0]
+                return [(base, lead + (spec.expert,))]
+            return [(spath, lead + (spec.expert,))]
+        if spec.transform == "expert":
+            return [(spath, lead + (spec.expert,))]
+        return [(spath, lead)]
+
+    @staticmethod
+    def _holders(x, region) -> list[int]:
+        shape = tuple(x.shape)
+        return sorted({d.process_index for d, idx in x.sharding.devices_indices_map(shape).items()
+                       if _covers(idx, region, shape)})
+
+    def owner(self, spec: nm.TensorSpec) -> int:
+        spath, region = self._regions(spec)[0]
+        if spath in self._gathered:
+            return 0
+        x = _leaf(self.params, spath)
+        if not hasattr(x, "sharding"):
+            return 0  # a host (numpy) leaf: the same in every process
+        holders = self._holders(x, region)
+        if not holders:
+            raise CheckpointError(f"no device holds leaf {'/'.join(map(str, spath))} region {region} whole "
+                                  "(internal: it should have been gathered)", tensor=spec.name)
+        return holders[0]
+
+    def _piece(self, spath: tuple, region: tuple) -> np.ndarray:
+        """Leaf ``spath`` at ``region`` (leading indices dropped) from a local shard holding it."""
+        if spath in self._gathered:
+            return self._gathered[spath][region]
+        x = _leaf(self.params, spath)
+        if not hasattr(x, "addressable_shards"):
+            return np.asarray(x)[region]
+        shape = tuple(x.shape)
+        for k, s in enumerate(x.addressable_shards):
+            if _covers(s.index, region, shape):
+                key = (spath, k)
+                if key not in self._shards:
+                    self._shards[key] = np.asarray(s.data)
+                local = tuple(r - sl.indices(shape[d])[0] for d, (r, sl) in enumerate(zip(region, s.index)))
+                return self._shards[key][local]
+        raise CheckpointError(f"process {self.me} holds no shard of {'/'.join(map(str, spath))} covering "
+                              f"{region}")
+
+    def get(self, spec: nm.TensorSpec) -> np.ndarray:
+        (spath, region), = self._regions(spec)
+        a = self._piece(spath, region)
+        if spec.transform == "mxfp4":
+            if spath[-1].endswith(("_packed", "_scale")):
+                return np.asarray(a, np.uint8)
+            from k3jax.quant import pack_experts
+
+            p, s = pack_experts(a[None], rule="even", name=spec.name)
+            return np.asarray(p if spec.part == "packed" else s, np.uint8)[0]
+        try:
+            return nm.leaf_to_hf(a, spec)
+        except ValueError as e:
+            raise CheckpointError(f"cannot convert leaf {'/'.join(map(str, spec.path))}: {e}",
+                                  tensor=spec.name) from None
+
+
+def needs_distributed(params) -> bool:
+    """True in a multi-process run, or when some leaf is not fully addressable here."""
+    if jax.process_count() > 1:
+        return True
+    return any(hasattr(x, "is_fully_addressable") and not x.is_fully_addressable for x in jax.tree.leaves(params))
+
+
+def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], int, list[str]]:
+    """Every process: write this process's tensors of ``shards`` ([(file name, specs)]) into ``tmp`` (created, and
+    the files preallocated with their headers, by process 0). Returns (weight map, payload bytes, file names)."""
+    from jax.experimental import multihost_utils
+
+    me = jax.process_index()
+    layouts = {f: shard_layout((s.name, s.dtype, s.shape) for s in specs) for f, specs in shards}
+    if me == 0:
+        os.makedirs(tmp)
+        for f, _ in shards:
+            lay = layouts[f]
+            with open(os.path.join(tmp, f), "wb") as fh:
+                fh.write(lay.prefix())
+                fh.truncate(lay.file_bytes)
+    multihost_utils.sync_global_devices(f"k3jax save: files created in {tmp}")
+    pieces = _Pieces(params, cfg)
+    failure = None
+    try:
+        pieces.gather_unheld(shards)
+        for f, specs in shards:
+            lay = layouts[f]
+            mine = [s for s in specs if pieces.owner(s) == me]
+            if not mine:
+                continue
+            base = len(lay.prefix())
+            where = dict(zip(lay.names, lay.offsets))
+            fd = os.open(os.path.join(tmp, f), os.O_WRONLY)
+            try:
+                for s in mine:
+                    a = np.ascontiguousarray(pieces.get(s))
+                    if a.dtype != nm.np_dtype(s.dtype) or tuple(a.shape) != tuple(s.shape):
+                        raise CheckpointError(f"value {a.dtype}{list(a.shape)} does not match "
+                                              f"{s.dtype}{list(s.shape)}", tensor=s.name)
+                    start, end = where[s.name]
+                    buf = a.view(np.uint8).reshape(-1)
+                    if buf.size != end - start:
+                        raise CheckpointError(f"{buf.size} bytes for a {end - start}-byte slot", tensor=s.name)
+                    os.pwrite(fd, buf.data, base + start)
+            finally:
+                os.close(fd)
+    except BaseException as e:  # still reach the barrier, so the other processes are not left waiting
+        failure = e
+    failed = any_failed(failure is not None)  # a collective: also the barrier after the writes
+    if failed:
+        if me == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure
+        raise CheckpointError(f"another process failed while writing the checkpoint; {tmp} removed")
+    weight_map = {s.name: f for f, specs in shards for s in specs}
+    for f, _ in shards:  # process 0 finishes the directory; this raises there, before the final barrier
+        if me == 0 and os.path.getsize(os.path.join(tmp, f)) != layouts[f].file_bytes:
+            raise CheckpointError(f"size {os.path.getsize(os.path.join(tmp, f))} != {layouts[f].file_bytes}",
+                                  file=os.path.join(tmp, f))
+    return weight_map, sum(layouts[f].payload_bytes for f, _ in shards), [f for f, _ in shards]
+
+
+def barrier(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def any_failed(flag: bool) -> bool:
+    """True in every process when ``flag`` is true in any (one small all-gather)."""
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
+
+
+__all__ = ["any_failed", "barrier", "needs_distributed", "write_shards"]
