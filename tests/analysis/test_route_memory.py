@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.data import stdlib_bytes
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.manual  # ~17 CPU-minutes (500k tokens through k3-mini): CI's budget, session 9
 
 
 def test_peak_rss_flat_from_50k_to_500k_tokens(tmp_path):

@@ -13,6 +13,7 @@ from k3jax.cli.source import default_ckpt
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "routing_analysis.py"
 
 
+@pytest.mark.slow  # 176 s (CI's budget, session 9)
 @pytest.mark.skipif(default_ckpt() is None, reason="the shipped k3-mini is not in this checkout")
 def test_routing_notebook_runs(tmp_path):
     env = dict(os.environ, K3_NB_OUT=str(tmp_path), K3_NB_TOKENS="8192", K3_NB_FT_STEPS="2", MPLBACKEND="Agg")

@@ -34,6 +34,7 @@ def _ragged(rows):
     return t
 
 
+@pytest.mark.slow  # 54 s (CI's budget, session 9)
 def test_greedy_equals_the_full_forward(tmp_path, capsys):
     """Each greedy token is the arg-max of the full forward over prompt + the tokens before it, and the logits
     written are that forward's (ragged prompts, one row stopping early)."""

@@ -192,6 +192,7 @@ def test_stacked_leaves_lead_with_the_layers_axis():
         assert (a[0] == "layers") == (jax.tree_util.keystr(p).startswith("['groups']")), jax.tree_util.keystr(p)
 
 
+@pytest.mark.slow  # 82 s (CI's budget, session 9)
 def test_unstack_restack_roundtrip_and_module_call_matches_forward():
     from flax import nnx
 

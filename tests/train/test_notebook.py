@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "qat_finetune.py"
 
 
+@pytest.mark.slow  # 291 s (CI's budget, session 9)
 def test_qat_finetune_notebook_runs(tmp_path):
     env = dict(os.environ, K3_NB_OUT=str(tmp_path), K3_NB_STEPS="8", MPLBACKEND="Agg")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
