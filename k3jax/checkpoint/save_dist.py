@@ -202,6 +202,10 @@ def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], i
                     os.pwrite(fd, buf.data, base + start)
             finally:
                 os.close(fd)
+        for f, _ in shards:  # the sizes were fixed at creation; writes inside the slots cannot change them
+            if me == 0 and os.path.getsize(os.path.join(tmp, f)) != layouts[f].file_bytes:
+                raise CheckpointError(f"size {os.path.getsize(os.path.join(tmp, f))} != {layouts[f].file_bytes}",
+                                      file=os.path.join(tmp, f))
     except BaseException as e:  # still reach the barrier, so the other processes are not left waiting
         failure = e
     failed = any_failed(failure is not None)  # a collective: also the barrier after the writes
@@ -212,10 +216,6 @@ def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], i
             raise failure
         raise CheckpointError(f"another process failed while writing the checkpoint; {tmp} removed")
     weight_map = {s.name: f for f, specs in shards for s in specs}
-    for f, _ in shards:  # process 0 finishes the directory; this raises there, before the final barrier
-        if me == 0 and os.path.getsize(os.path.join(tmp, f)) != layouts[f].file_bytes:
-            raise CheckpointError(f"size {os.path.getsize(os.path.join(tmp, f))} != {layouts[f].file_bytes}",
-                                  file=os.path.join(tmp, f))
     return weight_map, sum(layouts[f].payload_bytes for f, _ in shards), [f for f, _ in shards]
 
 
