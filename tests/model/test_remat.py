@@ -2,12 +2,13 @@
 remat, in the unrolled stack and in the scanned one; ``full`` / ``nothing_saveable`` compile to fewer temp bytes
 (the activations the backward pass keeps) than no remat; unknown policy names are refused by name.
 
-The default suite runs one case — the scanned stack under nothing_saveable — on k3-tiny with its dense layer
-made MoE (first_k_dense_replace=0), so that its 5 layers are one scanned group (layers 0-3, AttnRes commits at 0
-and 2 inside it) and an unrolled MLA tail (layer 4, a commit); the other policies and a 9-layer k3-tiny with its
-dense layer 0 and unrolled head run in the slow pass (CI's budget, session 9: only ``full`` on both stacks there;
-the other gradient cases are marked ``manual``). Each case is one compiled program (``compile_train_grad``),
-cached per (config, stack, policy): its gradients are run and its temp bytes read from the same executable."""
+Cases run on k3-tiny with its dense layer made MoE (first_k_dense_replace=0), so that its 5 layers are one scanned
+group (layers 0-3, AttnRes commits at 0 and 2 inside it) and an unrolled MLA tail (layer 4, a commit), and on a
+9-layer k3-tiny with its dense layer 0 and unrolled head. The default suite runs the name checks only; the slow pass
+runs the gradients under ``full`` on both stacks and the temp bytes of ``full`` / ``nothing_saveable``; the other
+gradient cases (dots_saveable, nothing_saveable, the 9-layer model) are ``manual`` (CI's budget, session 9).
+Each case is one compiled program (``compile_train_grad``), cached per (config, stack, policy): its gradients are
+run and its temp bytes read from the same executable."""
 
 import functools
 
@@ -66,8 +67,8 @@ def _params(case, stack, policies, slow_case=False, manual=()):
     return [pytest.param(case, stack, p, marks=marks(p)) for p in policies]
 
 
-# CI budget: three policies (no policy, a dots policy, save nothing) on both stacks; "full" is nothing_saveable's
-# program (the same temp bytes, measured), the other names differ only in what jax.checkpoint saves.
+# Three policies (full, a dots policy, save nothing) on both stacks — "full" in CI, the rest manual; "full" is
+# nothing_saveable's program (the same temp bytes, measured), the other names differ only in what is saved.
 GRAD_PARAMS = [q for st in ("loop", "scan") for q in _params("k3-tiny-moe0", st, ("full", "dots_saveable",
                                                                                   "nothing_saveable"),
                                                              manual=("dots_saveable", "nothing_saveable"))]
