@@ -75,3 +75,12 @@ def random_params(cfg, seed: int = 0, std: float = 0.02):
 
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda s: (std * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))
+
+
+def free_port() -> int:
+    """A free localhost TCP port (for a local ``jax.distributed`` coordinator in multi-process tests)."""
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("localhost", 0))
+        return sk.getsockname()[1]

@@ -32,13 +32,7 @@ import numpy as np
 from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_layout
-
-
-def _leaf(params, path):
-    x = params
-    for k in path:
-        x = x[k]
-    return x
+from k3jax.checkpoint.save import _leaf
 
 
 def _covers(index: tuple, region: tuple, shape: tuple) -> bool:

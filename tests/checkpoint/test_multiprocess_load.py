@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ from k3jax.checkpoint.io import open_checkpoint
 from k3jax.checkpoint.save import save
 from k3jax.config import get_preset
 from k3jax.model import abstract_params
+from k3jax.testing import free_port
 
 CFG = get_preset("k3-tiny")
 
@@ -49,17 +49,11 @@ jax.distributed.shutdown()
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_each_read_half_the_experts(tmp_path):
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(CFG))
     save(params, CFG, tmp_path / "ck")
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "ck"), str(port), str(i)],

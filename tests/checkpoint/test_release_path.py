@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint import save
+from k3jax.checkpoint.io import open_checkpoint
 from k3jax.checkpoint.load import load
 from k3jax.config import get_preset
 from k3jax.model import forward, init_params
 from k3jax.sharding import ExpertParallel, make_mesh
 from k3jax.sharding.placement import batch_sharding
-from k3jax.testing import TOL, assert_close
+from k3jax.testing import TOL, assert_close, free_port
 
 
 @pytest.mark.slow  # two k3-tiny forward compiles, one on 8 devices with the shard_map dispatch
@@ -43,14 +44,6 @@ def test_packed_release_checkpoint_on_8_devices_equals_one_device_float32(tmp_pa
     print(f"\npacked on 8 devices (expert-parallel) vs one device float32: logits rel-RMS {e:.2e}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two processes (gloo collectives) + the one-process references
 @pytest.mark.multiprocess
 def test_two_process_release_path_and_sharded_export_equal_one_process(tmp_path):
@@ -69,7 +62,7 @@ def test_two_process_release_path_and_sharded_export_equal_one_process(tmp_path)
     save(init_params(cfg, jax.random.key(0)), cfg, tmp_path / "ck")
     script = Path(__file__).with_name("release_2proc.py")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(i), port, str(tmp_path / "ck"), str(tmp_path / "two"),
                                str(tmp_path / "res")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for i in (0, 1)]
@@ -86,9 +79,12 @@ def test_two_process_release_path_and_sharded_export_equal_one_process(tmp_path)
     res = [json.loads((tmp_path / "res" / f"process{i}.json").read_text()) for i in (0, 1)]
     assert sorted(res[0]["experts_held"] + res[1]["experts_held"]) == list(range(cfg.num_experts))
     assert not set(res[0]["experts_held"]) & set(res[1]["experts_held"])
-    expert_bytes = sum(os.path.getsize(f) for f in (tmp_path / "ck").glob("*.safetensors"))  # upper bound
-    for r in res:  # each read its own experts and the replicated rest: less than the whole checkpoint
-        assert r["bytes_read"] < r["checkpoint_bytes"] <= expert_bytes, r
+    ck = open_checkpoint(str(tmp_path / "ck"))
+    expert_bytes = sum(e.nbytes for n, e in ck.tensors.items() if ".experts." in n)
+    other = sum(e.nbytes for e in ck.tensors.values()) - expert_bytes
+    ck.close()
+    for r in res:  # each read its own half of the routed experts and the replicated rest, nothing else
+        assert r["bytes_read"] == other + expert_bytes // 2, r
     print(f"\nbytes read per process: {[r['bytes_read'] for r in res]} of {res[0]['checkpoint_bytes']}")
 
     one = make_mesh({"expert": 1}, devices=jax.devices()[:1])

@@ -3,7 +3,6 @@ result must equal the single-process dense reference. Bounded by timeouts so it 
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -17,7 +16,7 @@ from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import experts_dense
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import make_mesh
-from k3jax.testing import TOL, assert_close
+from k3jax.testing import TOL, assert_close, free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep_multihost_worker.py")
 
@@ -29,17 +28,11 @@ def _worker_module():
     return mod
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 def test_two_process_ep_matches_single_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
