@@ -21,8 +21,9 @@ Act = Literal["situ", "silu"]
 MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
-# Per-decoder-layer rematerialisation (model/network.py): none; "full" = jax.checkpoint without a policy (keep only
-# the layer's inputs); the rest name a jax.checkpoint_policies entry (what of the layer's forward stays saved).
+# Rematerialisation (model/network.py) per decoder layer, or per scanned group of layers: none; "full" =
+# jax.checkpoint without a policy (keep only the unit's inputs); the rest name a jax.checkpoint_policies entry (what
+# of the unit's forward stays saved).
 Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
                 "everything_saveable"]
 # The one list of each run-mode family (the Literals above are their single spelling): blocks, the train loop and
@@ -236,8 +237,8 @@ class RunConfig:
     # The repeating layer group of the stacked layout (model/layout.py): unrolled ("loop") or one lax.scan over the
     # groups ("scan": a compile time that does not grow with depth); equal up to reduction order (tests/model).
     layer_stack: str = "loop"
-    # Each decoder layer's forward under jax.checkpoint with this policy (REMAT_POLICIES; loop and scan alike): the
-    # same math, less activation memory kept for the backward pass, more recompute.
+    # Each decoder layer's forward (loop), or each scanned group of layers (scan), under jax.checkpoint with this
+    # policy (REMAT_POLICIES): the same math, less activation memory kept for the backward pass, more recompute.
     remat: Remat = "none"
 
     def __post_init__(self):

@@ -2,9 +2,21 @@
 
     k3 plan --preset kimi-k3                      summary + per-layer table
     k3 plan --preset kimi-k3 --json               the same as one JSON object
-    k3 plan --preset kimi-k3 --mesh 8xB300 --mesh 64xH200 --context 131072 --batch 4
+    k3 plan --preset kimi-k3 --hardware 8xB300 --hardware 64xH200 --context 131072 --batch 4
     k3 plan --preset kimi-k3 --tensors            name<TAB>dtype<TAB>shape of every text tensor (as tensors.tsv)
     k3 plan --preset kimi-k3 --shards --json      file, bytes, header_len, header_sha256 per text shard
+    k3 plan --preset kimi-k3 --compile --target tpu:v5p:8x8x8 --mesh fsdp=8,expert=64 --mode frozen-experts \
+            --batch 512 --seq-len 4096 --remat full --json       # the TPU compiler's memory plan (nothing allocated)
+    k3 plan --preset kimi-k3 --compile --target cpu:64 --mesh expert=64 --mode train --batch 64 --seq-len 4096
+
+``--compile`` lowers and compiles the full-size program of ``--mode`` (forward: BF16 + packed MXFP4 experts;
+train: the QAT fine-tune step; frozen-experts: the step over packed experts) with the rules' shardings and
+ShapeDtypeStruct inputs, for a TPU topology through libtpu's deviceless compiler or for XLA:CPU over N simulated
+devices (the command re-runs itself with that many), and prints the compiler's per-device bytes beside the
+closed-form estimate, the collectives and loop-corrected FLOPs of the compiled program and the roofline step time
+(``k3jax.train.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
+(checked before any compile). ``--mesh`` is the compile's mesh axes; the formula planner's devices are
+``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
 
 Counts: ``total_params`` counts the k3jax parameter tree (A_log as [H]: 96 per KDA layer for K3);
 ``checkpoint_params`` counts the stored tensors (A_log padded to 128, packed U8 = 2 weights per byte, E8M0 scales
@@ -59,11 +71,24 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--tensors", action="store_true", help="list every text tensor of the official layout, in order")
     p.add_argument("--shards", action="store_true", help="list the text shards: file size, header length, sha256")
-    p.add_argument("--mesh", action="append", default=None, metavar="NAME",
-                   help=f"device mesh like 8xB300 (repeatable; default {' '.join(DEFAULT_MESHES)}); "
-                        f"known GPUs: {', '.join(GPU_BYTES)}")
+    p.add_argument("--hardware", action="append", default=None, metavar="NAME",
+                   help=f"devices of the formula planner like 8xB300 (repeatable; default {' '.join(DEFAULT_MESHES)})"
+                        f"; known GPUs: {', '.join(GPU_BYTES)}")
+    p.add_argument("--mesh", action="append", default=None, metavar="AXES",
+                   help="mesh axes of --compile, e.g. fsdp=8,expert=64 (the product = the target's devices)")
     p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per sequence for the caches")
-    p.add_argument("--batch", type=int, default=1, help="sequences for the caches (default 1)")
+    p.add_argument("--batch", type=int, default=None, help="sequences: for the caches (default 1), or the "
+                   "global batch of --compile (default 1)")
+    c = p.add_argument_group("--compile (ahead-of-time plan on a real compiler)")
+    c.add_argument("--compile", action="store_true", help="lower and compile the full-size program")
+    c.add_argument("--target", default=None, help="tpu:v5p:8x8x8, tpu:v6e:16x16, tpu:v5e:16x16 or cpu:<devices>")
+    c.add_argument("--mode", default="forward", help="forward (default), train or frozen-experts")
+    c.add_argument("--remat", default="none", help="remat policy of the train modes (none, full, dots_saveable, ...)")
+    c.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    c.add_argument("--strategy", default=None, help="rules column (default: from the mesh axes)")
+    c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
+    c.add_argument("--capacity-factor", type=float, default=-1.0,
+                   help="expert-parallel bucket size over the balanced load (-1: worst case, dropless; default)")
     p.set_defaults(func=_main)
 
 
@@ -73,7 +98,7 @@ def parse_mesh(name: str) -> tuple[int, str, int]:
     """``"8xB300"`` → (8, "B300", bytes per device)."""
     m = re.fullmatch(r"(\d+)x([A-Za-z0-9]+)", name)
     if not m or int(m.group(1)) < 1 or m.group(2).upper() not in GPU_BYTES:
-        raise ValueError(f"unknown mesh {name!r}; known meshes: {', '.join(KNOWN_MESHES)} "
+        raise ValueError(f"--hardware {name!r}: unknown; known hardware: {', '.join(KNOWN_MESHES)} "
                          f"(any <N>x<GPU> with GPU in {', '.join(GPU_BYTES)})")
     gpu = m.group(2).upper()
     return int(m.group(1)), gpu, GPU_BYTES[gpu]
@@ -282,10 +307,122 @@ def _print_plan(p: dict, out) -> None:
           f"{'yes' if r['fits'] else 'NO'}\n")
 
 
+def _hardware(args) -> tuple[str, ...]:
+    """--hardware values, and --mesh values of the old hardware form (NxGPU), deprecated: read with a warning."""
+    hw = list(args.hardware or [])
+    for m in args.mesh or []:
+        if "=" in m:
+            raise ValueError(f"--mesh {m}: mesh axes are for --compile (the formula planner takes --hardware NxGPU)")
+        print(f"k3 plan: warning: --mesh {m} names hardware; use --hardware {m} (the old spelling goes away in the "
+              "next release)", file=sys.stderr)
+        hw.append(m)
+    return tuple(hw or DEFAULT_MESHES)
+
+
+_CHILD_ENV = "K3_PLAN_CPU_DEVICES"
+
+
+def _compile_argv(args) -> list[str]:
+    argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mesh", args.mesh[0],
+            "--mode", args.mode, "--remat", args.remat, "--batch", str(args.batch or 1), "--seq-len",
+            str(args.seq_len), "--capacity-factor", repr(args.capacity_factor)]
+    if args.strategy:
+        argv += ["--strategy", args.strategy]
+    if args.hlo_out:
+        argv += ["--hlo-out", args.hlo_out]
+    return argv + (["--json"] if args.json else [])
+
+
+def _respawn_cpu(args, n: int) -> int:
+    """Run this plan in a child process whose XLA:CPU has ``n`` devices (XLA reads the count once, at start)."""
+    import os
+    import subprocess
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]),
+               JAX_PLATFORMS="cpu", **{_CHILD_ENV: str(n)})
+    return subprocess.run([sys.executable, "-m", "k3jax.cli.main", *_compile_argv(args)], env=env).returncode
+
+
+def _compile(args, cfg) -> int:
+    import os
+
+    from k3jax.train import aot
+
+    if not args.target:
+        raise ValueError("--compile needs --target (tpu:v5p:8x8x8, tpu:v6e:16x16 or cpu:<devices>)")
+    if not args.mesh or len(args.mesh) > 1:
+        raise ValueError("--compile needs one --mesh, e.g. --mesh fsdp=8,expert=64")
+    if args.hardware:
+        raise ValueError("--hardware is the formula planner's; --compile takes --target")
+    target = aot.parse_target(args.target)
+    spec = aot.PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=args.seq_len,
+                        remat=args.remat, capacity_factor=args.capacity_factor, strategy=args.strategy)
+    aot.check(cfg, target, spec)  # every input check before a child process or a compile
+    if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
+        return _respawn_cpu(args, target.devices)
+    log = lambda s: print(f"k3 plan: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    rc = 0
+    try:
+        out = aot.compile_plan(cfg, target, spec, log=log, hlo_out=args.hlo_out)
+    except aot.HbmOomError as e:
+        out, rc = e.plan, 1
+    if out.get("fits") is False:
+        rc = 1
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print_compiled(out, sys.stdout)
+    return rc
+
+
+def _print_compiled(p: dict, out) -> None:
+    w = out.write
+    w(f"{p['preset']} {p['mode']} on {p['target']} ({p['devices']} devices), mesh {p['mesh']} ({p['strategy']}), "
+      f"B={p['batch']} T={p['seq_len']}, remat {p['remat']}, QAT {p['qat']}, {p['layer_stack']} stack\n")
+    cap = p.get("capacity_bytes_per_device")
+    if "hbm_oom" in p:
+        f = p["hbm_oom"]
+        w(f"  OUT OF DEVICE MEMORY: the compiler needs {f.get('used_bytes', float('nan')) / 1e9:,.2f} GB of "
+          f"{f.get('available_bytes', float('nan')) / 1e9:,.2f} GB\n  {p['compiler_message'][:400]}\n")
+    for k in ("argument", "output", "alias", "temp", "code", "peak"):
+        if f"{k}_bytes_per_device" in p:
+            w(f"  {k:<9} {p[f'{k}_bytes_per_device'] / 1e9:>12,.2f} GB/device\n")
+    w(f"  estimated arguments {p['estimated_argument_bytes_per_device'] / 1e9:,.2f} GB/device"
+      + (f" (compiled / estimate {p['argument_over_estimate']:.3f})" if "argument_over_estimate" in p else "")
+      + "\n")
+    if "lower_bound_bytes_per_device" in p:
+        w(f"  train-state lower bound (weights + optimizer + gradients) {p['lower_bound_bytes_per_device'] / 1e9:,.2f}"
+          " GB/device\n")
+    if cap:
+        w(f"  capacity {cap / 1e9:,.0f} GB/device; fits: {p.get('fits')}\n")
+    for kind, v in p.get("collectives", {}).items():
+        w(f"  {kind:<20} {v['count']:>8,} per step {v['bytes'] / 1e9:>12,.3f} GB/device\n")
+    if "flops" in p:
+        f = p["flops"]
+        w(f"  flops {f['compiled_global']:.4g} compiled (global, loop-corrected) vs {f['expected']:.4g} expected "
+          f"(6·N_active·tokens = {f['six_n_tokens']:.4g}); ratio {f['compiled_over_expected']:.3f}\n")
+    r = p.get("roofline")
+    if r:
+        w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s, HBM {r['memory_s']:.3f} s, collectives "
+          f"{r['collective_s']:.3f} s -> {r['step_s']:.3f} s/step ({r['bound']}-bound)\n")
+    if "compile_s" in p:
+        w(f"  lower {p['lower_s']:.1f} s, compile {p['compile_s']:.1f} s, wall {p['wall_s']:.1f} s, "
+          f"peak RSS {p['peak_rss_bytes'] / 2**30:.2f} GiB\n")
+
+
 def _main(args) -> int:
     from k3jax.config import get_preset
 
     cfg = get_preset(args.preset)
+    if args.compile:
+        return _compile(args, cfg)
+    for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"),
+                        ("--remat", args.remat != "none"), ("--strategy", args.strategy),
+                        ("--capacity-factor", args.capacity_factor != -1.0), ("--hlo-out", args.hlo_out)):
+        if given:
+            raise ValueError(f"{flag} applies to --compile")
     out = sys.stdout
     if args.tensors:
         specs, _, _ = _specs_with_fallback(cfg)
@@ -306,7 +443,7 @@ def _main(args) -> int:
             out.writelines(f"{r['file']}\t{r['bytes']}\t{r['header_len']}\t{r['header_sha256']}\t{r['tensors']}\n"
                            for r in rows)
         return 0
-    plan = build_plan(cfg, tuple(args.mesh or DEFAULT_MESHES), args.context, args.batch)
+    plan = build_plan(cfg, _hardware(args), args.context, 1 if args.batch is None else args.batch)
     if args.json:
         json.dump(plan, out, indent=1)
         out.write("\n")

@@ -31,6 +31,14 @@ from k3jax.ops.norms import acc_dtype, rms_norm
 STACKED = (nnx.Param, PackedExperts)
 
 
+def remat_policy(remat: str):
+    """The ``jax.checkpoint`` policy of a ``RunConfig.remat`` name other than "none" ("full": None, keep only the
+    inputs; otherwise the ``jax.checkpoint_policies`` entry of that name)."""
+    if remat not in REMAT_POLICIES or remat == "none":
+        raise ValueError(f"remat policy {remat!r}: must be one of {REMAT_POLICIES[1:]}")
+    return None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+
+
 class K3Model(nnx.Module):
     """HF: the layout prefix (``language_model.`` for K3) + these names; layers ``model.layers.{l}.``."""
 
@@ -101,10 +109,18 @@ class K3Model(nnx.Module):
         Per-layer outputs (routing, MLA max logits) come out of the scan stacked over groups and are put back in
         layer order.
 
-        ``remat`` (a ``RunConfig.remat`` name): each decoder layer — its AttnRes mixes, token mixer and FFN — runs
-        under ``jax.checkpoint`` with that policy (``_checkpointed``), in the loop and inside the scan body alike.
-        The mixer must then be free of side effects (the cached ``extend`` path passes the default "none")."""
+        ``remat`` (a ``RunConfig.remat`` name): in the loop each decoder layer — its AttnRes mixes, token mixer and
+        FFN — runs under ``jax.checkpoint`` with that policy (``_checkpointed``); in the scanned stack the unit is
+        one scan iteration, the group of ``period`` layers (see ``_scan_groups``). The mixer must then be free of
+        side effects (the cached ``extend`` path passes the default "none").
+
+        A ``dispatch`` object with a ``constrain_tokens(x, batch_dim)`` method (``ExpertParallel``) pins the
+        residual stream [B, T, D] and the AttnRes block sums to its token sharding at every layer boundary.
+        Without it XLA's sharding propagation may follow the weights instead: with D split over fsdp × expert
+        (``zero3_ep_tp``) it replicated the batch, and the full model asked the TPU compiler for terabytes of
+        temporaries per chip (experiments/LOG.md, 2026-12-02 session 10)."""
         cfg, run = self.cfg, self.run
+        pin = getattr(dispatch, "constrain_tokens", None) or (lambda x, batch_dim=0: x)
         cdt = jnp.dtype(run.compute_dtype)
         acc = acc_dtype(cdt)
         eps = cfg.rms_norm_eps
@@ -126,9 +142,9 @@ class K3Model(nnx.Module):
 
         def plain_layer(l, layer, h):
             a, ax = mix(l, layer, h)
-            h = h + a.astype(acc)
+            h = pin(h + a.astype(acc))
             f, fx = ffn(layer, h)
-            return h + f.astype(acc), (ax, fx)
+            return pin(h + f.astype(acc)), (ax, fx)
 
         def attn_res_layer(l, layer, part, blocks):
             """blocks: the block sums committed before layer l (a commit at l appends ``part``, the caller's)."""
@@ -138,9 +154,9 @@ class K3Model(nnx.Module):
                 blocks.append(part)
                 part = None
             a, ax = mix(l, layer, h)
-            part = a.astype(acc) if part is None else part + a.astype(acc)
+            part = pin(a.astype(acc) if part is None else part + a.astype(acc))
             f, fx = ffn(layer, layer.mlp_res(blocks + [part], eps))
-            return part + f.astype(acc), (ax, fx)
+            return pin(part + f.astype(acc)), (ax, fx)
 
         def unrolled(pairs, state):
             for l, layer in pairs:
@@ -159,19 +175,19 @@ class K3Model(nnx.Module):
 
         stacked = scan and lay.groups > 0
         blocks: list = []
-        state = self.embed[...][tokens].astype(acc)          # h (plain residual) or part (AttnRes)
+        state = pin(self.embed[...][tokens].astype(acc))     # h (plain residual) or part (AttnRes)
         if not stacked:
             state = unrolled(self.layers(), state)
         else:
             state = unrolled(zip(lay.pre, self.pre, strict=True), state)
-            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat)(collect)
+            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat, pin)(collect)
             state = unrolled(zip(lay.post, self.post, strict=True), state)
         if not cfg.uses_attn_res:
             return state, aux
         return self.out_res(blocks + [state], eps), aux
 
     @staticmethod
-    def _checkpointed(fn, remat: str, *, prevent_cse: bool = True):
+    def _checkpointed(fn, remat: str):
         """``fn(layer, *arrays)`` under ``jax.checkpoint`` with the ``remat`` policy ("none": ``fn`` itself).
 
         An NNX module is not a JAX pytree: the layer is split into its graph and state, the state enters the
@@ -179,13 +195,11 @@ class K3Model(nnx.Module):
         and the layer is merged back inside. "full" is ``jax.checkpoint`` without a policy (only the inputs are
         kept); any other name is the ``jax.checkpoint_policies`` entry of that name. ``prevent_cse`` stays on in
         the unrolled stack (XLA could otherwise merge the recompute with the forward and keep the activations after
-        all) and is off inside ``lax.scan``, whose loop already keeps them apart (the JAX docs' advice for
-        checkpoint in scan)."""
+        all); the scanned stack's group checkpoint turns it off, since the loop already keeps them apart (the JAX
+        docs' advice for checkpoint in scan)."""
         if remat == "none":
             return fn
-        if remat not in REMAT_POLICIES:
-            raise ValueError(f"remat policy {remat!r}: must be one of {REMAT_POLICIES}")
-        policy = None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+        policy = remat_policy(remat)
 
         def wrapped(layer, *xs):
             gdef, state = nnx.split(layer)
@@ -193,11 +207,11 @@ class K3Model(nnx.Module):
             def pure(state, *xs):
                 return fn(nnx.merge(gdef, state), *xs)
 
-            return jax.checkpoint(pure, policy=policy, prevent_cse=prevent_cse)(state, *xs)
+            return jax.checkpoint(pure, policy=policy)(state, *xs)
 
         return wrapped
 
-    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none"):
+    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none", pin=lambda x, batch_dim=0: x):
         """The repeating group as one lax.scan (see ``_walk``). Returns a function of ``collect`` that hands the
         per-layer aux to it in layer order and returns (the new state, the committed blocks as a list)."""
         cfg = self.cfg
@@ -213,6 +227,7 @@ class K3Model(nnx.Module):
             buf = jnp.zeros((NB, *state.shape), acc)
             for i, b in enumerate(blocks):
                 buf = buf.at[i].set(b)
+            buf = pin(buf, batch_dim=1)
         carry0 = (state, buf) if attn_res else (state,)
 
         def one_layer(layer, carry, l):
@@ -222,28 +237,36 @@ class K3Model(nnx.Module):
                 nb = (l + S - 1) // S                     # blocks committed before layer l
                 h = layer.attn_res.masked(buf, nb, part, eps)
                 commit = l % S == 0
-                buf = jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf)
+                buf = pin(jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf), batch_dim=1)
                 part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
                 a, ax = mix(l, layer, h)
-                part = part + a.astype(acc)
+                part = pin(part + a.astype(acc))
                 f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
-                return (part + f.astype(acc), buf), (ax, fx)
+                return (pin(part + f.astype(acc)), buf), (ax, fx)
             (h,) = carry
             a, ax = mix(l, layer, h)
-            h = h + a.astype(acc)
+            h = pin(h + a.astype(acc))
             f, fx = ffn(layer, h)
-            return (h + f.astype(acc),), (ax, fx)
+            return (pin(h + f.astype(acc)),), (ax, fx)
 
-        step = self._checkpointed(one_layer, remat, prevent_cse=False)
-
-        def body(carry, xs):
-            p, g = xs
+        def group(p, carry, g):
             grp = nnx.merge(gdef, p, grest)
             outs = []
             for j, layer in enumerate(grp.layers):
-                carry, ax_fx = step(layer, carry, lay.start + g * lay.period + j)
+                carry, ax_fx = one_layer(layer, carry, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
             return carry, outs
+
+        # The remat unit of the scanned stack is one scan iteration (a group of ``period`` layers), not one layer:
+        # the carry holds the AttnRes block sums [NB, B, T, D], which a per-layer checkpoint saves at every layer
+        # (88 copies at full K3: 83 GB per chip of the frozen-expert step on v5p-512) and a per-group one once per
+        # group. Same math (tests/model: scan == loop under every policy).
+        if remat != "none":
+            group = jax.checkpoint(group, policy=remat_policy(remat), prevent_cse=False)
+
+        def body(carry, xs):
+            p, g = xs
+            return group(p, carry, g)
 
         carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
         last = lay.start + lay.groups * lay.period          # first layer after the group

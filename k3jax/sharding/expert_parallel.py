@@ -29,8 +29,11 @@ Bucket size C (rows one source shard may send one destination shard):
 ``dispatch`` returns the dropped-assignment count (summed over all devices); ``__call__`` (the experts_fn the MoE
 layer calls) records it host-side in ``self.dropped`` (one int per executed call) through ``jax.debug.callback``
 whenever drops are possible; ``check()`` raises if anything was dropped. (The callback itself never raises: an
-exception inside a host callback aborts the XLA:CPU process.) The ragged path is always dropless (its receive
-buffer is sized for the worst case).
+exception inside a host callback aborts the XLA:CPU process.) Both paths keep the same rows under a capacity (the
+first C of each (source, destination) pair in sorted order): the ragged path sends at most C rows per pair into
+a receive buffer of X·C rows. At full K3 size the worst case is what does not fit: m = 4096 tokens per chip,
+A = 16, El = 14 on expert = 64 gives X·C_max = 3.7 M rows per MoE layer, 56x the balanced 65,536
+(``k3 plan --compile``, experiments/LOG.md).
 """
 
 from __future__ import annotations
@@ -117,19 +120,21 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
 
 
 def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
-    """GPU/TPU path: ragged_all_to_all of the sorted rows, dropless (receive buffer = X · worst-case bucket)."""
-    del capacity
+    """GPU/TPU path: ragged_all_to_all of the sorted rows. Each source sends a destination at most ``capacity``
+    rows (the first ones in sorted order, as the bucketed path keeps), so the receive buffer is X · capacity rows;
+    at the worst-case capacity nothing is dropped. Returns (y [m, P] acc, dropped int32 local count)."""
     m, A = ids.shape
     El = num_experts(w1)
     X = n_shards
-    flat, order, inverse, dest, send_sizes = _sort_rows(ids, El, X)
+    flat, order, inverse, dest, counts = _sort_rows(ids, El, X)
     rows = z[order // A]  # [m·A, P] sorted by global expert (⇒ by destination)
     local_ids = (flat[order] % El).astype(jnp.int32)
-    in_off = _excl_cumsum(send_sizes)
+    in_off = _excl_cumsum(counts)  # destination x's rows start here in the sorted array
+    send_sizes = jnp.minimum(counts, capacity)  # rows past the capacity stay home (their output is 0)
     recv_sizes = lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)  # recv_sizes[s] = rows source s sends me
     recv_off = _excl_cumsum(recv_sizes)
     out_off = lax.all_to_all(recv_off, axis, 0, 0, tiled=True)  # where my chunk lands in each peer's buffer
-    R = X * m * min(A, El)
+    R = X * capacity
     recv = _ragged_all_to_all(rows, jnp.zeros((R, rows.shape[1]), rows.dtype), in_off, send_sizes, out_off,
                                  recv_sizes, axis_name=axis)
     recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
@@ -139,7 +144,7 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
                                  send_sizes, axis_name=axis)
     y = jnp.einsum("map,ma->mp", back[inverse].reshape(m, A, -1), wts.astype(back.dtype))
-    return y, jnp.sum(ids[:0]).astype(jnp.int32)  # 0, typed as device-varying like the bucketed count
+    return y, jnp.sum(counts - send_sizes).astype(jnp.int32)
 
 
 class ExpertParallel:
@@ -168,6 +173,14 @@ class ExpertParallel:
         self.n_shards = axis_sizes(mesh).get(self.expert_axis, 1)
         self.n_token_shards = math.prod(axis_sizes(mesh)[a] for a in self.token_axes)
         self.dropped: list[int] = []
+
+    def constrain_tokens(self, x, batch_dim: int = 0):
+        """``x`` with its batch dimension pinned to the token axes (the rest replicated), when it divides; the
+        model calls this on its residual stream (``K3Model._walk``)."""
+        if not self.token_axes or x.shape[batch_dim] % self.n_token_shards:
+            return x
+        spec = P(*([None] * batch_dim), self.token_axes if len(self.token_axes) > 1 else self.token_axes[0])
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
 
     def _record(self, n):
         self.dropped.append(int(n))

@@ -5,6 +5,13 @@ Nothing else in k3jax maps names to mesh axes.
     specs = param_specs(cfg, "ep_tp", mesh)          # PartitionSpec per leaf of abstract_params(cfg)
     shard = param_shardings(cfg, "ep_tp", mesh)      # NamedSharding per leaf (needs a real Mesh)
 
+Columns: ``single`` (one device), ``fsdp``, ``ep``, ``ep_tp``, ``fsdp_ep_tp`` and ``zero3_ep_tp`` — the same as
+``fsdp_ep_tp`` except that the embed and latent dimensions, and MLA's low ranks q_lora / kv_lora, are split over
+fsdp × expert: ZeRO-3 over both axes the non-expert weights are data-parallel on (MaxText shards ``embed`` over
+its expert axis too). The routed-expert stacks keep their placement (experts → expert, so their latent dimension
+is left fsdp). Full-size K3 training needs it on v5p-512: fp32 master + gradient + optimizer state of the ~57 B
+non-expert parameters is ~100 GB per chip over fsdp = 8 alone (``k3 plan --compile``, experiments/LOG.md).
+
 Rules of the game:
 - every name of ``notation.LOGICAL_AXES`` has a row in every column; a missing or unknown name is a ValueError;
 - every parameter carries one logical axis per dimension (stacked leaves lead with ``layers``); a leaf the model
@@ -32,27 +39,28 @@ from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 # --------------------------------------------------------------------------------------------------------------
 # logical axis → mesh axes, one column per strategy. Value: None (replicated), a mesh axis, or a tuple of axes.
 #
-# logical      single   fsdp            ep                         ep_tp                      fsdp_ep_tp
+# logical      single   fsdp            ep                         ep_tp                      fsdp_ep_tp   zero3_ep_tp
 _TOK = ("data", "fsdp", "expert")  # tokens are sharded over every non-tensor axis (EP: the expert axis doubles as DP)
+_Z3 = ("fsdp", "expert")  # zero3_ep_tp: non-expert weights split over fsdp x expert, not fsdp alone
 _TABLE = {
-    "batch":      (None,   ("data", "fsdp"), _TOK,                      _TOK,                      _TOK),
-    "seq":        (None,   None,            None,                      None,                      None),
-    "embed":      (None,   "fsdp",          None,                      None,                      "fsdp"),
-    "vocab":      (None,   None,            None,                      "tensor",                  "tensor"),
-    "heads":      (None,   None,            None,                      "tensor",                  "tensor"),
-    "head_dim":   (None,   None,            None,                      None,                      None),
-    "q_lora":     (None,   None,            None,                      None,                      None),
-    "kv_lora":    (None,   None,            None,                      None,                      None),
-    "kda_rank":   (None,   None,            None,                      None,                      None),
-    "conv_tap":   (None,   None,            None,                      None,                      None),
-    "mlp":        (None,   None,            None,                      "tensor",                  "tensor"),
-    "experts":    (None,   None,            "expert",                  "expert",                  "expert"),
-    "expert_mlp": (None,   None,            None,                      "tensor",                  "tensor"),
-    "latent":     (None,   "fsdp",          None,                      None,                      "fsdp"),
-    "norm":       (None,   None,            None,                      None,                      None),
-    "layers":     (None,   None,            None,                      None,                      None),
+    "batch":      (None,   ("data", "fsdp"), _TOK,                      _TOK,                      _TOK,      _TOK),
+    "seq":        (None,   None,            None,                      None,                      None,      None),
+    "embed":      (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
+    "vocab":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
+    "heads":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
+    "head_dim":   (None,   None,            None,                      None,                      None,      None),
+    "q_lora":     (None,   None,            None,                      None,                      None,      _Z3),
+    "kv_lora":    (None,   None,            None,                      None,                      None,      _Z3),
+    "kda_rank":   (None,   None,            None,                      None,                      None,      None),
+    "conv_tap":   (None,   None,            None,                      None,                      None,      None),
+    "mlp":        (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
+    "experts":    (None,   None,            "expert",                  "expert",                  "expert",  "expert"),
+    "expert_mlp": (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
+    "latent":     (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
+    "norm":       (None,   None,            None,                      None,                      None,      None),
+    "layers":     (None,   None,            None,                      None,                      None,      None),
 }
-STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp")
+STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp")
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     s: {name: col[i] for name, col in _TABLE.items()} for i, s in enumerate(STRATEGIES)
 }

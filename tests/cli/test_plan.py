@@ -33,8 +33,8 @@ def run_json(capsys, *argv):
 def k3_plan():
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["plan", "--preset", "kimi-k3", "--json", "--context", "131072", "--mesh", "8xB300", "--mesh",
-                   "16xB200", "--mesh", "64xH200"])
+        rc = main(["plan", "--preset", "kimi-k3", "--json", "--context", "131072", "--hardware", "8xB300",
+                   "--hardware", "16xB200", "--hardware", "64xH200"])
     assert rc == 0
     return json.loads(buf.getvalue())
 
@@ -106,7 +106,7 @@ def test_cache_per_sequence_at_1m_tokens(capsys, preset):
     """The 2^20-token per-sequence totals against a closed form from the config fields: fp32 KDA state [H, K, K] and
     conv windows [3, W-1, H K] per KDA layer (fixed), bf16 MLA values per token per MLA layer."""
     cfg = get_preset(preset)
-    p = run_json(capsys, "--preset", preset, "--mesh", "8xH200")
+    p = run_json(capsys, "--preset", preset, "--hardware", "8xH200")
     mem = p["memory"]
     n = 1_048_576
     kda = cfg.num_kda_layers * (cfg.kda_num_heads * cfg.kda_head_dim**2 * 4
@@ -124,13 +124,13 @@ def test_cache_per_sequence_at_1m_tokens(capsys, preset):
         assert mem["cache_bytes_per_sequence_at_1m"] == 29_455_663_104  # 27,648 B/token
         assert mem["plain_kv_cache_bytes_per_sequence_at_1m"] == 1_546_652_860_416  # 1,474,560 B/token
         assert round(mem["plain_kv_over_latent_cache_at_1m"], 2) == 52.51
-    assert main(["plan", "--preset", preset, "--mesh", "8xH200"]) == 0
+    assert main(["plan", "--preset", preset, "--hardware", "8xH200"]) == 0
     text = capsys.readouterr().out
     assert "cache per sequence at 1,048,576 tokens" in text and "plain KV" in text
 
 
 def test_batch_and_context_scale_the_caches(capsys):
-    p = run_json(capsys, "--preset", "k3-mini", "--mesh", "8xH200", "--context", "1000", "--batch", "20")
+    p = run_json(capsys, "--preset", "k3-mini", "--hardware", "8xH200", "--context", "1000", "--batch", "20")
     m = p["memory"]["meshes"][0]
     assert m["sequences_per_device"] == 3
     assert m["mla_cache_bytes"] == 3 * 1000 * p["memory"]["mla_cache_bytes_per_token"]
@@ -198,9 +198,22 @@ def _capture(capsys, *argv) -> str:
     return capsys.readouterr().out
 
 
+def test_mesh_of_hardware_is_a_deprecated_alias(capsys):
+    """../shared/CLI.md: `--mesh` never means hardware; the old `--mesh 8xB300` is read as --hardware for one
+    release, with a warning naming the new spelling."""
+    assert main(["plan", "--preset", "k3-mini", "--mesh", "8xH200", "--json"]) == 0
+    cap = capsys.readouterr()
+    assert "use --hardware 8xH200" in cap.err
+    old = json.loads(cap.out)["memory"]["meshes"]
+    assert old == run_json(capsys, "--preset", "k3-mini", "--hardware", "8xH200")["memory"]["meshes"]
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--preset", "kimi-k9"], "known presets: k3-micro, k3-mini, k3-tiny, kimi-k3, kimi-linear-48b, kimi-linear-tiny"),
-    (["--preset", "k3-tiny", "--mesh", "8xTPU"], "known meshes: 8xB300, 16xB200"),
+    (["--preset", "k3-tiny", "--hardware", "8xTPU"], "known hardware: 8xB300, 16xB200"),
+    (["--preset", "k3-tiny", "--mesh", "expert=8"], "mesh axes are for --compile"),
+    (["--preset", "k3-tiny", "--target", "cpu:8"], "--target applies to --compile"),
+    (["--preset", "k3-tiny", "--mode", "train"], "--mode applies to --compile"),
     (["--preset", "k3-tiny", "--batch", "0"], "--batch"),
 ])
 def test_bad_input_exits_2(capsys, argv, msg):

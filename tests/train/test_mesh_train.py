@@ -108,13 +108,18 @@ def tiny_single():
     return {n: _first_grads(TINY.replace(devices=1), n)[1] for n in (1, 8)}
 
 
-@pytest.mark.slow  # two k3-tiny gradient compiles, one of them on 8 devices (~1-4 min on 2 cores)
-def test_ep_first_step_gradients_and_expert_shards_k3_tiny(tiny_single):
-    run, g = _first_grads(TINY.replace(mesh="data=2,expert=4"))
-    assert run.strategy == "ep" and run.dispatch is not None
+@pytest.mark.slow  # k3-tiny gradient compiles, on one device and on 8 (~1-4 min each on 2 cores)
+@pytest.mark.parametrize("mesh, strategy, frac", [("data=2,expert=4", "ep", 4), ("fsdp=2,expert=4", "zero3_ep_tp", 8)])
+def test_ep_first_step_gradients_and_expert_shards_k3_tiny(mesh, strategy, frac, tiny_single):
+    """zero3_ep_tp also splits every non-expert weight over fsdp x expert (the full model's QAT layout)."""
+    run, g = _first_grads(TINY.replace(mesh=mesh, strategy=strategy))
+    assert run.strategy == strategy and run.dispatch is not None
     line = _compare_grads(g, tiny_single, 8)
-    n = _check_fraction(run, 4)
-    print(f"\nk3-tiny ep: {line}; {n} expert stacks / moments at 1/4 per device")
+    n = _check_fraction(run, frac)
+    if strategy == "zero3_ep_tp":
+        q = run.state["params"]["pre"][0]["kda"]["wq"]  # [embed, heads, head_dim]: embed over fsdp x expert
+        assert all(s.data.size * 8 == q.size for s in q.addressable_shards)
+    print(f"\nk3-tiny {strategy}: {line}; {n} expert stacks / moments at 1/{frac} per device")
 
 
 @pytest.mark.manual  # four k3-mini gradient compiles (one float64, two on 8 devices): ~8 CPU-minutes

@@ -1,0 +1,169 @@
+"""The compiled-HLO reader (k3jax/analysis/hlo.py): loop bodies counted by their trip counts, collectives found and
+sized, FLOPs against hand counts and against XLA's own cost analysis of the unrolled program."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax.analysis.hlo import arrays, parse, program_stats, shape_bytes, trip_count
+
+L, M, D = 5, 16, 64
+
+
+def _stack(unroll: bool):
+    def f(w, x):
+        def body(c, wi):
+            return jnp.tanh(c @ wi), None
+
+        if unroll:
+            for i in range(L):
+                x, _ = body(x, w[i])
+            return x.sum()
+        return jax.lax.scan(body, x, w)[0].sum()
+
+    return f
+
+
+def _compile(fn, *args):
+    return jax.jit(fn).lower(*args).compile()
+
+
+ARGS = (jax.ShapeDtypeStruct((L, D, D), jnp.float32), jax.ShapeDtypeStruct((M, D), jnp.float32))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_scan_flops_are_the_unrolled_flops(grad):
+    """A scan's body counts L times: the scanned and the unrolled program's dot FLOPs equal the hand count (forward
+    L matmuls of 2·M·D·D; with the gradient w.r.t. the weights two more per layer, less the input gradient of
+    layer 0, which only the unrolled program can drop), and XLA's cost analysis of the unrolled program (which
+    has no loop to undercount) agrees within its elementwise extra."""
+    f = jax.grad(_stack(False)) if grad else _stack(False)
+    g = jax.grad(_stack(True)) if grad else _stack(True)
+    want = (3 if grad else 1) * L * 2 * M * D * D
+    scanned, unrolled = _compile(f, *ARGS), _compile(g, *ARGS)
+    s, u = program_stats(scanned.as_text()), program_stats(unrolled.as_text())
+    unrolled_want = want - (2 * M * D * D if grad else 0)
+    assert s.flops == want and u.flops == unrolled_want
+    assert L in s.trip_counts and s.unknown_trip_counts == 0
+    assert s.flops_once < want  # a loop body counted once, as cost_analysis counts it
+    xla = unrolled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    assert unrolled_want <= xla["flops"] <= 1.2 * unrolled_want
+
+
+def test_collectives_in_a_loop_are_counted_per_iteration():
+    """Weights sharded over 4 devices: the scanned forward all-gathers one layer per iteration — L gathers of a
+    [D, D] f32 result per step, found inside the while body."""
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
+    w = jax.ShapeDtypeStruct((L, D, D), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "x")))
+    x = jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    s = program_stats(_compile(_stack(False), w, x).as_text())
+    gathers = s.collectives["all-gather"]
+    assert gathers["count"] == L * s.collectives_once["all-gather"]["count"]
+    assert gathers["bytes"] == L * D * D * 4
+    assert s.flops == L * 2 * (M // 4) * D * D  # per device: a quarter of the rows
+
+
+def test_nested_loops_multiply():
+    def f(x):
+        def outer(c, _):
+            def inner(d, _):
+                return jnp.sin(d @ d), None
+            return jax.lax.scan(inner, c, None, length=3)[0], None
+        return jax.lax.scan(outer, x, None, length=4)[0]
+
+    s = program_stats(_compile(f, jax.ShapeDtypeStruct((D, D), jnp.float32)).as_text())
+    assert s.flops == 12 * 2 * D**3
+    assert sorted(set(s.trip_counts)) == [3, 4]
+
+
+def test_shapes_and_trip_counts_from_text():
+    assert arrays("(s32[], f32[16,256]{1,0}, /*index=5*/bf16[2,3]{1,0:T(8,128)(2,1)})") == [
+        ("s32", ()), ("f32", (16, 256)), ("bf16", (2, 3))]
+    assert shape_bytes("(f32[4], u8[10], f4e2m1fn[8])") == 16 + 10 + 4
+    assert shape_bytes("(f32[4], f32[100])", largest=True) == 400
+    text = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  ROOT %t = (s32[], f32[8]) tuple(%p)
+}
+
+%cond (p.1: (s32[], f32[8])) -> pred[] {
+  %p.1 = (s32[], f32[8]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %a = (s32[], f32[8]) parameter(0)
+  ROOT %w = (s32[], f32[8]) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"7"}}
+}
+"""
+    comps, entry = parse(text)
+    assert entry == "main" and set(comps) == {"body", "cond", "main"}
+    assert trip_count(comps["main"].instrs[-1]) == 7
+    assert program_stats(text).trip_counts == [7]
+    with pytest.raises(ValueError, match="ENTRY"):
+        parse("HloModule m\n")
+
+
+TPU_STYLE = """HloModule m
+
+%body (p: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %p = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,8]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %one = s32[]{:T(128)} constant(1)
+  %j = s32[]{:T(128)} add(%i, %one)
+  %y = f32[8,8]{1,0:T(8,128)} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %t = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) tuple(%j, %y)
+}
+
+%cmp (a: s32[], b: s32[]) -> pred[] {
+  %a = s32[]{:T(128)} parameter(0)
+  %b = s32[]{:T(128)} parameter(1)
+  ROOT %lt = pred[]{:T(512)} compare(%a, %b), direction=LT
+}
+
+%cond (q: (s32[], f32[8,8])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(9)
+  %q = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) parameter(0)
+  %k = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %f = pred[]{:T(512)} fusion(%k, %bound), kind=kLoop, calls=%cmp
+}
+
+ENTRY %main (x0: f32[8,8]) -> (s32[], f32[8,8]) {
+  %x0 = f32[8,8]{1,0:T(8,128)} parameter(0)
+  %start = s32[]{:T(128)} constant(2)
+  %init = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) tuple(%start, %x0)
+  ROOT %w = (s32[]{:T(128)}, f32[8,8]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_trip_count_read_from_the_loop_when_the_backend_prints_none():
+    """XLA:TPU prints no known_trip_count: the count is read from the condition (induction < 9, here through a
+    fused compare) and the induction variable's constant start (2): 7 iterations of one 8x8 matmul. A bound that
+    is not a constant leaves the loop unknown (counted once)."""
+    s = program_stats(TPU_STYLE)
+    assert s.trip_counts == [7] and s.unknown_trip_counts == 0
+    assert s.flops == 7 * 2 * 8**3 and s.flops_once == 2 * 8**3
+    dynamic = TPU_STYLE.replace("%start = s32[]{:T(128)} constant(2)", "%start = s32[]{:T(128)} parameter(1)")
+    s = program_stats(dynamic)
+    assert s.trip_counts == [] and s.unknown_trip_counts == 1 and s.flops == 2 * 8**3
+
+
+@pytest.mark.parametrize("padding, taps", [("VALID", 6 * 3), ("SAME", 8 * 3 - 2),
+                                           ([(7, 7)], 8 * 3)])  # wide padding: every input read by all 3 taps
+def test_convolution_flops_count_real_taps_not_padding(padding, taps):
+    """A 1-D convolution over 8 positions with a 3-tap kernel: FLOPs = 2 · batch · out features · (output, tap)
+    pairs that read a real input · in features; taps landing in padding are not counted (XLA:TPU writes some
+    matmuls as a convolution whose window is mostly padding)."""
+    b, i, o = 2, 4, 5
+    x = jax.ShapeDtypeStruct((b, i, 8), jnp.float32)
+    w = jax.ShapeDtypeStruct((o, i, 3), jnp.float32)
+    f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1,), padding)  # noqa: E731
+    s = program_stats(_compile(f, x, w).as_text())
+    assert s.flops == 2 * b * o * taps * i

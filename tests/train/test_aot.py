@@ -1,0 +1,142 @@
+"""Ahead-of-time plans (k3jax/train/aot.py, `k3 plan --compile`): the compiled program's per-device argument bytes
+against the closed-form estimate for every mode, the input checks (exit 2 before any compile), the CPU re-spawn and
+the TPU compiler through libtpu's deviceless topologies (slow pass: one libtpu process at a time)."""
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3jax.cli.main import main
+from k3jax.config import get_preset
+from k3jax.train import aot
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = get_preset("k3-tiny")
+LIBTPU_LOCK = "/tmp/k3jax_libtpu_tests.lock"  # the lock tests/pallas/test_targets.py takes around libtpu children
+
+
+@pytest.mark.parametrize("mode", [m if m == "forward" else pytest.param(m, marks=pytest.mark.slow) for m in aot.MODES])
+def test_compiled_arguments_match_the_closed_form(mode):
+    """XLA:CPU over the test's 8 devices, data=2 x expert=4: the compiler's argument bytes per device are the
+    config's parameters x the rules' shardings x the mode's bytes per parameter (within 0.1%: the estimate leaves
+    out step counters, the RNG key and Muon's coefficients); the program is the scanned stack with the
+    expert-parallel exchange inside it, and its FLOPs are counted through the loops."""
+    spec = aot.PlanSpec(mode=mode, mesh="data=2,expert=4", batch=8, seq_len=32,
+                        remat="none" if mode == "forward" else "full")
+    out = aot.compile_plan(TINY, aot.parse_target("cpu:8"), spec)
+    assert out["argument_over_estimate"] == pytest.approx(1.0, rel=1e-3), out["estimate"]
+    assert out["temp_bytes_per_device"] > 0 and out["fits"] is None and out["roofline"] is None
+    assert "all-to-all" in out["collectives"]  # the bucketed expert exchange (XLA:CPU)
+    assert out["hlo"]["while_trip_counts"]
+    # packed experts run a tile loop whose trip count depends on the routing (counted once, and listed)
+    assert (out["hlo"]["unknown_trip_counts"] > 0) == (mode != "train")
+    assert out["flops"]["compiled_per_device"] > out["hlo"]["flops_counted_once"]
+    if mode == "forward":
+        assert out["estimate"]["optimizer"] == 0 and out["estimate"]["packed_experts"] > 0
+    else:
+        assert out["lower_bound_bytes_per_device"] > out["estimated_argument_bytes_per_device"]
+        assert (out["estimate"]["packed_experts"] > 0) == (mode == "frozen-experts")
+
+
+def test_estimate_by_hand_for_kimi_k3():
+    """The closed form at full size, against a count by hand: under ep over 64 devices every tensor with an experts
+    dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything
+    else is replicated; train keeps fp32 master + Muon momentum (AdamW: two moments)."""
+    cfg = get_preset("kimi-k3")
+    spec = aot.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096)
+    sizes, strategy = aot.check(cfg, aot.parse_target("cpu:64"), spec)
+    est = aot.estimate_arguments(cfg, spec, sizes, strategy)
+    n_total = 2_779_484_476_000  # SPEC §12.1, the k3jax tree (A_log unpadded)
+    moe_layers = cfg.num_layers - cfg.first_k_dense_replace
+    n_experts = moe_layers * cfg.num_experts * (3 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
+                                                + cfg.hidden_size + 1)
+    per_device = n_total - n_experts + n_experts / 64
+    assert est["weights"] == pytest.approx(4 * per_device, rel=1e-9)
+    assert 8 * per_device <= est["weights"] + est["optimizer"] <= 12 * per_device
+    assert est["tokens"] == 4 * 4097
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--target", "cpu:8", "--mesh", "expert=4"], "--mesh expert=4: 4 devices, but --target cpu:8 has 8"),
+    (["--target", "cpu:3", "--mesh", "expert=3"], "not divisible by mesh axes ('expert',)"),
+    (["--target", "gpu:h200", "--mesh", "expert=8"], "--target 'gpu:h200': unknown target"),
+    (["--target", "tpu:v9:2x2", "--mesh", "expert=4"], "--target 'tpu:v9:2x2': unknown target"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode"], "--mode 'decode': unknown"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "train", "--remat", "most"], "--remat 'most'"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--remat", "full"], "--mode forward has none"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "4"], "--batch 4: not divisible by the 8 ways"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--capacity-factor", "0"], "--capacity-factor 0.0"),
+    (["--target", "cpu:8"], "--compile needs one --mesh"),
+    (["--mesh", "expert=8"], "--compile needs --target"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--strategy", "zero4"], "--strategy 'zero4': unknown"),
+])
+def test_bad_input_exits_2_before_any_compile(capsys, argv, msg):
+    assert main(["plan", "--preset", "k3-tiny", "--compile", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_tpu_target_without_libtpu_exits_2_saying_how_to_install(capsys, monkeypatch):
+    monkeypatch.setattr(aot, "libtpu_installed", lambda: False)
+    assert main(["plan", "--preset", "k3-tiny", "--compile", "--target", "tpu:v5p:2x2x1", "--mesh", "expert=4",
+                 "--batch", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "libtpu is not installed" in err and "pip install -e '.[tpu]'" in err
+
+
+def test_oom_message_figures():
+    msg = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+           "CompileTimeHbmOomError: ... HLO temporaries (6.03T) exceeds available HBM (95.73G)")
+    f = aot.oom_figures(msg)
+    assert f == {"used_bytes": pytest.approx(6.03 * 2**40), "available_bytes": pytest.approx(95.73 * 2**30)}
+
+
+def _k3(argv, env=None, timeout=900):
+    env = dict(os.environ if env is None else env)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, "-m", "k3jax.cli.main", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env=env)
+
+
+@pytest.mark.slow
+def test_cpu_target_respawns_with_its_device_count(tmp_path):
+    """`--target cpu:4` from a process without 4 CPU devices re-runs itself with
+    --xla_force_host_platform_device_count=4; the JSON is the child's (one object on stdout); --hlo-out writes the
+    compiled program."""
+    hlo = tmp_path / "plan.hlo"
+    r = _k3(["plan", "--preset", "k3-tiny", "--compile", "--target", "cpu:4", "--mesh", "expert=4", "--mode",
+             "frozen-experts", "--batch", "4", "--seq-len", "32", "--json", "--hlo-out", str(hlo)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["devices"] == 4 and out["mesh"] == "expert=4" and out["strategy"] == "ep"
+    assert out["argument_over_estimate"] == pytest.approx(1.0, rel=1e-3)
+    assert "ENTRY" in hlo.read_text()
+
+
+def _tpu(argv):
+    with open(LIBTPU_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # libtpu: one process at a time
+        return _k3(["plan", "--preset", "k3-tiny", "--compile", *argv, "--json"], timeout=1200)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("libtpu")
+def test_tpu_compiler_plans_and_out_of_memory_exits_1():
+    """The TPU compiler (libtpu, deviceless v5p:2x2x1): the train step compiles with the ragged expert exchange and
+    the roofline at v5p's peaks; a forward whose logits alone exceed v5e's 16 GB HBM is a result, exit 1 with the
+    compiler's figures."""
+    r = _tpu(["--target", "tpu:v5p:2x2x1", "--mesh", "expert=4", "--mode", "train", "--batch", "4",
+              "--seq-len", "64"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["platform"] == "tpu" and out["fits"] is True and "ragged-all-to-all" in out["collectives"]
+    assert out["roofline"]["chip"] == "TPU v5p" and out["roofline"]["step_s"] > 0
+    assert out["argument_bytes_per_device"] >= out["estimated_argument_bytes_per_device"]  # TPU tiles pad
+    r = _tpu(["--target", "tpu:v5e:2x2", "--mesh", "data=4", "--batch", "64", "--seq-len", "65536"])
+    assert r.returncode == 1, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is False and out["hbm_oom"]["used_bytes"] > out["hbm_oom"]["available_bytes"]
