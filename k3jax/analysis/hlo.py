@@ -21,7 +21,8 @@ pairs that read a real input, not padding · input features per group); elementw
 result buffer per device (for an async ``*-start``, its largest array), not link traffic: ring factors depend on
 the group and the topology and are not modelled. ``bytes_accessed`` approximates HBM traffic the way XLA's cost
 model does for fused code — each top-level instruction (a fusion being one kernel) reads its operands and writes
-its result once — skipping tuples, parameters, constants, bitcasts and control flow.
+its result once (``instr_traffic``: slices and in-place updates count only the bytes they touch) — skipping
+tuples, parameters, constants, bitcasts and control flow.
 """
 
 from __future__ import annotations
@@ -359,6 +360,43 @@ def multiplicities(comps: dict[str, Computation], entry: str) -> tuple[dict[str,
     return dict(mult), fused, trips, unknown
 
 
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _read_bytes(body: Computation, index: int, full: float) -> float:
+    """Bytes a fusion reads of its parameter ``index``: only the slices when every use of it is a (dynamic) slice
+    or gather of it (a loop body's view of one layer of a stacked weight), else all of it."""
+    pname = next((i.name for i in body.instrs if i.opcode == "parameter" and i.args.strip() == str(index)), None)
+    users = [i for i in body.instrs if pname in i.operands]
+    if not users or any(u.opcode not in _SLICING or u.operands[0] != pname for u in users):
+        return full
+    return sum(shape_bytes(u.shape) for u in users)
+
+
+def instr_traffic(ins: Instr, c: Computation, comps: dict) -> float:
+    """HBM bytes of one top-level instruction: its result written and its operands read once, where a (dynamic)
+    slice reads only its slice, a dynamic-update-slice writes (and reads) only its update in place, and a fusion
+    reads only the slices of the operands its body only slices."""
+    if ins.opcode in _SLICING:
+        return 2 * shape_bytes(ins.shape)
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+        return 2 * shape_bytes(c.shapes.get(ins.operands[1], ""))
+    reads = [shape_bytes(c.shapes.get(o, "")) for o in ins.operands]
+    if ins.opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+        body = comps.get(m.group(1)) if m else None
+        if body is not None:
+            reads = [_read_bytes(body, i, r) for i, r in enumerate(reads)]
+            root = body.instrs[-1] if body.instrs else None
+            if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+                # an in-place update of a loop-carried buffer: the buffer operand is neither read nor rewritten
+                upd = shape_bytes(body.shapes.get(root.operands[1], ""))
+                buf = body.shapes.get(root.operands[0], "")
+                return upd + sum(r for r, o in zip(reads, ins.operands, strict=True)
+                                 if c.shapes.get(o, "") != buf) + upd
+    return shape_bytes(ins.shape) + sum(reads)
+
+
 def largest_values(text: str, n: int = 10) -> list[dict]:
     """The ``n`` largest instruction results of the program outside fusion bodies (bytes per device, opcode, the
     JAX op that made it): where a memory plan's temporaries go."""
@@ -400,7 +438,7 @@ def program_stats(text: str) -> ProgramStats:
                 coll1[kind]["count"] += 1
                 coll1[kind]["bytes"] += b
             if c.name not in fused and ins.opcode not in _NO_TRAFFIC and not ins.opcode.endswith("-done"):
-                t = shape_bytes(ins.shape) + sum(shape_bytes(c.shapes.get(o, "")) for o in ins.operands)
+                t = instr_traffic(ins, c, comps)
                 traffic += m * t
                 traffic1 += t
     return ProgramStats(flops, flops1, traffic, traffic1, {k: dict(v) for k, v in sorted(coll.items())},
