@@ -6,7 +6,7 @@
     k3 plan --preset kimi-k3 --tensors            name<TAB>dtype<TAB>shape of every text tensor (as tensors.tsv)
     k3 plan --preset kimi-k3 --shards --json      file, bytes, header_len, header_sha256 per text shard
     k3 plan --preset kimi-k3 --compile --target tpu:v5p:8x8x8 --mesh fsdp=8,expert=64 --mode frozen-experts \
-            --batch 512 --seq-len 4096 --remat full --json       # the TPU compiler's memory plan (nothing allocated)
+            --batch 512 --seq-len 4096 --json                    # the TPU compiler's memory plan (nothing allocated)
     k3 plan --preset kimi-k3 --compile --target cpu:64 --mesh expert=64 --mode train --batch 64 --seq-len 4096
 
 ``--compile`` lowers and compiles the full-size program of ``--mode`` (forward: BF16 + packed MXFP4 experts;
@@ -15,7 +15,10 @@ ShapeDtypeStruct inputs, for a TPU topology through libtpu's deviceless compiler
 devices (the command re-runs itself with that many), and prints the compiler's per-device bytes beside the
 closed-form estimate, the collectives and loop-corrected FLOPs of the compiled program and the roofline step time
 (``k3jax.train.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
-(checked before any compile). ``--mesh`` is the compile's mesh axes; the formula planner's devices are
+(checked before any compile). A plan's defaults are what one deploys at full size: capacity factor 1.25 (dropless
+static buffers hold every token routed to one device), remat ``full`` per scanned group for the train modes, and
+``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
+flags override them. ``--mesh`` is the compile's mesh axes; the formula planner's devices are
 ``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
 
 Counts: ``total_params`` counts the k3jax parameter tree (A_log as [H]: 96 per KDA layer for K3);
@@ -83,12 +86,14 @@ def add_parser(sub) -> None:
     c.add_argument("--compile", action="store_true", help="lower and compile the full-size program")
     c.add_argument("--target", default=None, help="tpu:v5p:8x8x8, tpu:v6e:16x16, tpu:v5e:16x16 or cpu:<devices>")
     c.add_argument("--mode", default="forward", help="forward (default), train or frozen-experts")
-    c.add_argument("--remat", default="none", help="remat policy of the train modes (none, full, dots_saveable, ...)")
+    c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, dots_saveable, ...; "
+                   "default full per scanned group; forward: none)")
     c.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
-    c.add_argument("--strategy", default=None, help="rules column (default: from the mesh axes)")
+    c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
+                   "expert axes, otherwise the mesh axes' default)")
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
-    c.add_argument("--capacity-factor", type=float, default=-1.0,
-                   help="expert-parallel bucket size over the balanced load (-1: worst case, dropless; default)")
+    c.add_argument("--capacity-factor", type=float, default=None,
+                   help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
     p.set_defaults(func=_main)
 
 
@@ -324,10 +329,11 @@ _CHILD_ENV = "K3_PLAN_CPU_DEVICES"
 
 def _compile_argv(args) -> list[str]:
     argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mesh", args.mesh[0],
-            "--mode", args.mode, "--remat", args.remat, "--batch", str(args.batch or 1), "--seq-len",
-            str(args.seq_len), "--capacity-factor", repr(args.capacity_factor)]
-    if args.strategy:
-        argv += ["--strategy", args.strategy]
+            "--mode", args.mode, "--batch", str(args.batch or 1), "--seq-len", str(args.seq_len)]
+    for flag, v in (("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
+                    ("--strategy", args.strategy)):
+        if v is not None:
+            argv += [flag, str(v)]
     if args.hlo_out:
         argv += ["--hlo-out", args.hlo_out]
     return argv + (["--json"] if args.json else [])
@@ -419,9 +425,9 @@ def _main(args) -> int:
     if args.compile:
         return _compile(args, cfg)
     for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"),
-                        ("--remat", args.remat != "none"), ("--strategy", args.strategy),
-                        ("--capacity-factor", args.capacity_factor != -1.0), ("--hlo-out", args.hlo_out)):
-        if given:
+                        ("--remat", args.remat), ("--strategy", args.strategy),
+                        ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out)):
+        if given is not None and given is not False:
             raise ValueError(f"{flag} applies to --compile")
     out = sys.stdout
     if args.tensors:

@@ -61,6 +61,21 @@ def test_estimate_by_hand_for_kimi_k3():
     assert est["tokens"] == 4 * 4097
 
 
+def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
+    """Unset fields get what one deploys at full size (capacity 1.25, remat full per group in the train modes,
+    zero3_ep_tp on fsdp x expert meshes), each reported; a flag given is kept as given (-1: dropless)."""
+    spec, d = aot.with_defaults(aot.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
+                                             seq_len=4096))
+    assert d == {"remat": "full", "capacity_factor": 1.25, "strategy": "zero3_ep_tp"}
+    assert (spec.remat, spec.capacity_factor, spec.strategy) == ("full", 1.25, "zero3_ep_tp")
+    spec, d = aot.with_defaults(aot.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
+    assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"}
+    given = aot.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",
+                         capacity_factor=-1.0, strategy="fsdp_ep_tp")
+    assert aot.with_defaults(given) == (given, {})
+    assert aot.check(TINY, aot.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--target", "cpu:8", "--mesh", "expert=4"], "--mesh expert=4: 4 devices, but --target cpu:8 has 8"),
     (["--target", "cpu:3", "--mesh", "expert=3"], "not divisible by mesh axes ('expert',)"),
