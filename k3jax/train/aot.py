@@ -1,7 +1,7 @@
 """Ahead-of-time plans: lower and compile a full-size step for a real target, allocating nothing.
 
     target = parse_target("tpu:v5p:8x8x8")                # or "tpu:v6e:16x16", "cpu:64"
-    spec = PlanSpec(mode="train", mesh="fsdp=8,expert=64", batch=512, seq_len=4096, remat="full")
+    spec = PlanSpec(mode="train", mesh="fsdp=8,expert=64", batch=512, seq_len=4096)  # plan defaults: with_defaults
     check(cfg, target, spec)                              # every input check, before any compile (ValueError)
     out = compile_plan(cfg, target, spec)                 # the compiler's figures beside the closed-form estimate
 
@@ -22,7 +22,9 @@ in this process (``k3 plan`` re-runs itself with ``--xla_force_host_platform_dev
 Figures: per-device argument / output / alias / temp / code bytes from ``compiled.memory_analysis()``; the
 closed-form estimate of the argument bytes (``estimate_arguments``: the config's parameter shapes × the rules'
 shardings × the stated bytes per parameter for the mode — not a sum over the lowered program); the collectives and
-loop-corrected FLOPs of the compiled HLO (``k3jax.analysis.hlo``); the roofline step time at the chip's published
+loop-corrected FLOPs of the compiled HLO (``k3jax.analysis.hlo``) against the closed form (``model_flops``:
+6 · N_active · tokens and the mode's terms, plus Muon's Newton–Schulz as the devices run it — at full size with the
+experts trained that is ~1.5x 6·N·tokens of a 262k-token batch); the roofline step time at the chip's published
 peak. A compile that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
 """
 
@@ -263,10 +265,52 @@ def active_params(cfg: K3Config) -> tuple[float, float]:
     return total, experts
 
 
-def model_flops(cfg: K3Config, spec: PlanSpec) -> dict:
+def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, ns_steps: int) -> dict:
+    """Matmul FLOPs of Muon's Newton–Schulz in one optimizer step, from the config and the optimizer's rules: per
+    orthogonalized [m, n] block (per head / per expert / per layer, ``train.optim.leaf_rule``), a = min(m, n),
+    b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
+    ``global``: each block once; ``per_device``: each leaf's share on one device (its FLOPs over the ways its
+    sharding splits it; a replicated leaf is orthogonalized whole on every device). At full size with the experts
+    trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever the batch)."""
+    from k3jax.sharding.rules import param_specs
+    from k3jax.train.optim import leaf_rule
+
+    abstract = _abstract_params(cfg, spec)
+    if spec.mode != "forward":
+        from k3jax.sharding.placement import split_packed
+
+        abstract = split_packed(abstract)[0]  # packed (frozen) experts are not optimized
+    specs = param_specs(cfg, strategy, sizes, abstract)
+    out = {"global": 0.0, "per_device": 0.0}
+    if spec.mode == "forward":
+        return out
+    for (path, leaf), pspec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True):
+        label, dims, reshape = leaf_rule(path, leaf)
+        if label != "muon":
+            continue
+        stacked = key_names(path)[0] == "groups"
+        layers = leaf.shape[0] if stacked else 1
+        shape = tuple(reshape or (leaf.shape[1:] if stacked else leaf.shape))
+        axis = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+        red, outs = axis(dims.reduction_axis), axis(dims.output_axis)
+        m, n = math.prod(shape[i] for i in red), math.prod(shape[i] for i in outs)
+        blocks = layers * math.prod(shape) // (m * n)
+        a, b = min(m, n), max(m, n)
+        f = blocks * ns_steps * (4.0 * a * a * b + 2.0 * a ** 3)
+        out["global"] += f
+        out["per_device"] += f * _per_device(leaf.shape, pspec, sizes) / math.prod(leaf.shape)
+    return out
+
+
+def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strategy: str | None = None) -> dict:
     """FLOPs of one step from the config: ``6 · N_active · tokens`` (train; the issue's check), with the terms a
     mode changes — forward 2·N, frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
-    recompute of one forward (+2·N) under a remat policy that saves nothing of the layer."""
+    recompute of one forward (+2·N) under a remat policy that saves nothing of the layer; with the mesh
+    (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz as the devices run it (``newton_schulz_flops``:
+    per device x devices, so a replicated block counts once per device, as the compiled program's total does)."""
+    from k3jax.train.optim import OptimConfig
+
     spec = with_defaults(spec)[0]
     n_active, n_exp = active_params(cfg)
     tokens = spec.batch * spec.seq_len
@@ -279,7 +323,14 @@ def model_flops(cfg: K3Config, spec: PlanSpec) -> dict:
         expected = six
     if spec.mode != "forward" and spec.remat in ("full", "nothing_saveable"):
         expected += 2.0 * n_active * tokens
-    return {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "expected": expected}
+    out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
+    if sizes is not None:
+        ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
+        out["newton_schulz"] = ns["global"]
+        out["newton_schulz_as_run"] = ns["per_device"] * math.prod(sizes.values())
+        expected += out["newton_schulz_as_run"]
+    out["expected"] = expected
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ programs
@@ -476,7 +527,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     coll_bytes = sum(v["bytes"] for v in stats.collectives.values())
     out["collectives"] = stats.collectives
     out["collective_bytes_per_device"] = coll_bytes
-    mf = model_flops(cfg, spec)
+    mf = model_flops(cfg, spec, sizes, strategy)
     compiled_global = stats.flops * target.devices
     out["flops"] = {**mf, "compiled_per_device": stats.flops, "compiled_global": compiled_global,
                     "compiled_over_expected": compiled_global / mf["expected"],
@@ -499,5 +550,5 @@ def peak_rss_bytes() -> int:
 
 __all__ = ["CHIPS", "MODES", "Chip", "HbmOomError", "PlanSpec", "Target", "build_program", "check",
            "compile_plan", "compile_program", "estimate_arguments", "libtpu_installed", "model_flops",
-           "oom_figures", "parse_target", "peak_rss_bytes", "plan_strategy", "roofline", "target_devices",
-           "with_defaults"]
+           "newton_schulz_flops", "oom_figures", "parse_target", "peak_rss_bytes", "plan_strategy", "roofline",
+           "target_devices", "with_defaults"]
