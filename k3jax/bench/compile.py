@@ -1,10 +1,11 @@
-"""`k3 bench compile --json`: lower and compile time (separately) of the forward, of the train step's
-value_and_grad and of the full train step at depth 12, 48 and 92 with K3's layer schedule, the layer stack unrolled
-("loop") or scanned ("scan"); and the activation memory (XLA temp bytes) of the train step's value_and_grad per remat
-policy, for each stack.
+"""`k3 bench compile --json`: lower and compile time (separately) of the forward and of the full train step
+(``--parts``; ``grad``, the train step's value_and_grad alone, on request) at depth 12, 48 and 92 with K3's layer
+schedule, the layer stack unrolled ("loop") or scanned ("scan"); and the activation memory (XLA temp bytes) of the
+train step's value_and_grad per remat policy, for each stack.
 
     k3 bench compile --json                                   # k3-micro width, depths 12,48,92, B=1, T=64
     k3 bench compile --json --stacks scan --depths 12,92      # the target alone (the unrolled 92 is the slow part)
+    k3 bench compile --json --parts forward,grad,train_step   # + the value_and_grad alone
     k3 bench compile --json --preset k3-tiny --depths 4,8 --remat-policies none,full    # the test's size
 
 Nothing is executed: parameters, optimizer state and tokens are ShapeDtypeStructs and every program goes through
@@ -19,7 +20,9 @@ Depth L keeps K3's schedule (``k3_full_attn_layers``: MLA where l mod 4 = 3 and 
 shallowest depth), the same with ``forward_`` and ``grad_`` prefixes, ``scan_over_loop_{hi}`` (each part; both
 stacks timed), and ``remat_temp_{policy}_over_none_{stack}`` (activation temp bytes against no remat).
 ``ok``: the train step's scanned compile time grows at most 2x from the shallowest to the deepest depth.
-Times are wall clock of one process; on a shared machine they are inflated (the ratios less so).
+Times are wall clock of one process; on a shared machine they are inflated (the ratios less so). The unrolled
+stack is the slow part by design: its 92-layer train step alone compiles for ~11 minutes on this 2-core machine
+(value_and_grad: 8 more, hence not a default part), the scanned one in under a minute (experiments/LOG.md).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run, get_preset, k3_full_attn_layers
 
 STACKS = ("loop", "scan")
+PARTS = ("forward", "grad", "train_step")
 TARGET_SCAN_GROWTH = 2.0  # issue #15: train-step compile time at 92 layers / at 12, scanned (goal 1.3)
 
 
@@ -41,6 +45,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--preset", default="k3-micro", help="the width (and vocabulary) of every depth")
     parser.add_argument("--depths", default="12,48,92", help="comma-separated layer counts (K3's schedule each)")
     parser.add_argument("--stacks", default="loop,scan", help="layer stacks to time (loop, scan or both)")
+    parser.add_argument("--parts", default="forward,train_step", help="programs to time, of forward, grad (the "
+                        "train step's value_and_grad alone: the unrolled 92-layer one compiles for 8+ minutes) and "
+                        "train_step")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--remat-policies", default=",".join(REMAT_POLICIES),
@@ -73,9 +80,9 @@ def _timed(fn, *args) -> tuple[dict, object]:
     return {"lower_s": t1 - t0, "compile_s": t2 - t1}, compiled
 
 
-def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, log=None) -> dict:
+def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, log=None, parts=PARTS) -> dict:
     """Lower and compile seconds of the forward, of the train step's value_and_grad alone (``grad``: the model's
-    share of the step, what the scan acts on) and of the real train step (nothing runs):
+    share of the step, what the scan acts on) and of the real train step (nothing runs), those of them in ``parts``:
     ``{"forward": {"lower_s", "compile_s"}, "grad": {...}, "train_step": {...}}``; ``log(part, times)`` after each."""
     log = log or (lambda part, t: None)
     from k3jax.model import forward
@@ -83,20 +90,25 @@ def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, lo
     from k3jax.train.step import StepSpec, init_state, make_train_step
 
     params = _abstract_params(cfg, run)
-    toks = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-    fwd, _ = _timed(lambda p, t: forward(p, t, cfg, run), params, toks)
-    log("forward", fwd)
-    grad, _ = _timed(_loss_grad(cfg, run), params, jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32))
-    log("grad", grad)
+    out = {}
+    if "forward" in parts:
+        out["forward"], _ = _timed(lambda p, t: forward(p, t, cfg, run), params,
+                                   jax.ShapeDtypeStruct((batch, seq_len), jnp.int32))
+        log("forward", out["forward"])
+    if "grad" in parts:
+        out["grad"], _ = _timed(_loss_grad(cfg, run), params, jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32))
+        log("grad", out["grad"])
+    if "train_step" not in parts:
+        return out
     # make_optimizer slices stacked leaves to read per-layer shapes: hand it zero-stride views, not arrays
     tx, _ = make_optimizer(jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), params),
                            OptimConfig(total_steps=1000))
     state = jax.eval_shape(lambda p: init_state(p, tx), params)
     step = make_train_step(cfg, run, tx, StepSpec())
-    train, _ = _timed(step, state, jax.ShapeDtypeStruct((1, batch, seq_len + 1), jnp.int32),
-                      jax.ShapeDtypeStruct((), jnp.float32))
-    log("train_step", train)
-    return {"forward": fwd, "grad": grad, "train_step": train}
+    out["train_step"], _ = _timed(step, state, jax.ShapeDtypeStruct((1, batch, seq_len + 1), jnp.int32),
+                                  jax.ShapeDtypeStruct((), jnp.float32))
+    log("train_step", out["train_step"])
+    return out
 
 
 def _loss_grad(cfg: K3Config, run: RunConfig):
@@ -154,6 +166,9 @@ def run(args) -> dict:
     stacks = [st for st in STACKS if st in args.stacks.split(",")]
     if not stacks or set(args.stacks.split(",")) - set(STACKS):
         raise ValueError(f"--stacks {args.stacks!r}: must be loop, scan or loop,scan")
+    parts = [p for p in PARTS if p in args.parts.split(",")]
+    if not parts or set(args.parts.split(",")) - set(PARTS):
+        raise ValueError(f"--parts {args.parts!r}: must be a comma-separated subset of {', '.join(PARTS)}")
     policies = [p for p in args.remat_policies.split(",") if p]
     bad = [p for p in policies if p not in REMAT_POLICIES]
     if bad:
@@ -170,7 +185,8 @@ def run(args) -> dict:
         for st in stacks:
             print(f"compiling {args.preset} at {L} layers, {st} ...", file=sys.stderr, flush=True)
             times.setdefault(str(L), {})[st] = compile_times(cfg, default_run(cfg, layer_stack=st),
-                                                             batch=args.batch, seq_len=args.seq_len, log=_progress)
+                                                             batch=args.batch, seq_len=args.seq_len, log=_progress,
+                                                             parts=parts)
     remat = {}
     if policies:
         print(f"remat temp bytes at {remat_depth} layers, B={args.remat_batch}, T={args.remat_seq_len} ...",
@@ -181,6 +197,8 @@ def run(args) -> dict:
     lo, hi = str(depths[0]), str(depths[-1])
     ratios = {}
     for part, prefix in (("train_step", ""), ("forward", "forward_"), ("grad", "grad_")):
+        if part not in parts:
+            continue
         c = {(L, st): times[L][st][part]["compile_s"] for L in (lo, hi) for st in stacks}
         if lo != hi:
             for st in stacks:
@@ -196,7 +214,7 @@ def run(args) -> dict:
         "name": "compile",
         "device": jax.devices()[0].device_kind,
         "backend": jax.default_backend(),
-        "shape": {"preset": args.preset, "depths": depths, "stacks": stacks, "batch": args.batch,
+        "shape": {"preset": args.preset, "depths": depths, "stacks": stacks, "parts": parts, "batch": args.batch,
                   "seq_len": args.seq_len, "hidden_size": base.hidden_size,
                   "attn_res_block_size": 12 if base.uses_attn_res else None},
         "times": times,

@@ -25,10 +25,10 @@ def test_k3_schedule_keeps_k3s_layer_pattern():
 
 def _fake(monkeypatch):
     """Replace the compiles by figures that depend on (depth, stack, part) and (stack, policy)."""
-    def compile_times(cfg, run, *, batch, seq_len, log=None):
+    def compile_times(cfg, run, *, batch, seq_len, log=None, parts=bc.PARTS):
         L, scan = cfg.num_layers, run.layer_stack == "scan"
         per = lambda k: {"lower_s": 0.1 * k, "compile_s": k * (1.0 + 0.01 * L if scan else 0.5 * L)}  # noqa: E731
-        return {"forward": per(1.0), "grad": per(2.0), "train_step": per(3.0)}
+        return {p: per(k) for p, k in (("forward", 1.0), ("grad", 2.0), ("train_step", 3.0)) if p in parts}
 
     def train_temp_bytes(cfg, run, *, batch, seq_len):
         return {"none": 1000, "full": 250}[run.remat] * (2 if run.layer_stack == "loop" else 1) * batch
@@ -40,7 +40,7 @@ def _fake(monkeypatch):
 def test_bench_compile_json_from_recorded_figures(monkeypatch, capsys):
     _fake(monkeypatch)
     rc = main(["bench", "compile", "--json", "--depths", "92,12,48", "--remat-policies", "none,full",
-               "--remat-batch", "3"])
+               "--remat-batch", "3", "--parts", "train_step,grad,forward"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["ok"] is True, out
     assert out["shape"]["depths"] == [12, 48, 92] and out["shape"]["preset"] == "k3-micro"
@@ -61,6 +61,16 @@ def test_bench_compile_json_from_recorded_figures(monkeypatch, capsys):
     assert r["grad_compile_time_92_over_12_loop"] == pytest.approx(92 / 12)
     assert r["remat_temp_full_over_none_loop"] == r["remat_temp_full_over_none_scan"] == 0.25
     assert len(r) == 11
+    # the default parts: forward and train step (the value_and_grad alone on request)
+    assert main(["bench", "compile", "--json", "--depths", "12,92", "--remat-policies", ""]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shape"]["parts"] == ["forward", "train_step"]
+    assert all(set(t) == {"forward", "train_step"} for per in out["times"].values() for t in per.values())
+    assert set(out["ratios"]) == {"compile_time_92_over_12_scan", "compile_time_92_over_12_loop", "scan_over_loop_92",
+                                  "forward_compile_time_92_over_12_scan", "forward_compile_time_92_over_12_loop",
+                                  "forward_scan_over_loop_92"}
+    assert main(["bench", "compile", "--json", "--depths", "12,92", "--parts", "forward", "--remat-policies", ""]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is None  # no train step, no target to meet
 
 
 def test_bench_compile_target_missed_exits_1(monkeypatch, capsys):
@@ -68,8 +78,7 @@ def test_bench_compile_target_missed_exits_1(monkeypatch, capsys):
     assert main(["bench", "compile", "--json", "--depths", "12,92", "--stacks", "loop", "--remat-policies", ""]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is None and set(out["ratios"]) == {"compile_time_92_over_12_loop",
-                                                        "forward_compile_time_92_over_12_loop",
-                                                        "grad_compile_time_92_over_12_loop"}
+                                                        "forward_compile_time_92_over_12_loop"}
     monkeypatch.setattr(bc, "TARGET_SCAN_GROWTH", 1.5)  # the fake scan grows 1.71x from 12 to 92 layers
     assert main(["bench", "compile", "--json", "--depths", "12,92", "--remat-policies", ""]) == 1
     assert json.loads(capsys.readouterr().out)["ok"] is False
@@ -78,6 +87,7 @@ def test_bench_compile_target_missed_exits_1(monkeypatch, capsys):
 @pytest.mark.parametrize("argv,named", [(["--depths", "12,x"], "'12,x'"), (["--depths", "0,4"], "'0,4'"),
                                         (["--remat-policies", "none,dots"], "'dots'"),
                                         (["--stacks", "loop,unrolled"], "'loop,unrolled'"),
+                                        (["--parts", "forward,backward"], "'forward,backward'"),
                                         (["--preset", "k3-nano"], "'k3-nano'"), (["--batch", "0"], "--batch 0")])
 def test_bench_compile_bad_arguments_exit_2_before_compiling(monkeypatch, capsys, argv, named):
     def no_compile(*a, **k):
@@ -92,7 +102,8 @@ def test_bench_compile_bad_arguments_exit_2_before_compiling(monkeypatch, capsys
 @pytest.mark.slow  # the scanned stack only (the unrolled one is the slow part: 905 s with both, session 9)
 def test_bench_compile_tiny_json(capsys):
     rc = main(["bench", "compile", "--json", "--preset", "k3-tiny", "--depths", "4,8", "--stacks", "scan",
-               "--remat-policies", "none,full", "--remat-batch", "2", "--remat-seq-len", "64"])
+               "--parts", "forward,grad,train_step", "--remat-policies", "none,full", "--remat-batch", "2",
+               "--remat-seq-len", "64"])
     out = json.loads(capsys.readouterr().out)
     assert out["name"] == "compile" and out["shape"]["depths"] == [4, 8]
     assert rc == (1 if out["ok"] is False else 0)
