@@ -272,18 +272,15 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     ``global``: each block once; ``per_device``: each leaf's share on one device (its FLOPs over the ways its
     sharding splits it; a replicated leaf is orthogonalized whole on every device). At full size with the experts
     trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever the batch)."""
+    from k3jax.sharding.placement import split_packed
     from k3jax.sharding.rules import param_specs
     from k3jax.train.optim import leaf_rule
 
-    abstract = _abstract_params(cfg, spec)
-    if spec.mode != "forward":
-        from k3jax.sharding.placement import split_packed
-
-        abstract = split_packed(abstract)[0]  # packed (frozen) experts are not optimized
-    specs = param_specs(cfg, strategy, sizes, abstract)
     out = {"global": 0.0, "per_device": 0.0}
-    if spec.mode == "forward":
+    if spec.mode == "forward":  # no optimizer step
         return out
+    abstract = split_packed(_abstract_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
+    specs = param_specs(cfg, strategy, sizes, abstract)
     for (path, leaf), pspec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(
             specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True):
         label, dims, reshape = leaf_rule(path, leaf)
