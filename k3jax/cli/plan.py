@@ -408,8 +408,8 @@ def _print_compiled(p: dict, out) -> None:
     if "flops" in p:
         f = p["flops"]
         w(f"  flops {f['compiled_global']:.4g} compiled (global, loop-corrected) vs {f['expected']:.4g} expected "
-          f"(6·N_active·tokens = {f['six_n_tokens']:.4g}, Newton–Schulz as run "
-          f"{f.get('newton_schulz_as_run', 0):.4g}); ratio {f['compiled_over_expected']:.3f}\n")
+          f"(6·N_active·tokens = {f['six_n_tokens']:.4g}, Newton–Schulz split over the devices "
+          f"{f.get('newton_schulz_split', 0):.4g}); ratio {f['compiled_over_expected']:.3f}\n")
     r = p.get("roofline")
     if r:
         w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s, HBM {r['memory_s']:.3f} s, collectives "

@@ -23,8 +23,8 @@ Figures: per-device argument / output / alias / temp / code bytes from ``compile
 closed-form estimate of the argument bytes (``estimate_arguments``: the config's parameter shapes × the rules'
 shardings × the stated bytes per parameter for the mode — not a sum over the lowered program); the collectives and
 loop-corrected FLOPs of the compiled HLO (``k3jax.analysis.hlo``) against the closed form (``model_flops``:
-6 · N_active · tokens and the mode's terms, plus Muon's Newton–Schulz as the devices run it — at full size with the
-experts trained that is ~1.5x 6·N·tokens of a 262k-token batch); the roofline step time at the chip's published
+6 · N_active · tokens and the mode's terms, plus Muon's Newton–Schulz split over the devices — at full size with
+the experts trained that is ~1.5x 6·N·tokens of a 262k-token batch); the roofline step time at the chip's published
 peak. A compile that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
 """
 
@@ -269,9 +269,12 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     """Matmul FLOPs of Muon's Newton–Schulz in one optimizer step, from the config and the optimizer's rules: per
     orthogonalized [m, n] block (per head / per expert / per layer, ``train.optim.leaf_rule``), a = min(m, n),
     b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
-    ``global``: each block once; ``per_device``: each leaf's share on one device (its FLOPs over the ways its
-    sharding splits it; a replicated leaf is orthogonalized whole on every device). At full size with the experts
-    trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever the batch)."""
+    ``global``: each block once; ``per_device``: each leaf's share on one device if the work splits as its
+    sharding splits the leaf (a replicated leaf is orthogonalized whole on every device). That split is the ideal:
+    XLA computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256,
+    each shared-expert block's 6144² A·A: 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md). At full
+    size with the experts trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever
+    the batch)."""
     from k3jax.sharding.placement import split_packed
     from k3jax.sharding.rules import param_specs
     from k3jax.train.optim import leaf_rule
@@ -304,7 +307,7 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     """FLOPs of one step from the config: ``6 · N_active · tokens`` (train; the issue's check), with the terms a
     mode changes — forward 2·N, frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
     recompute of one forward (+2·N) under a remat policy that saves nothing of the layer; with the mesh
-    (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz as the devices run it (``newton_schulz_flops``:
+    (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz split over the devices (``newton_schulz_flops``:
     per device x devices, so a replicated block counts once per device, as the compiled program's total does)."""
     from k3jax.train.optim import OptimConfig
 
@@ -324,8 +327,8 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     if sizes is not None:
         ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
         out["newton_schulz"] = ns["global"]
-        out["newton_schulz_as_run"] = ns["per_device"] * math.prod(sizes.values())
-        expected += out["newton_schulz_as_run"]
+        out["newton_schulz_split"] = ns["per_device"] * math.prod(sizes.values())
+        expected += out["newton_schulz_split"]
     out["expected"] = expected
     return out
 
