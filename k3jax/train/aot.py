@@ -534,8 +534,9 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
                     "compiled_over_six_n_tokens": compiled_global / mf["six_n_tokens"]}
     if spec.mode == "train":
         # the check of the train step: the loop-corrected compiled FLOPs within 20% of 6·N_active·tokens
-        # (+ one recomputed forward under a remat that saves nothing); loops with routing-dependent trip counts
-        # are counted once (hlo.unknown_trip_counts), so the check is only meaningful where there are none
+        # (+ one recomputed forward under a remat that saves nothing, + Muon's Newton–Schulz split over the
+        # devices); loops with routing-dependent trip counts are counted once (hlo.unknown_trip_counts), so the
+        # check is only meaningful where there are none
         out["flops"]["within_20pct_of_expected"] = bool(abs(compiled_global / mf["expected"] - 1) <= 0.2)
     out["roofline"] = roofline(target.chip, stats.flops, stats.bytes_accessed, coll_bytes)
     out["wall_s"] = time.perf_counter() - t_start

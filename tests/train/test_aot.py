@@ -78,8 +78,6 @@ def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
     assert aot.check(TINY, aot.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
 
 
-
-
 def test_newton_schulz_flops_match_the_compiled_optimizer():
     """The closed-form Newton–Schulz FLOPs of one K3 optimizer step (per head / per expert / per layer blocks,
     from the config and the rules) equal the dot FLOPs of the compiled optimizer update (loop-corrected: the
