@@ -210,6 +210,12 @@ def _per_device(shape, pspec, sizes) -> float:
     return math.prod(shape) / ways
 
 
+def _with_specs(tree, specs) -> list:
+    """[((path, leaf), PartitionSpec)] of a params tree and its ``param_specs``."""
+    return list(zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(
+        specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True))
+
+
 def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
     """Closed-form bytes per device of the program's arguments: for every parameter of the config (shape from the
     config), its elements per device under the rules' shardings × the bytes the mode stores per element —
@@ -227,8 +233,7 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     specs = param_specs(cfg, strategy, sizes, abstract)
     state_per_label = {"muon": 4, "adam_decay": 8, "adam_nodecay": 8, "frozen": 0}
     out = {"weights": 0.0, "optimizer": 0.0, "packed_experts": 0.0, "tokens": 0.0, "gradient_bytes": 0.0}
-    for (path, leaf), pspec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(
-            specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True):
+    for (path, leaf), pspec in _with_specs(abstract, specs):
         n = _per_device(leaf.shape, pspec, sizes)
         name = key_names(path)[-1]
         if isinstance(name, str) and name.endswith(("_packed", "_scale")):
@@ -284,8 +289,7 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
         return out
     abstract = split_packed(_abstract_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
     specs = param_specs(cfg, strategy, sizes, abstract)
-    for (path, leaf), pspec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], jax.tree.leaves(
-            specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True):
+    for (path, leaf), pspec in _with_specs(abstract, specs):
         label, dims, reshape = leaf_rule(path, leaf)
         if label != "muon":
             continue
