@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from k3jax.errors import InputError
+
 Act = Literal["situ", "silu"]
 MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
@@ -34,7 +36,7 @@ QAT_MODES: tuple[str, ...] = get_args(QATMode)
 REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A malformed or contradictory config; the message names the field."""
 
 

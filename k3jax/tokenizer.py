@@ -20,6 +20,8 @@ import base64
 import json
 import os
 
+from k3jax.errors import InputError
+
 # SPEC §1.1a (K2's tokenization_kimi.py), one alternative per entry, joined with "|".
 KIMI_PATTERN_PARTS = (
     r"""[\p{Han}]+""",
@@ -37,7 +39,7 @@ KIMI_PATTERN = "|".join(KIMI_PATTERN_PARTS)
 RANKS_FILE, CONFIG_FILE, CODE_FILE = "tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A malformed tokenizer file; the message names the file and line."""
 
 

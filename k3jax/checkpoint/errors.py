@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from k3jax.errors import InputError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(InputError):
     """A malformed, inconsistent or unsafe checkpoint (a ValueError, so `k3` exits with status 2)."""
 
     def __init__(self, msg: str, *, file: str | None = None, tensor: str | None = None):

@@ -36,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.errors import InputError
 from k3jax.model.functional import merge
 from k3jax.ops.norms import acc_dtype
 
 
-class CacheError(ValueError):
+class CacheError(InputError):
     """A cache request that cannot be met (too long, wrong batch, unknown mark); the message names the value."""
 
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3jax.config import ConfigError, K3Config, RunConfig, from_hf, get_preset, k3_full_attn_layers
+from k3jax.errors import InputError
 
 DERIVED = ("params", "active_params", "tokens", "data_order", "eval_windows")
 NUMERIC_DERIVED = ("params", "active_params", "tokens")
@@ -72,7 +73,7 @@ IMPLIED = {"train.qat": ("run.qat",), "train.compute_dtype": ("run.compute_dtype
 _MODEL_FIELDS = {f.name: f for f in dataclasses.fields(K3Config) if f.name not in ("name", "extra")}
 
 
-class AblationSpecError(ValueError):
+class AblationSpecError(InputError):
     """A malformed ablation file, or one whose arms break the one-factor guarantee; the message names the key."""
 
 
