@@ -1,6 +1,6 @@
 """Where a compiled program's FLOPs go: the loop-corrected dot / convolution FLOPs of an HLO text (``k3 plan
 --compile --hlo-out PATH``) grouped by source op (jaxpr op_name, digits folded) or by result and operand shapes,
-the largest groups first (``k3jax.analysis.hlo``'s counts; loops with unknown trip counts are counted once).
+the largest groups first (``k3jax.plan.hlo``'s counts; loops with unknown trip counts are counted once).
 
     python experiments/hlo_flops_by_op.py /tmp/v6e.hlo                  # by source op
     python experiments/hlo_flops_by_op.py /tmp/v6e.hlo --by shape --grep "jit(step)/cond/"   # the optimizer update (inside the finite check)
@@ -12,7 +12,7 @@ import argparse
 import re
 from collections import defaultdict
 
-from k3jax.analysis.hlo import instr_flops, multiplicities, parse
+from k3jax.plan.hlo import instr_flops, multiplicities, parse
 
 
 def _strip(shape: str) -> str:

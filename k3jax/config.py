@@ -13,6 +13,7 @@ Family switches (SPEC §13) are fields, not code forks; they double as ablation 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -258,6 +259,31 @@ class RunConfig:
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 
+# ---------------------------------------------------------------------------------------------- architectures
+
+# K3Config fields an HF config does not carry: the config's name, and mla_norm_eps (fixed at Moonshot's 1e-6; SPEC
+# §2.3). Run settings are not K3Config fields at all (RunConfig).
+NOT_IN_HF_CONFIG = ("name", "mla_norm_eps")
+
+
+def architecture(cfg: K3Config) -> dict:
+    """The fields of ``cfg`` an HF config carries: what a model is, whatever it is called."""
+    d = cfg.to_dict()
+    for k in NOT_IN_HF_CONFIG:
+        d.pop(k, None)
+    return d
+
+
+def architecture_diff(a: K3Config, b: K3Config, *, storage: bool = False) -> list[str]:
+    """Architecture fields in which ``a`` and ``b`` differ (sorted); ``expert_format`` only with ``storage``
+    (a checkpoint's storage is decided by the tensors present). Export, load, resume and the run settings compare
+    architectures with this one function."""
+    x, y = architecture(a), architecture(b)
+    if not storage:
+        x.pop("expert_format"), y.pop("expert_format")
+    return sorted(k for k in x if x[k] != y.get(k))
+
+
 # --------------------------------------------------------------------------------------------------------- from_hf
 
 def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, **overrides) -> K3Config:
@@ -362,12 +388,33 @@ def get_preset(name: str, **overrides) -> K3Config:
     return cfg.replace(**overrides) if overrides else cfg
 
 
+def preset_of(cfg: K3Config) -> str | None:
+    """The preset ``cfg`` is: its name when that names a preset, else the preset with its architecture
+    (``architecture_diff``; the storage format aside) — a checkpoint loaded from disk is named after its
+    ``model_type`` (``hf-kimi_k3``), not after the preset it was trained as. None for any other model."""
+    if cfg.name in PRESETS:
+        return cfg.name
+    return next((name for name, arch in _preset_architectures().items() if arch == _identity(cfg)), None)
+
+
+def _identity(cfg: K3Config) -> dict:
+    d = architecture(cfg)
+    d.pop("expert_format")
+    return d
+
+
+@functools.cache
+def _preset_architectures() -> dict[str, dict]:
+    return {name: _identity(make()) for name, make in PRESETS.items()}
+
+
 def default_run(cfg: K3Config, **overrides) -> RunConfig:
-    """The run settings of ``cfg``'s preset (by name; ``RunConfig()`` for any other config), with ``overrides``."""
-    run = PRESET_RUNS.get(cfg.name, RunConfig())
+    """The run settings ``cfg``'s preset is tuned with (``PRESET_RUNS``, found by ``preset_of``: a loaded
+    checkpoint of k3-mini runs as k3-mini does), ``RunConfig()`` for any other model; with ``overrides``."""
+    run = PRESET_RUNS.get(preset_of(cfg), RunConfig())
     return run.replace(**overrides) if overrides else run
 
 
-__all__ = ["KDA_IMPLS", "MOE_IMPLS", "QAT_MODES", "REMAT_POLICIES", "K3Config", "ConfigError", "PRESETS",
-           "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "default_run", "from_hf", "get_preset", "k3_full_attn_layers",
-           "validate"]
+__all__ = ["KDA_IMPLS", "MOE_IMPLS", "NOT_IN_HF_CONFIG", "QAT_MODES", "REMAT_POLICIES", "K3Config", "ConfigError",
+           "PRESETS", "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "architecture", "architecture_diff", "default_run",
+           "from_hf", "get_preset", "k3_full_attn_layers", "preset_of", "validate"]

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from k3jax.config import ConfigError, K3Config
+from k3jax.errors import InputError
 
 _REQUIRED = object()
 
@@ -438,7 +439,7 @@ def to_hf_dict(cfg: K3Config, quantization_config: dict | None = None) -> dict:
             tc[key.name] = v
     if cfg.expert_format == "mxfp4":
         if quantization_config is None:
-            raise ValueError("an MXFP4 config needs its quantization_config block")
+            raise InputError("an MXFP4 config needs its quantization_config block")
         tc["quantization_config"] = quantization_config
     if cfg.uses_attn_res:
         return {"model_type": "kimi_k3", "text_config": tc, "tie_word_embeddings": cfg.tie_word_embeddings}

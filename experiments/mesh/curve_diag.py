@@ -12,7 +12,8 @@ import numpy as np
 
 from k3jax.pytree import path_str
 from k3jax.train import data as tdata
-from k3jax.train.loop import TrainConfig, build
+from k3jax.train.loop import build
+from k3jax.train.settings import TrainConfig
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 mesh = sys.argv[2] if len(sys.argv) > 2 else "data=2,expert=4"

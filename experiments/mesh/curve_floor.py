@@ -9,7 +9,8 @@ import sys
 os.environ["JAX_PLATFORMS"]="cpu"; os.environ["XLA_FLAGS"]="--xla_force_host_platform_device_count=8"
 import numpy as np
 
-from k3jax.train.loop import TrainConfig, train
+from k3jax.train.loop import train
+from k3jax.train.settings import TrainConfig
 
 balance = sys.argv[1]
 tc = TrainConfig(preset="k3-mini", steps=20, batch=8, seq_len=32, max_bytes=100_000, eval_every=1000, progress=False, peak_flops=1e12, balance=balance)

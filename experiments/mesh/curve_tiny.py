@@ -7,7 +7,8 @@ import os
 os.environ["JAX_PLATFORMS"]="cpu"; os.environ["XLA_FLAGS"]="--xla_force_host_platform_device_count=8"
 import numpy as np
 
-from k3jax.train.loop import TrainConfig, train
+from k3jax.train.loop import train
+from k3jax.train.settings import TrainConfig
 
 tc = TrainConfig(preset="k3-tiny", steps=20, batch=8, seq_len=16, max_bytes=100000, eval_every=1000, progress=False, peak_flops=1e12)
 a = np.array(train(tc.replace(devices=1), log=lambda m: None)["losses"])

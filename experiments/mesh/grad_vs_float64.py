@@ -18,7 +18,8 @@ from k3jax.config import default_run
 from k3jax.pytree import path_str
 from k3jax.testing import rel_rms
 from k3jax.train import data as tdata
-from k3jax.train.loop import build, step_spec
+from k3jax.train.loop import build
+from k3jax.train.settings import step_spec
 from k3jax.train.step import make_loss
 
 tc = T.MINI.replace(devices=1)

@@ -20,6 +20,8 @@ import json
 
 import numpy as np
 
+from k3jax.errors import InputError
+
 BYTE_CLASSES = ("letter", "digit", "whitespace", "punctuation", "utf8_continuation", "other")
 
 
@@ -236,7 +238,7 @@ def qb_trajectory(metrics_path) -> dict:
             load.append(r["load_max_over_mean"])
             bias.append(r.get("qb_bias_range", [np.nan] * len(r["load_max_over_mean"])))
     if not steps:
-        raise ValueError(f"{metrics_path}: no training steps with load_max_over_mean")
+        raise InputError(f"{metrics_path}: no training steps with load_max_over_mean")
     return {"steps": np.asarray(steps), "load_max_over_mean": np.asarray(load, np.float64),
             "qb_bias_range": np.asarray(bias, np.float64)}
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run, get_preset, k3_full_attn_layers
+from k3jax.errors import InputError
 
 STACKS = ("loop", "scan")
 PARTS = ("forward", "grad", "train_step")
@@ -155,9 +156,9 @@ def _ints(text: str, what: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{what} {text!r}: must be comma-separated positive integers") from None
+        raise InputError(f"{what} {text!r}: must be comma-separated positive integers") from None
     if not out or min(out) < 1:
-        raise ValueError(f"{what} {text!r}: must be comma-separated positive integers")
+        raise InputError(f"{what} {text!r}: must be comma-separated positive integers")
     return out
 
 
@@ -165,17 +166,17 @@ def run(args) -> dict:
     depths = sorted(set(_ints(args.depths, "--depths")))
     stacks = [st for st in STACKS if st in args.stacks.split(",")]
     if not stacks or set(args.stacks.split(",")) - set(STACKS):
-        raise ValueError(f"--stacks {args.stacks!r}: must be loop, scan or loop,scan")
+        raise InputError(f"--stacks {args.stacks!r}: must be loop, scan or loop,scan")
     parts = [p for p in PARTS if p in args.parts.split(",")]
     if not parts or set(args.parts.split(",")) - set(PARTS):
-        raise ValueError(f"--parts {args.parts!r}: must be a comma-separated subset of {', '.join(PARTS)}")
+        raise InputError(f"--parts {args.parts!r}: must be a comma-separated subset of {', '.join(PARTS)}")
     policies = [p for p in args.remat_policies.split(",") if p]
     bad = [p for p in policies if p not in REMAT_POLICIES]
     if bad:
-        raise ValueError(f"--remat-policies {bad[0]!r}: must be one of {', '.join(REMAT_POLICIES)}")
+        raise InputError(f"--remat-policies {bad[0]!r}: must be one of {', '.join(REMAT_POLICIES)}")
     for name in ("batch", "seq_len", "remat_batch", "remat_seq_len"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+            raise InputError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     base = get_preset(args.preset)
     remat_depth = args.remat_depth or depths[0]
     t_all = time.perf_counter()

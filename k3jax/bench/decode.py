@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.bench.common import time_median
+from k3jax.errors import InputError
 
 TILE = 4096  # positions of random latents drawn per cache; longer contexts repeat them
 TARGETS = {"decode_time_16k_over_1k": 1.3, "decode_time_1k_in_64k_cache_over_1k_cache": 1.2}
@@ -217,13 +218,13 @@ def run(args) -> dict:
     contexts = sorted(set(args.contexts))
     batches = sorted(set(args.batches))
     if len(contexts) < 2:
-        raise ValueError(f"--contexts needs at least two values (the '1k' and '16k' roles), got {args.contexts}")
+        raise InputError(f"--contexts needs at least two values (the '1k' and '16k' roles), got {args.contexts}")
     if args.rounds < 1 or args.steps < 1 or args.prefill_reps < 1:
-        raise ValueError("--rounds, --steps and --prefill-reps must be >= 1")
+        raise InputError("--rounds, --steps and --prefill-reps must be >= 1")
     cfg = get_preset(args.preset)
     run_cfg = default_run(cfg)
     if cfg.num_mla_layers == 0:
-        raise ValueError(f"--preset {args.preset} has no MLA layer: nothing in its cache grows with the context")
+        raise InputError(f"--preset {args.preset} has no MLA layer: nothing in its cache grows with the context")
     c1k, c16k, c64k = contexts[0], contexts[1], contexts[-1]
     t_start = time.perf_counter()
     log = lambda msg: print(f"[decode {time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)  # noqa: E731

@@ -30,6 +30,8 @@ from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.host import Scratch, aligned_empty, host_transpose
 from k3jax.checkpoint.io import Checkpoint
 from k3jax.checkpoint.plan import Plan
+from k3jax.errors import InputError
+from k3jax.layers.experts import PACKED_PARTS, packed_name, parse_packed_name
 from k3jax.pytree import key_names
 from k3jax.quant.host import mxfp4_dequantize_T_into
 from k3jax.sharding.mesh import make_mesh
@@ -141,7 +143,7 @@ class LeafSource:
         # a_log_pad (checks the zero tail) and anything new: the name map's reference transform
         try:
             v = nm.leaf_from_hf(self.ck.view_entry(entry), spec, self.shape)
-        except ValueError as err:
+        except InputError as err:
             raise CheckpointError(str(err).removeprefix(f"{spec.name}: "), file=entry.file, tensor=spec.name) from None
         np.copyto(out, v, casting="unsafe")
         return out
@@ -186,9 +188,9 @@ def output_leaves(plan: Plan, abstract, keep_experts_packed: bool, cfg) -> list[
             raise CheckpointError(f"params leaf {'/'.join(map(str, view))} has no tensor in the checkpoint")
         if view in plan.packed and plan.packed[view] and keep_experts_packed:
             E = layer_shape[0]
-            for part in ("packed", "scale"):
+            for part in PACKED_PARTS:
                 s = next(s for s, _ in plan.leaves[view] if s.part == part)
-                out.append(OutLeaf((*path[:-1], f"{path[-1]}_{part}"), (*lead, E, *s.shape), np.dtype(np.uint8),
+                out.append(OutLeaf((*path[:-1], packed_name(path[-1], part)), (*lead, E, *s.shape), np.dtype(np.uint8),
                                    part, tuple((*r[:-1], f"{r[-1]}_{part}") for r in rows), stacked))
         else:
             kind = ("mxfp4" if plan.packed[view] else "expert") if view in plan.packed else "dense"
@@ -228,7 +230,7 @@ class StackedSource:
 
 def source_path(path: tuple, kind: str) -> tuple:
     """The plan leaf an output leaf is read from: itself, or for a kept-packed part ``w1_packed`` its stack ``w1``."""
-    return path if kind in ("dense", "mxfp4", "expert") else (*path[:-1], path[-1].rsplit("_", 1)[0])
+    return path if kind in ("dense", "mxfp4", "expert") else (*path[:-1], parse_packed_name(path[-1])[0])
 
 
 def default_mesh() -> Mesh:

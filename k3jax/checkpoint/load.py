@@ -50,8 +50,7 @@ from k3jax.checkpoint.leaves import (
     source_path,
 )
 from k3jax.checkpoint.plan import Plan, plan_load
-from k3jax.checkpoint.save import architecture_diff
-from k3jax.config import from_hf
+from k3jax.config import architecture_diff, from_hf
 
 
 def _resolve_config(path: str, cfg, strict: bool):

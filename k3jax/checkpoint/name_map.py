@@ -41,6 +41,7 @@ import numpy as np
 
 from k3jax.checkpoint.safetensors_layout import nbytes, order_key, shard_file_name
 from k3jax.config import K3Config
+from k3jax.errors import InputError
 
 Path = tuple  # a path into the params tree, e.g. ("layers", 3, "kda", "wq")
 
@@ -124,7 +125,7 @@ def hf_shape(transform: str, leaf_shape: Sequence[int], in_axes: int = 1) -> tup
 def mxfp4_shapes(in_dim: int, out_dim: int, name: str = "expert") -> tuple[tuple[int, int], tuple[int, int]]:
     """(packed, scale) shapes of one MXFP4 matrix with torch shape [out, in]."""
     if in_dim % MX_GROUP:
-        raise ValueError(f"{name}: input width {in_dim} is not a multiple of the MXFP4 group {MX_GROUP}; "
+        raise InputError(f"{name}: input width {in_dim} is not a multiple of the MXFP4 group {MX_GROUP}; "
                          "store the experts as bf16 (expert_format='bf16')")
     return (out_dim, in_dim // 2), (out_dim, in_dim // MX_GROUP)
 
@@ -220,7 +221,7 @@ def _expert_tensors(e: HFLeafEntry, pre: str, l: int, fmt: str) -> list[TensorSp
         return out
     if fmt == "bf16":
         return [TensorSpec(f"{pre}{x}.{w}.weight", "BF16", (dout, din), path, "expert", l, 1, x) for x in range(E)]
-    raise ValueError(f"unknown expert_format {fmt!r}; known: mxfp4, bf16")
+    raise InputError(f"unknown expert_format {fmt!r}; known: mxfp4, bf16")
 
 
 def global_tensors(cfg: K3Config, layout: str | None = None) -> list[TensorSpec]:
@@ -270,7 +271,7 @@ def shard_of(name: str, cfg: K3Config, layout: str | None = None) -> int:
     if m and name.startswith(LAYOUTS[layout][0]):
         l = int(m.group(1))
         if l >= cfg.num_layers:
-            raise ValueError(f"tensor {name!r}: layer {l} does not exist ({cfg.num_layers} layers)")
+            raise InputError(f"tensor {name!r}: layer {l} does not exist ({cfg.num_layers} layers)")
         return l + 1
     if has_vision_shards(cfg, layout):
         if name.startswith("mm_projector."):
@@ -279,7 +280,7 @@ def shard_of(name: str, cfg: K3Config, layout: str | None = None) -> int:
             return cfg.num_layers + 3
     if name in {s.name for s in global_tensors(cfg, layout)}:
         return cfg.num_layers + 1
-    raise ValueError(f"tensor {name!r} is not a {layout}-layout tensor of this config")
+    raise InputError(f"tensor {name!r} is not a {layout}-layout tensor of this config")
 
 
 def shard_file_of(name: str, cfg: K3Config, layout: str | None = None) -> str:
@@ -309,7 +310,7 @@ def leaf_from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
     the one-expert [in, out] slice. MXFP4 pairs go through ``expert_from_hf``."""
     a = np.asarray(array)
     if tuple(a.shape) != spec.shape:
-        raise ValueError(f"{spec.name}: checkpoint shape {tuple(a.shape)} != expected {spec.shape}")
+        raise InputError(f"{spec.name}: checkpoint shape {tuple(a.shape)} != expected {spec.shape}")
     t = spec.transform
     if t == "mxfp4":
         raise ValueError(f"{spec.name}: MXFP4 tensors come in pairs; use expert_from_hf(packed, scale, ...)")
@@ -318,7 +319,7 @@ def leaf_from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
     if t == "a_log_pad":  # any vector form of >= H values (SPEC §2.1: [H], [1, 1, H, 1], zero-padded [128])
         H, a = shape[0], a.reshape(-1)
         if np.any(a[H:] != 0):
-            raise ValueError(f"{spec.name}: A_log padding [{H}:] must be exactly 0 (got non-zero entries)")
+            raise InputError(f"{spec.name}: A_log padding [{H}:] must be exactly 0 (got non-zero entries)")
         return a[:H].copy()
     return a.reshape(shape)  # copy, row, conv, flat, a_log_4d
 

@@ -22,6 +22,7 @@ from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.container import EXPERT_TENSOR_RE, TensorEntry
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.io import Checkpoint
+from k3jax.errors import InputError
 
 # Floating dtypes a tensor may be stored in instead of the layout's own: cast on load (never reinterpreted).
 # Integer, bool and float8 storage must match exactly (float8 without scales is a quantization, not a dtype).
@@ -100,7 +101,7 @@ def _expected_specs(ck: Checkpoint, cfg, layout) -> list:
     if packed_mods or not has_dense_expert:
         try:
             lists.append(("mxfp4", nm.hf_tensors(cfg, layout, "mxfp4")))
-        except ValueError as e:  # expert width not a multiple of 32: it cannot be MXFP4
+        except InputError as e:  # expert width not a multiple of 32: it cannot be MXFP4
             if packed_mods:
                 raise CheckpointError(f"packed experts present but {e}", file=ck.path) from None
     if has_dense_expert or not lists:

@@ -31,35 +31,14 @@ from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.container import INDEX_NAME, MANIFEST_NAME, read_header, sha256_file
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
-from k3jax.config import K3Config
+from k3jax.config import K3Config, architecture
+from k3jax.layers.experts import PACKED_PARTS, holds_packed, packed_name
 from k3jax.quant import pack_experts
-
-# K3Config fields an HF config does not carry: the config's name, and mla_norm_eps (fixed at Moonshot's 1e-6; SPEC
-# §2.3). Run settings are not K3Config fields at all (k3jax.config.RunConfig).
-NOT_IN_HF_CONFIG = ("name", "mla_norm_eps")
-
 
 # ------------------------------------------------------------------------------------------------- config.json
 
-def architecture(cfg: K3Config) -> dict:
-    """The fields of ``cfg`` an HF config carries."""
-    d = cfg.to_dict()
-    for k in NOT_IN_HF_CONFIG:
-        d.pop(k, None)
-    return d
-
-
 def _preset_json(name: str) -> str:
     return os.path.join(os.path.dirname(os.path.dirname(__file__)), "presets", f"{name}.config.json")
-
-
-def architecture_diff(a: K3Config, b: K3Config, *, storage: bool = False) -> list[str]:
-    """Architecture fields in which ``a`` and ``b`` differ (sorted); ``expert_format`` only with ``storage``
-    (a checkpoint's storage is decided by the tensors present)."""
-    x, y = architecture(a), architecture(b)
-    if not storage:
-        x.pop("expert_format"), y.pop("expert_format")
-    return sorted(k for k in x if x[k] != y.get(k))
 
 
 def config_json(cfg: K3Config) -> bytes:
@@ -126,9 +105,10 @@ class _ShardValues:
 
                 experts = _leaf(self.params, leaf_location(path[:-1], self.cfg)[0])
                 w = path[-1]
-                if f"{w}_packed" in experts:
-                    self._packed[path] = (self._view((*path[:-1], f"{w}_packed")).astype(np.uint8, copy=False),
-                                          self._view((*path[:-1], f"{w}_scale")).astype(np.uint8, copy=False))
+                if holds_packed(experts):
+                    self._packed[path] = tuple(
+                        self._view((*path[:-1], packed_name(w, part))).astype(np.uint8, copy=False)
+                        for part in PACKED_PARTS)
                 else:  # compressed-tensors "even" rule (SPEC §10.2–10.3)
                     p, s = pack_experts(self._view(path), rule="even", name=spec.name)
                     self._packed[path] = (np.asarray(p, np.uint8), np.asarray(s, np.uint8))
@@ -259,4 +239,18 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 
-__all__ = ["architecture", "architecture_diff", "config_json", "index_json", "save"]
+def export_trained(params, cfg: K3Config, qat: str, out_dir: str) -> dict:
+    """A trained model in the official layout (``save``'s summary plus its ``expert_format``): packed MXFP4 experts
+    when the run trained with QAT (the fake-quant grid is the export grid) or held them packed (a frozen-expert
+    run: written as their own bytes), BF16 otherwise."""
+    import jax
+
+    from k3jax.model.functional import packed_expert_paths
+
+    fmt = "mxfp4" if qat != "off" or packed_expert_paths(params) else "bf16"
+    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=True)
+    r["expert_format"] = fmt
+    return r
+
+
+__all__ = ["config_json", "export_trained", "index_json", "save"]

@@ -33,6 +33,7 @@ from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_layout
 from k3jax.checkpoint.save import _leaf
+from k3jax.layers.experts import holds_packed, packed_name, parse_packed_name
 
 
 def _covers(index: tuple, region: tuple, shape: tuple) -> bool:
@@ -88,8 +89,8 @@ class _Pieces:
         if spec.transform == "mxfp4":
             experts = _leaf(self.params, leaf_location(spec.path[:-1], self.cfg)[0])
             w = spec.path[-1]
-            if f"{w}_packed" in experts:
-                base = leaf_location((*spec.path[:-1], f"{w}_{spec.part}"), self.cfg)[0]
+            if holds_packed(experts):
+                base = leaf_location((*spec.path[:-1], packed_name(w, spec.part)), self.cfg)[0]
                 return [(base, lead + (spec.expert,))]
             return [(spath, lead + (spec.expert,))]
         if spec.transform == "expert":
@@ -147,7 +148,7 @@ class _Pieces:
         (spath, region), = self._regions(spec)
         a = self._piece(spath, region)
         if spec.transform == "mxfp4":
-            if spath[-1].endswith(("_packed", "_scale")):
+            if parse_packed_name(spath[-1]):
                 return np.asarray(a, np.uint8)
             from k3jax.quant import pack_experts
 

@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from k3jax.errors import InputError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ablate", help="controlled ablations: one-factor arms x paired seeds, with a noise floor",
@@ -94,7 +96,7 @@ def run_cli(args) -> int:
             print(_describe(spec))
         return 0
     if not args.out:
-        raise ValueError("--out DIR is required (or --check to only resolve the file)")
+        raise InputError("--out DIR is required (or --check to only resolve the file)")
     claim_out(spec, args.out)
     if args.compile_cache != "off":
         _enable_compile_cache(args.compile_cache or os.path.join(args.out, "compile_cache"))

@@ -20,6 +20,8 @@ import importlib.util
 import json
 import sys
 
+from k3jax.errors import InputError
+
 BENCHES = {
     "kda": "k3jax.bench.kda",
     "mxfp4": "k3jax.bench.mxfp4",
@@ -67,7 +69,7 @@ def _main(args) -> int:
         print("\n".join(avail))
         return 0 if args.list else 2
     if args.name not in avail:
-        raise ValueError(f"unknown benchmark {args.name!r}; available: {', '.join(avail)}")
+        raise InputError(f"unknown benchmark {args.name!r}; available: {', '.join(avail)}")
     mod = importlib.import_module(BENCHES[args.name])
     bp = argparse.ArgumentParser(prog=f"k3 bench {args.name}")
     if hasattr(mod, "add_arguments"):

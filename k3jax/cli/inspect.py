@@ -17,6 +17,8 @@ import json
 import os
 import re
 
+from k3jax.errors import InputError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="validate a checkpoint directory against its config", description=__doc__)
@@ -31,10 +33,10 @@ def add_parser(sub) -> None:
 def checkpoint_dir(args) -> str:
     """The checkpoint directory from the positional DIR or ``--ckpt`` (exactly one of them)."""
     if args.dir and args.ckpt and os.path.abspath(args.dir) != os.path.abspath(args.ckpt):
-        raise ValueError(f"give the checkpoint once: DIR {args.dir!r} and --ckpt {args.ckpt!r} differ")
+        raise InputError(f"give the checkpoint once: DIR {args.dir!r} and --ckpt {args.ckpt!r} differ")
     d = args.dir or args.ckpt
     if not d:
-        raise ValueError("give a checkpoint directory (DIR or --ckpt DIR)")
+        raise InputError("give a checkpoint directory (DIR or --ckpt DIR)")
     return d
 
 
@@ -54,7 +56,7 @@ def inspect(path: str, check_data: bool = False, strict_config: bool = False) ->
             if s.transform in A_LOG_TRANSFORMS:
                 try:
                     nm.leaf_from_hf(ck.read_entry(e), s, (cfg.kda_num_heads,))
-                except ValueError as err:
+                except InputError as err:
                     raise CheckpointError(str(err).removeprefix(f"{s.name}: "), file=e.file, tensor=s.name) from None
             elif check_data and s.part == "scale":
                 ck.read_entry(e)  # counts 0x00 / 0xFF, raises on 0xFF

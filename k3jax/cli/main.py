@@ -8,7 +8,10 @@
     k3 generate --prompt TEXT            sample with the hybrid KDA-state + MLA-latent cache
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the parser sets ``func``.
-Errors in user input exit with status 2 and a message naming the field, file or tensor.
+Exit status (../shared/CLI.md): 0 success; 1 the work ran and a check failed — or k3jax itself failed, which ends
+with the traceback; 2 bad input (``k3jax.errors.InputError``: a flag, file, tensor or field, named in the message,
+found before any compute). Only validated input errors exit 2: a ValueError from inside jax or k3jax is a bug, not
+a message to the user.
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def main(argv=None) -> int:
                                        importlib.util.find_spec("libtpu") is not None)
     if platforms is not None:
         os.environ["JAX_PLATFORMS"] = platforms  # before anything below imports jax
-    from k3jax.config import ConfigError
+    from k3jax.errors import InputError
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     previous = _warnings_as_messages(args.command)
     try:
         rc = args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:  # bad input: exit 2 naming the field/file/tensor
+    except InputError as e:  # bad input: exit 2 naming the field/file/tensor (anything else: traceback, exit 1)
         print(f"k3 {args.command}: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -14,68 +14,38 @@ train: the QAT fine-tune step; frozen-experts: the step over packed experts) wit
 ShapeDtypeStruct inputs, for a TPU topology through libtpu's deviceless compiler or for XLA:CPU over N simulated
 devices (the command re-runs itself with that many), and prints the compiler's per-device bytes beside the
 closed-form estimate, the collectives and loop-corrected FLOPs of the compiled program and the roofline step time
-(``k3jax.train.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
+(``k3jax.plan.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
 (checked before any compile). A plan's defaults are what one deploys at full size: capacity factor 1.25 (dropless
 static buffers hold every token routed to one device), remat ``full`` per scanned group for the train modes, and
 ``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
 flags override them. ``--mesh`` is the compile's mesh axes; the formula planner's devices are
 ``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
 
-Counts: ``total_params`` counts the k3jax parameter tree (A_log as [H]: 96 per KDA layer for K3);
-``checkpoint_params`` counts the stored tensors (A_log padded to 128, packed U8 = 2 weights per byte, E8M0 scales
-not counted). ``active_params`` is what one token touches, excluding the input embedding: top-k of the routed
-experts, everything else in full including ``lm_head``; the router bias is not a multiply and is left out.
-
-Memory per device (``--mesh``): weights in the checkpoint format (routed experts as stored — MXFP4 packed + scales
-for K3 — all else BF16/F32 as stored), routed experts of every MoE layer split evenly over the devices (ceil), all
-other tensors replicated; plus per-sequence caches (KDA fp32 state [H, K, V] and fp32 conv windows per KDA layer;
-MLA absorbed latent cache kv_lora + rope values per token per MLA layer in bf16), with the batch's sequences divided
-over the devices (data-parallel attention, ceil). Activations, workspace and framework overhead are not included.
-The per-sequence cache is also given at 2^20 = 1,048,576 tokens (``memory.cache_bytes_per_sequence_at_1m``: the
-KDA part is fixed, only the MLA layers grow), beside what a plain materialized KV cache would take there (per MLA
-layer and token N (qk_nope + qk_rope) key and N v_head_dim value entries, bf16:
-``memory.plain_kv_cache_bytes_per_sequence_at_1m``) and the ratio of the two.
+The counts and the memory model of the formula planner (``k3jax.plan.formula``):
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import sys
-from collections import defaultdict
 
-# GPU kind -> memory in bytes (decimal GB, as vendors state it)
-GPU_BYTES = {"B300": 288 * 10**9, "B200": 192 * 10**9, "H200": 141 * 10**9, "H100": 80 * 10**9}
-KNOWN_MESHES = ("8xB300", "16xB200", "8xB200", "64xH200", "32xH200", "16xH200", "8xH200", "8xH100")
-DEFAULT_MESHES = ("8xB300", "16xB200", "64xH200")
-DEFAULT_CONTEXT = 131072
-MILLION_CONTEXT = 1_048_576  # the per-sequence cache totals are also given at 2^20 tokens
-CACHE_VALUE_BYTES = 2  # MLA cache values (latent and plain) in bf16; KDA state and conv windows fp32
-
-ASSUMPTIONS = (
-    "weights in checkpoint format: routed experts as stored (MXFP4 packed + E8M0 scales for K3), others BF16/F32",
-    "routed experts of each MoE layer split evenly over all devices (ceil(E / devices) per device); "
-    "every other tensor replicated on every device",
-    "KDA: fp32 recurrent state [H, K, V] + fp32 conv windows [3, W-1, H*K] per KDA layer per sequence",
-    "MLA: absorbed latent cache (kv_lora_rank + qk_rope_head_dim) bf16 values per token per MLA layer",
-    "plain KV cache (for comparison only): materialized per-head keys N (qk_nope + qk_rope) and values "
-    "N v_head_dim, bf16, per token per MLA layer; KDA state and conv windows as above",
-    "sequences divided over devices (data-parallel attention): ceil(batch / devices) sequences per device",
-    "activations, workspace, allocator and framework overhead are not included; GB = 10^9 bytes",
-)
+from k3jax.errors import InputError
+from k3jax.plan import formula
+from k3jax.plan.formula import DEFAULT_CONTEXT
+from k3jax.plan.hardware import DEFAULT_HARDWARE, GPU_BYTES
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="parameters, checkpoint bytes and per-device memory (allocates nothing)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__ + "\n" + formula.__doc__.split("\n\n", 2)[2],  # its counts, memory model
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", required=True, help="preset name (kimi-k3, kimi-linear-48b, k3-mini, k3-tiny)")
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--tensors", action="store_true", help="list every text tensor of the official layout, in order")
     p.add_argument("--shards", action="store_true", help="list the text shards: file size, header length, sha256")
     p.add_argument("--hardware", action="append", default=None, metavar="NAME",
-                   help=f"devices of the formula planner like 8xB300 (repeatable; default {' '.join(DEFAULT_MESHES)})"
+                   help=f"devices of the formula planner like 8xB300 (repeatable; default {' '.join(DEFAULT_HARDWARE)})"
                         f"; known GPUs: {', '.join(GPU_BYTES)}")
     p.add_argument("--mesh", action="append", default=None, metavar="AXES",
                    help="mesh axes of --compile, e.g. fsdp=8,expert=64 (the product = the target's devices)")
@@ -95,172 +65,6 @@ def add_parser(sub) -> None:
     c.add_argument("--capacity-factor", type=float, default=None,
                    help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
     p.set_defaults(func=_main)
-
-
-# --------------------------------------------------------------------------------------------------- planning
-
-def parse_mesh(name: str) -> tuple[int, str, int]:
-    """``"8xB300"`` → (8, "B300", bytes per device)."""
-    m = re.fullmatch(r"(\d+)x([A-Za-z0-9]+)", name)
-    if not m or int(m.group(1)) < 1 or m.group(2).upper() not in GPU_BYTES:
-        raise ValueError(f"--hardware {name!r}: unknown; known hardware: {', '.join(KNOWN_MESHES)} "
-                         f"(any <N>x<GPU> with GPU in {', '.join(GPU_BYTES)})")
-    gpu = m.group(2).upper()
-    return int(m.group(1)), gpu, GPU_BYTES[gpu]
-
-
-def _component(path: tuple) -> str:
-    if path[0] != "layers":
-        return {"embed": "embed", "lm_head": "lm_head"}.get(path[0], "norms_and_attn_res")
-    kind = path[2]
-    if kind in ("kda", "mla"):
-        return f"{kind}_attention"
-    if kind == "mlp":
-        return "dense_mlp"
-    if kind == "moe":
-        return {"experts": "routed_experts", "shared": "shared_experts", "router": "router",
-                "bias": "router_bias", "down": "latent_proj", "up": "latent_proj",
-                "latent_norm": "latent_proj"}[path[3]]
-    return "norms_and_attn_res"
-
-
-def _active(cfg, comp: str, n: int) -> int:
-    if comp == "routed_experts":
-        return n * cfg.num_experts_per_token // cfg.num_experts
-    if comp == "router_bias" or (comp == "embed" and not cfg.tie_word_embeddings):
-        return 0
-    return n
-
-
-def _specs_with_fallback(cfg):
-    """Name-map tensors, falling back to bf16 experts when the widths do not fit MXFP4 groups (noted)."""
-    from k3jax.checkpoint.name_map import hf_tensors
-
-    try:
-        return hf_tensors(cfg), cfg.expert_format, None
-    except ValueError as e:
-        if cfg.expert_format != "mxfp4":
-            raise
-        return hf_tensors(cfg, expert_format="bf16"), "bf16", f"experts listed as bf16: {e}"
-
-
-def build_plan(cfg, meshes=DEFAULT_MESHES, context: int = DEFAULT_CONTEXT, batch: int = 1) -> dict:
-    from k3jax.checkpoint.name_map import default_layout, leaf_shapes
-    from k3jax.model import abstract_params, count_params
-
-    if context < 0 or batch < 1:
-        raise ValueError(f"--context must be >= 0 and --batch >= 1 (got {context}, {batch})")
-    mesh_info = [(m, *parse_mesh(m)) for m in meshes]
-    params = abstract_params(cfg)
-    specs, fmt, note = _specs_with_fallback(cfg)
-
-    comp_params, comp_active = defaultdict(int), defaultdict(int)
-    layer_params, layer_active = defaultdict(int), defaultdict(int)
-    for path, shape in leaf_shapes(cfg).items():
-        n = math.prod(shape)
-        comp = _component(path)
-        comp_params[comp] += n
-        comp_active[comp] += _active(cfg, comp, n)
-        key = path[1] if path[0] == "layers" else "model"
-        layer_params[key] += n
-        layer_active[key] += _active(cfg, comp, n)
-    total = count_params(params)
-    assert total == sum(comp_params.values())
-
-    layer_bytes, expert_bytes, dtype_bytes, dtype_count = defaultdict(int), defaultdict(int), defaultdict(int), \
-        defaultdict(int)
-    for s in specs:
-        b = s.nbytes
-        layer_bytes["model" if s.layer is None else s.layer] += b
-        dtype_bytes[s.dtype] += b
-        dtype_count[s.dtype] += 1
-        if s.expert is not None:
-            expert_bytes[s.layer] += b
-    ckpt_bytes = sum(dtype_bytes.values())
-
-    layers = []
-    for l in range(cfg.num_layers):
-        layers.append({"layer": l, "attention": "mla" if cfg.is_mla(l) else "kda",
-                       "ffn": "moe" if cfg.is_moe(l) else "dense", "params": layer_params[l],
-                       "active": layer_active[l], "bytes": layer_bytes[l]})
-
-    # ---- memory per device
-    routed_total = sum(expert_bytes.values())
-    replicated = ckpt_bytes - routed_total
-    H, K, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
-    kda_state_seq = cfg.num_kda_layers * H * K * K * 4
-    kda_conv_seq = cfg.num_kda_layers * 3 * (W - 1) * H * K * 4
-    mla_token = cfg.num_mla_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * CACHE_VALUE_BYTES
-    N = cfg.mla_num_heads
-    plain_token = cfg.num_mla_layers * N * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) \
-        * CACHE_VALUE_BYTES
-    # per sequence at 2^20 tokens: the KDA state and conv windows are fixed, only the MLA layers grow
-    fixed_seq = kda_state_seq + kda_conv_seq
-    cache_1m = fixed_seq + MILLION_CONTEXT * mla_token
-    plain_1m = fixed_seq + MILLION_CONTEXT * plain_token
-    mesh_out = []
-    for name, n, gpu, cap in mesh_info:
-        per_dev_experts = -(-cfg.num_experts // n)
-        weights = replicated + sum(b // cfg.num_experts * per_dev_experts for b in expert_bytes.values())
-        seqs = -(-batch // n)
-        kda = seqs * (kda_state_seq + kda_conv_seq)
-        mla = seqs * context * mla_token
-        used = weights + kda + mla
-        mesh_out.append({"mesh": name, "devices": n, "gpu": gpu, "device_bytes": cap,
-                         "experts_per_device_per_layer": per_dev_experts, "sequences_per_device": seqs,
-                         "weights_bytes": weights, "weights_bytes_fully_sharded": -(-ckpt_bytes // n),
-                         "kda_state_bytes": kda, "mla_cache_bytes": mla,
-                         "total_bytes": used, "free_bytes": cap - used, "fits": used <= cap})
-
-    out = {
-        "preset": cfg.name,
-        "layout": default_layout(cfg),
-        "expert_format": fmt,
-        "total_params": total,
-        "total_params_note": "k3jax parameter tree; A_log counted as [H] (unpadded)",
-        "checkpoint_params": sum(s.num_params for s in specs),
-        "checkpoint_params_note": "stored tensors: A_log padding included, packed U8 = 2 weights/byte, "
-                                  "E8M0 scales not counted",
-        "active_params": sum(comp_active.values()),
-        "active_params_note": "per token, excluding the input embedding: top-k routed experts, the rest in full "
-                              "(incl. lm_head); router bias excluded",
-        "active_params_with_embedding": sum(comp_active.values()) + (
-            0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size),
-        "checkpoint_bytes": ckpt_bytes,
-        "checkpoint_tensors": len(specs),
-        "routed_expert_bytes": routed_total,
-        "bytes_by_dtype": dict(sorted(dtype_bytes.items())),
-        "tensors_by_dtype": dict(sorted(dtype_count.items())),
-        "components": {k: {"params": comp_params[k], "active": comp_active[k]} for k in sorted(comp_params)},
-        "model_level": {"params": layer_params["model"], "active": layer_active["model"],
-                        "bytes": layer_bytes["model"]},
-        "layers": layers,
-        "memory": {"context": context, "batch": batch, "kda_state_bytes_per_sequence": kda_state_seq,
-                   "kda_conv_bytes_per_sequence": kda_conv_seq, "mla_cache_bytes_per_token": mla_token,
-                   "mla_cache_dtype": "bfloat16", "kda_cache_dtype": "float32",
-                   "plain_kv_cache_bytes_per_token": plain_token,
-                   "context_1m": MILLION_CONTEXT, "cache_bytes_per_sequence_at_1m": cache_1m,
-                   "plain_kv_cache_bytes_per_sequence_at_1m": plain_1m,
-                   "plain_kv_over_latent_cache_at_1m": plain_1m / cache_1m,
-                   "replicated_weight_bytes": replicated, "assumptions": list(ASSUMPTIONS), "meshes": mesh_out},
-    }
-    if note:
-        out["notes"] = [note]
-    return out
-
-
-def shard_rows(cfg) -> list[dict]:
-    """One row per text shard: file, file size, header length N, header sha256 (from the name map alone)."""
-    from k3jax.checkpoint.name_map import shard_tensors
-    from k3jax.checkpoint.safetensors_layout import shard_layout
-
-    _, fmt, _ = _specs_with_fallback(cfg)
-    rows = []
-    for f, specs in shard_tensors(cfg, expert_format=fmt):
-        lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
-        rows.append({"file": f, "bytes": lay.file_bytes, "header_len": lay.header_len,
-                     "header_sha256": lay.header_sha256, "tensors": len(specs)})
-    return rows
 
 
 # ------------------------------------------------------------------------------------------------------ output
@@ -317,11 +121,11 @@ def _hardware(args) -> tuple[str, ...]:
     hw = list(args.hardware or [])
     for m in args.mesh or []:
         if "=" in m:
-            raise ValueError(f"--mesh {m}: mesh axes are for --compile (the formula planner takes --hardware NxGPU)")
+            raise InputError(f"--mesh {m}: mesh axes are for --compile (the formula planner takes --hardware NxGPU)")
         print(f"k3 plan: warning: --mesh {m} names hardware; use --hardware {m} (the old spelling goes away in the "
               "next release)", file=sys.stderr)
         hw.append(m)
-    return tuple(hw or DEFAULT_MESHES)
+    return tuple(hw or DEFAULT_HARDWARE)
 
 
 _CHILD_ENV = "K3_PLAN_CPU_DEVICES"
@@ -353,18 +157,20 @@ def _respawn_cpu(args, n: int) -> int:
 def _compile(args, cfg) -> int:
     import os
 
-    from k3jax.train import aot
+    from k3jax.plan import aot
+    from k3jax.plan.hardware import parse_target
+    from k3jax.plan.spec import PlanSpec, check
 
     if not args.target:
-        raise ValueError("--compile needs --target (tpu:v5p:8x8x8, tpu:v6e:16x16 or cpu:<devices>)")
+        raise InputError("--compile needs --target (tpu:v5p:8x8x8, tpu:v6e:16x16 or cpu:<devices>)")
     if not args.mesh or len(args.mesh) > 1:
-        raise ValueError("--compile needs one --mesh, e.g. --mesh fsdp=8,expert=64")
+        raise InputError("--compile needs one --mesh, e.g. --mesh fsdp=8,expert=64")
     if args.hardware:
-        raise ValueError("--hardware is the formula planner's; --compile takes --target")
-    target = aot.parse_target(args.target)
-    spec = aot.PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=args.seq_len,
+        raise InputError("--hardware is the formula planner's; --compile takes --target")
+    target = parse_target(args.target)
+    spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=args.seq_len,
                         remat=args.remat, capacity_factor=args.capacity_factor, strategy=args.strategy)
-    aot.check(cfg, target, spec)  # every input check before a child process or a compile
+    check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
     log = lambda s: print(f"k3 plan: {s}", file=sys.stderr, flush=True)  # noqa: E731
@@ -421,6 +227,7 @@ def _print_compiled(p: dict, out) -> None:
 
 def _main(args) -> int:
     from k3jax.config import get_preset
+    from k3jax.plan.formula import build_plan, shard_rows, specs_with_fallback
 
     cfg = get_preset(args.preset)
     if args.compile:
@@ -429,10 +236,10 @@ def _main(args) -> int:
                         ("--remat", args.remat), ("--strategy", args.strategy),
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out)):
         if given is not None and given is not False:
-            raise ValueError(f"{flag} applies to --compile")
+            raise InputError(f"{flag} applies to --compile")
     out = sys.stdout
     if args.tensors:
-        specs, _, _ = _specs_with_fallback(cfg)
+        specs, _, _ = specs_with_fallback(cfg)
         if args.json:
             json.dump([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs], out)
             out.write("\n")

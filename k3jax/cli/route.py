@@ -121,8 +121,7 @@ def run(args) -> int:
         raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
     from k3jax.analysis import collect as ac
-    from k3jax.checkpoint.save import architecture_diff
-    from k3jax.config import from_hf, get_preset
+    from k3jax.config import architecture_diff, from_hf, get_preset
 
     # everything the flags can get wrong is checked on the configs, before any weight is read
     cfg0 = get_preset(args.preset) if args.preset else from_hf(os.path.join(args.ckpt, "config.json"),

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 
+from k3jax.errors import InputError
+
 
 def default_ckpt() -> str | None:
     """The trained k3-mini shipped with the package, when present."""
@@ -14,8 +16,10 @@ def default_ckpt() -> str | None:
 
 
 def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", strict_config: bool = False,
-               init_seed: int = 0):
-    """(cfg, run settings with ``dtype`` as param and compute dtype, params) of a checkpoint or a preset."""
+               init_seed: int = 0, run_overrides: dict | None = None):
+    """(cfg, run settings with ``dtype`` as param and compute dtype and ``run_overrides``, params) of a checkpoint
+    or a preset. The run settings are the model's own (``config.default_run``: a checkpoint of a preset's
+    architecture runs with that preset's)."""
     import jax
     import jax.numpy as jnp
 
@@ -26,13 +30,13 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
 
         cfg = get_preset(preset)
         if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
-            raise ValueError(f"preset {preset!r} is too large to run here (use a checkpoint of a small config)")
-        run = default_run(cfg, param_dtype=dtype, compute_dtype=dtype)
+            raise InputError(f"preset {preset!r} is too large to run here; use `k3 plan --preset {preset}`")
+        run = default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {}))
         return cfg, run, _jit_init(init_params)(cfg, jax.random.key(init_seed), run)
     from k3jax.checkpoint.load import load
 
     cfg, params = load(ckpt, dtype=jnp.dtype(dtype), strict_config=strict_config, progress=False)
-    return cfg, default_run(cfg, param_dtype=dtype, compute_dtype=dtype), params
+    return cfg, default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {})), params
 
 
 def load_token_file(path: str, flag: str = "--tokens"):

@@ -15,40 +15,43 @@ import argparse
 import sys
 
 from k3jax.config import QAT_MODES, REMAT_POLICIES
+from k3jax.train.settings import TrainConfig
 
 
 def add_parser(sub) -> None:
+    d = TrainConfig()  # every default below is the run's own (k3jax/train/settings.py)
     p = sub.add_parser("train", help="train / QAT fine-tune with per-head Muon, QK-Clip and Quantile Balancing",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("model")
-    src.add_argument("--preset", default=None, help="start from scratch with this preset (default k3-mini)")
+    src.add_argument("--preset", default=None, help=f"start from scratch with this preset (default {d.preset})")
     src.add_argument("--init", default=None, help="start from this checkpoint directory (its config must match "
                      "--preset when both are given)")
     src.add_argument("--strict-config", action="store_true", help="unknown keys in --init's config.json are errors")
-    src.add_argument("--qat", choices=QAT_MODES, default="off")
-    src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default="float32",
+    src.add_argument("--qat", choices=QAT_MODES, default=d.qat)
+    src.add_argument("--compute-dtype", choices=("float32", "bfloat16"), default=d.compute_dtype,
                      help="matmul operand dtype; master params and optimizer state stay fp32")
-    src.add_argument("--layer-stack", choices=("loop", "scan"), default="loop",
+    src.add_argument("--layer-stack", choices=("loop", "scan"), default=d.layer_stack,
                      help="the repeating layer group unrolled, or one lax.scan (compile time flat in depth; equal "
                           "up to reduction order)")
-    src.add_argument("--remat", choices=REMAT_POLICIES, default="none",
+    src.add_argument("--remat", choices=REMAT_POLICIES, default=d.remat,
                      help="per-layer activation checkpointing: none, full (keep only each layer's inputs) or a "
                           "jax.checkpoint_policies name; the same math, less activation memory, more recompute")
     run = p.add_argument_group("run")
-    run.add_argument("--steps", type=int, default=300)
-    run.add_argument("--batch", type=int, default=16, help="global sequences per optimizer step")
-    run.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
-    run.add_argument("--seq-len", type=int, default=128)
-    run.add_argument("--lr", type=float, default=3e-3)
-    run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default="per_head")
-    run.add_argument("--balance", choices=("qb", "sign", "aux", "off"), default="qb",
+    run.add_argument("--steps", type=int, default=d.steps)
+    run.add_argument("--batch", type=int, default=d.batch, help="global sequences per optimizer step")
+    run.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                     help="gradient-accumulation micro-batches per step")
+    run.add_argument("--seq-len", type=int, default=d.seq_len)
+    run.add_argument("--lr", type=float, default=d.lr)
+    run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default=d.optimizer)
+    run.add_argument("--balance", choices=("qb", "sign", "aux", "off"), default=d.balance,
                      help="expert balancing: Quantile Balancing (K3), DeepSeek sign rule, auxiliary loss, none")
-    run.add_argument("--qb-ema", type=float, default=0.0,
+    run.add_argument("--qb-ema", type=float, default=d.qb_ema,
                      help="QB only: bias = centre(rho * bias + (1 - rho) * b-hat), an EMA of the per-step target "
                           "(SPEC §8.2; default 0 = plain QB)")
     run.add_argument("--no-qk-clip", action="store_true")
-    run.add_argument("--qk-tau", type=float, default=100.0)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--qk-tau", type=float, default=d.qk_tau)
+    run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all); "
                      "the same as --mesh data=N")
     run.add_argument("--mesh", default=None, metavar="AXIS=N,...",
@@ -63,28 +66,29 @@ def add_parser(sub) -> None:
     dat = p.add_argument_group("data")
     dat.add_argument("--data", nargs="*", default=(), help="text or JSONL ({\"text\": ...}) files "
                      "(default: the Python stdlib sources)")
-    dat.add_argument("--max-bytes", type=int, default=4 << 20)
-    dat.add_argument("--heldout-frac", type=float, default=0.05)
-    dat.add_argument("--eval-every", type=int, default=50)
+    dat.add_argument("--max-bytes", type=int, default=d.max_bytes)
+    dat.add_argument("--heldout-frac", type=float, default=d.heldout_frac)
+    dat.add_argument("--eval-every", type=int, default=d.eval_every)
     dat.add_argument("--eval-at-start", action="store_true", help="also score the initial parameters (step 0)")
     out = p.add_argument_group("output")
     out.add_argument("--ckpt-dir", default=None, help="orbax checkpoints (resumes from the latest one)")
-    out.add_argument("--ckpt-every", type=int, default=50)
-    out.add_argument("--keep", type=int, default=3)
+    out.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    out.add_argument("--keep", type=int, default=d.keep)
     out.add_argument("--metrics", default=None, help="metrics JSONL file (appended)")
     out.add_argument("--export", default=None, help="write the final model in the official layout here")
     out.add_argument("--fork", action="store_true", help="resume from --ckpt-dir even if settings differ "
                      "(e.g. switch --qat on from a checkpoint of a QAT-off run)")
-    out.add_argument("--max-bad-steps", type=int, default=3, help="stop after this many non-finite steps in a row")
+    out.add_argument("--max-bad-steps", type=int, default=d.max_bad_steps,
+                     help="stop after this many non-finite steps in a row")
     out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     p.set_defaults(func=run_cli)
 
 
 def run_cli(args) -> int:
-    from k3jax.train.loop import TrainConfig, TrainingStoppedError, train
+    from k3jax.train.loop import TrainingStoppedError, train
 
     tc = TrainConfig(
-        preset=args.preset or (None if args.init else "k3-mini"), init=args.init, steps=args.steps,
+        preset=args.preset or (None if args.init else TrainConfig.preset), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
         optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, layer_stack=args.layer_stack,
         remat=args.remat,

@@ -14,10 +14,11 @@ shared: a GLU of hidden num_shared · F (absent if 0); down [D, P], up [P, D], l
 (expert parallelism plugs in here). QAT (SPEC §10.7) fake-quantizes the expert weights (MXFP4, blocks along `in`)
 and the expert GEMM inputs (MXFP8) with straight-through gradients.
 
-Packed experts (frozen, the checkpoint's MXFP4 bytes): ``Experts.to_packed()`` swaps the three Params for
-``PackedExperts`` variables (not Params: ``nnx.state(model, nnx.Param)``, gradients and optimizers never see them)
-w1_packed / w3_packed uint8 [E, F, P/2], w1_scale / w3_scale [E, F, P/32], w2_packed [E, P, F/2], w2_scale
-[E, P, F/32] — the torch orientation of ``load(..., keep_experts_packed=True)``. The experts then run from the bytes
+Packed experts (frozen, the checkpoint's MXFP4 bytes; the schema in k3jax/layers/experts.py): ``Experts.to_packed()``
+swaps the three Params for ``PackedExperts`` variables (not Params: ``nnx.state(model, nnx.Param)``, gradients and
+optimizers never see them) w1_packed / w3_packed uint8 [E, F, P/2], w1_scale / w3_scale [E, F, P/32], w2_packed
+[E, P, F/2], w2_scale [E, P, F/32] — the torch orientation of ``load(..., keep_experts_packed=True)``. The experts
+then run from the bytes
 (k3jax/ops/packed_experts.py; the Pallas grouped MXFP4 matmul on GPU/TPU): dispatch "sorted" = platform choice,
 "tiled" = the XLA loop, "ragged" = the Pallas kernel, "dense" = dequantize + the dense reference; a callable gets
 ``PackedWeight`` pairs in its weight slots. QAT leaves packed weights alone (they are on the MXFP4 grid already) and
@@ -28,67 +29,18 @@ from __future__ import annotations
 
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import QAT_MODES
 from k3jax.layers import backends
 from k3jax.layers.common import HFLeaf, normal, param, vec
+from k3jax.layers.experts import PACKED_DISPATCH, Experts
 from k3jax.layers.ffn import GLU
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
 from k3jax.ops.norms import acc_dtype, rms_norm
 from k3jax.ops.routing import Routing, route
-
-# dispatch name → packed-experts implementation (k3jax/ops/packed_experts.py)
-PACKED_DISPATCH = {"sorted": "auto", "tiled": "tiles", "ragged": "gmm", "dense": "dense"}
-STACKS = ("w1", "w3", "w2")
-
-
-class PackedExperts(nnx.Variable):
-    """Frozen routed-expert storage in the checkpoint's MXFP4 form (uint8 bytes or E8M0 scale bytes). Not an
-    ``nnx.Param``: parameter filters, gradients and optimizers skip it."""
-
-
-class Experts(nnx.Module):
-    """The routed-expert stacks [E, in, out]; HF ``experts.{e}.w{1,2,3}`` (one tensor, or an MXFP4 pair, per
-    expert: the name map expands the ``expert`` transform)."""
-
-    HF = {"w1": HFLeaf("w1", "expert"), "w3": HFLeaf("w3", "expert"), "w2": HFLeaf("w2", "expert")}
-
-    def __init__(self, *, num_experts: int, width: int, hidden: int, width_axis: str, dtype, rngs: nnx.Rngs):
-        E, P, F = num_experts, width, hidden
-        self.w1 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
-        self.w3 = param(normal(rngs, (E, P, F), dtype), ("experts", width_axis, "expert_mlp"))
-        self.w2 = param(normal(rngs, (E, F, P), dtype), ("experts", "expert_mlp", width_axis))
-
-    @property
-    def is_packed(self) -> bool:
-        return hasattr(self, "w1_packed")
-
-    def to_packed(self) -> None:
-        """Replace the Params w1/w3/w2 [..., in, out] (any leading axes, e.g. a stacked group's) by ShapeDtypeStruct
-        placeholders of their packed form: ``w*_packed`` [..., out, in/2] and ``w*_scale`` [..., out, in/32] uint8
-        ``PackedExperts`` with the transposed logical axes. The structure a packed params tree merges into."""
-        for name in STACKS:
-            var = getattr(self, name)
-            *lead, n_in, n_out = var.shape
-            *lead_axes, in_axis, out_axis = var.get_metadata()["axes"]
-            axes = (*lead_axes, out_axis, in_axis)
-            delattr(self, name)
-            for part, width in (("packed", n_in // 2), ("scale", n_in // 32)):
-                setattr(self, f"{name}_{part}",
-                        PackedExperts(jax.ShapeDtypeStruct((*lead, n_out, width), jnp.uint8), axes=axes))
-
-    def weights(self) -> tuple:
-        """(w1, w3, w2): the stacks [E, P, F], [E, P, F], [E, F, P], or their ``PackedWeight`` pairs."""
-        if self.is_packed:
-            from k3jax.ops.packed_experts import PackedWeight  # imported lazily, as mx: the plain model needs neither
-
-            return tuple(PackedWeight(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
-                         for n in STACKS)
-        return tuple(getattr(self, n)[...] for n in STACKS)
 
 
 class MoE(nnx.Module):
@@ -170,4 +122,4 @@ class MoE(nnx.Module):
         return y.reshape(B, T, D).astype(cdt), routing
 
 
-__all__ = ["PACKED_DISPATCH", "Experts", "MoE", "PackedExperts", "QAT_MODES"]
+__all__ = ["MoE"]

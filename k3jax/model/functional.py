@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.layers.experts import holds_packed
 from k3jax.model.network import K3Model
 
 
@@ -49,7 +48,7 @@ def packed_expert_paths(params) -> tuple:
     out = []
 
     def walk(node, path):
-        if "w1_packed" in node:
+        if holds_packed(node):
             out.append(path)
             return
         for k, v in node.items():
@@ -118,9 +117,5 @@ def mla_dims(cfg: K3Config):
     return MLADims(cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
 
 
-def count_params(tree) -> int:
-    return int(sum(np.prod(x.shape, dtype=np.int64) for x in jax.tree.leaves(tree)))
-
-
-__all__ = ["abstract_model", "abstract_params", "count_params", "forward", "graphdef", "hidden_states",
+__all__ = ["abstract_model", "abstract_params", "forward", "graphdef", "hidden_states",
            "init_params", "lm_loss", "merge", "mla_dims", "packed_expert_paths", "param_axes"]

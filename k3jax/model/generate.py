@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.errors import InputError
 from k3jax.model.cache import CacheError, decode_step, init_cache, prefill
 
 
@@ -33,11 +34,11 @@ class Sampling:
 
     def __post_init__(self):
         if not self.greedy and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            raise InputError(f"temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must lie in (0, 1], got {self.top_p}")
+            raise InputError(f"top-p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0 (0: off), got {self.top_k}")
+            raise InputError(f"top-k must be >= 0 (0: off), got {self.top_k}")
 
 
 @functools.partial(jax.jit, static_argnames=("s",))

@@ -22,7 +22,7 @@ from flax import nnx
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import HFLeaf, normal, param, vec
-from k3jax.layers.moe import PackedExperts
+from k3jax.layers.experts import PackedExperts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
 from k3jax.ops.norms import acc_dtype, rms_norm

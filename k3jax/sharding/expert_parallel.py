@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from k3jax.errors import InputError
 from k3jax.ops.grouped_matmul import experts_sorted
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.packed_experts import PackedWeight, experts_packed, num_experts
@@ -64,7 +65,7 @@ def bucket_capacity(m_local: int, top_k: int, local_experts: int, n_shards: int,
     if capacity_factor == -1 or capacity_factor is None:
         return max(worst, 1)
     if capacity_factor <= 0:
-        raise ValueError(f"capacity_factor must be > 0 or -1 (worst case), got {capacity_factor}")
+        raise InputError(f"capacity_factor must be > 0 or -1 (worst case), got {capacity_factor}")
     return max(1, min(worst, math.ceil(capacity_factor * m_local * top_k / n_shards)))
 
 
@@ -199,10 +200,10 @@ class ExpertParallel:
         E = num_experts(w1)
         X, T = self.n_shards, self.n_token_shards
         if E % X:
-            raise ValueError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
+            raise InputError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
                              f"(size {X})")
         if M % T:
-            raise ValueError(f"{M} token rows are not divisible by the token mesh axes {self.token_axes} "
+            raise InputError(f"{M} token rows are not divisible by the token mesh axes {self.token_axes} "
                              f"(product {T})")
         m, El = M // T, E // X
         C = bucket_capacity(m, A, El, X, self.capacity_factor)

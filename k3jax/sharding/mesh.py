@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 import jax
 import numpy as np
 
+from k3jax.errors import InputError
+
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 _AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
@@ -30,11 +32,11 @@ def mesh_shape(shape: Mapping[str, int]) -> dict[str, int]:
     """Complete a {axis: size} dict to all of ``MESH_AXES`` (missing → 1); unknown names raise."""
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; k3jax meshes have axes {MESH_AXES}")
+        raise InputError(f"unknown mesh axes {sorted(unknown)}; k3jax meshes have axes {MESH_AXES}")
     out = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     bad = {a: s for a, s in out.items() if s < 1}
     if bad:
-        raise ValueError(f"mesh axis sizes must be >= 1, got {bad}")
+        raise InputError(f"mesh axis sizes must be >= 1, got {bad}")
     return out
 
 
@@ -50,13 +52,13 @@ def make_mesh(shape: Mapping[str, int], *, axis_types: str = "auto",
     if devices is None:
         avail = jax.devices()
         if len(avail) < n:
-            raise ValueError(f"mesh {full} needs {n} devices, only {len(avail)} available")
+            raise InputError(f"mesh {full} needs {n} devices, only {len(avail)} available")
         if len(avail) == n:
             return jax.make_mesh(sizes, MESH_AXES, axis_types=types)
         devices = avail[:n]
     devs = np.asarray(devices, dtype=object)
     if devs.size != n:
-        raise ValueError(f"mesh {full} needs {n} devices, got {devs.size}")
+        raise InputError(f"mesh {full} needs {n} devices, got {devs.size}")
     return jax.sharding.Mesh(devs.reshape(sizes), MESH_AXES, axis_types=types)
 
 

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from k3jax.errors import InputError
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
 from k3jax.sharding.rules import STRATEGIES, get_rules, logical_to_spec, mesh_axes_of, param_specs
@@ -36,15 +37,42 @@ def parse_mesh(s: str) -> dict[str, int]:
         k, eq, v = part.partition("=")
         k, v = k.strip(), v.strip()
         if not eq or not k or not v.isdigit():
-            raise ValueError(f"--mesh {s!r}: expected axis=size pairs over {', '.join(MESH_AXES)} "
+            raise InputError(f"--mesh {s!r}: expected axis=size pairs over {', '.join(MESH_AXES)} "
                              f"(e.g. data=2,expert=4), got {part!r}")
         if k in shape:
-            raise ValueError(f"--mesh {s!r}: axis {k!r} given twice")
+            raise InputError(f"--mesh {s!r}: axis {k!r} given twice")
         shape[k] = int(v)
     try:
         return mesh_shape(shape)
-    except ValueError as e:
-        raise ValueError(f"--mesh {s!r}: {e}") from None
+    except InputError as e:
+        raise InputError(f"--mesh {s!r}: {e}") from None
+
+
+def resolve_mesh(spec: str, *, devices: int, exact: bool = False, where: str = "", strategy: str | None = None,
+                 cfg=None, params=None, axes: tuple[str, ...] | None = None) -> tuple[dict[str, int], str]:
+    """(axis sizes, strategy) of a ``--mesh`` string after every check a command makes before it compiles: the
+    syntax (``parse_mesh``), the axes the command allows (``axes``, e.g. ``("data",)``), the device count (exactly
+    ``devices`` with ``exact`` — ``where`` names what has them, e.g. ``"--target cpu:8"`` —, else at most
+    ``devices``), the strategy (default from the axes, ``default_strategy``) and, given ``cfg``, that every parameter
+    dimension the rules shard divides by its mesh axes (``params``: the tree to check, default the config's own).
+    The one place a mesh string is read: ``k3 train``, ``k3 plan --compile`` and ``k3 route`` call it."""
+    sizes = parse_mesh(spec)
+    if axes is not None:
+        other = sorted(a for a, n in sizes.items() if a not in axes and n > 1)
+        if other:
+            raise InputError(f"--mesh {spec}: this command splits over {', '.join(axes)} only, got axes {other}")
+    n = math.prod(sizes.values())
+    if exact and n != devices:
+        raise InputError(f"--mesh {spec}: {n} devices, but {where or 'the target'} has {devices}")
+    if not exact and n > devices:
+        raise InputError(f"--mesh {spec}: needs {n} devices, {devices} available")
+    strategy = check_strategy(strategy or default_strategy(sizes))
+    if cfg is not None:
+        try:
+            param_specs(cfg, strategy, sizes, params)  # names the parameter, dimension and axes that do not divide
+        except InputError as e:
+            raise InputError(f"--mesh {spec} (strategy {strategy}): {e}") from None
+    return sizes, strategy
 
 
 def format_mesh(sizes) -> str:
@@ -69,7 +97,7 @@ def default_strategy(sizes) -> str:
 
 def check_strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
-        raise ValueError(f"--strategy {strategy!r}: unknown; known: {', '.join(STRATEGIES)}")
+        raise InputError(f"--strategy {strategy!r}: unknown; known: {', '.join(STRATEGIES)}")
     return strategy
 
 
@@ -175,55 +203,6 @@ def state_shardings(cfg, strategy: str, mesh: jax.sharding.Mesh, state_shapes) -
     return out
 
 
-def packed_form(params):
-    """The tree with every routed-expert stack w1 / w3 / w2 [..., in, out] replaced by its packed MXFP4 leaves
-    ``w*_packed`` [..., out, in/2] and ``w*_scale`` [..., out, in/32] (uint8 ShapeDtypeStructs; the form
-    ``load(..., keep_experts_packed=True)`` returns and ``k3jax.layers.moe.Experts.to_packed`` runs)."""
-    def walk(node, name):
-        if not isinstance(node, dict):
-            return node
-        if name == "experts" and "w1" in node:
-            out = {}
-            for k, x in node.items():
-                *lead, n_in, n_out = x.shape
-                out[f"{k}_packed"] = jax.ShapeDtypeStruct((*lead, n_out, n_in // 2), np.uint8)
-                out[f"{k}_scale"] = jax.ShapeDtypeStruct((*lead, n_out, n_in // 32), np.uint8)
-            return out
-        return {k: walk(v, k) for k, v in node.items()}
-
-    return walk(params, None)
-
-
-def split_packed(params) -> tuple[dict, dict]:
-    """(everything else, only the packed expert leaves) of a params tree; ``merge_trees`` puts them back."""
-    def walk(node):
-        if not isinstance(node, dict):
-            return node, None
-        rest, packed = {}, {}
-        for k, v in node.items():
-            if isinstance(k, str) and k.endswith(("_packed", "_scale")):
-                packed[k] = v
-                continue
-            r, pk = walk(v)
-            if not (isinstance(r, dict) and not r):
-                rest[k] = r
-            if pk:
-                packed[k] = pk
-        return rest, packed
-
-    return walk(params)
-
-
-def merge_trees(a: dict, b: dict | None) -> dict:
-    """The union of two nested dicts with disjoint leaves (``split_packed``'s inverse)."""
-    if not b:
-        return a
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = merge_trees(out[k], v) if k in out and isinstance(v, dict) else v
-    return out
-
-
 def bytes_per_device(tree) -> int:
     """The largest per-device total of addressable bytes over the arrays of ``tree`` (measured from the placed
     shards, not from the specs)."""
@@ -235,5 +214,5 @@ def bytes_per_device(tree) -> int:
 
 
 __all__ = ["batch_sharding", "bytes_per_device", "check_strategy", "default_strategy", "expert_dispatch",
-           "format_mesh", "merge_trees", "opt_specs", "packed_form", "parse_mesh", "split_packed", "state_shardings",
+           "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh", "state_shardings",
            "token_axes", "token_parallel"]

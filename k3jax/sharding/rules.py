@@ -32,6 +32,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import K3Config
+from k3jax.errors import InputError
+from k3jax.layers.experts import packed_axes, parse_packed_name
 from k3jax.notation import LOGICAL_AXES
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
@@ -71,7 +73,7 @@ def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
     name = rules if isinstance(rules, str) else "<custom rules>"
     if isinstance(rules, str):
         if rules not in RULES:
-            raise ValueError(f"unknown sharding strategy {rules!r}; known: {', '.join(STRATEGIES)}")
+            raise InputError(f"unknown sharding strategy {rules!r}; known: {', '.join(STRATEGIES)}")
         rules = RULES[rules]
     missing = [a for a in LOGICAL_AXES if a not in rules]
     if missing:
@@ -111,7 +113,7 @@ def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "a
                 raise ValueError(f"{name}: rules map {lax_name!r} to mesh axis {a!r}, absent from the mesh {sizes}")
         k = math.prod(sizes[a] for a in axes)
         if n % k:
-            raise ValueError(f"{name}: dimension {dim} (logical axis {lax_name!r}, size {n}) is not divisible by "
+            raise InputError(f"{name}: dimension {dim} (logical axis {lax_name!r}, size {n}) is not divisible by "
                              f"mesh axes {axes} (sizes {[sizes[a] for a in axes]}, product {k})")
         used.update(axes)
         out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -143,11 +145,9 @@ def leaf_axes(axes, names: tuple) -> tuple:
     """Logical axes of the leaf at ``names`` in ``axes`` (``param_axes(cfg)``). A routed-expert stack held packed
     (``w1_packed`` / ``w1_scale`` [..., out, in/2 or in/32], k3jax.layers.moe.Experts.to_packed) has its float
     stack's axes with the last two swapped: the packed bytes run along ``in``."""
-    last = names[-1] if names else None
-    if isinstance(last, str) and last.endswith(("_packed", "_scale")) and len(names) >= 2 and \
-            names[-2] == "experts":
-        base = tuple(_get(axes, (*names[:-1], last.rsplit("_", 1)[0])))
-        return (*base[:-2], base[-1], base[-2])
+    packed = parse_packed_name(names[-1]) if len(names) >= 2 and names[-2] == "experts" else None
+    if packed:
+        return packed_axes(tuple(_get(axes, (*names[:-1], packed[0]))))
     return tuple(_get(axes, names))
 
 

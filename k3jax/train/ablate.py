@@ -170,8 +170,9 @@ def _seed_checkpoint(spec: Spec, out: str, plan: dict, seed: int) -> str:
 
 def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) -> dict | None:
     """Train (or resume, or skip if finished) one run; its result record, or None if SIGTERM stopped it."""
-    from k3jax.train.loop import TrainConfig, train
+    from k3jax.train.loop import train
     from k3jax.train.same_init import arm_params
+    from k3jax.train.settings import TrainConfig
 
     arm = spec.runs[job.run_id]
     d = job.dir(out)

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from k3jax.config import ConfigError, K3Config, default_run
+from k3jax.errors import InputError
 from k3jax.train.ablate_spec import (
     DERIVED,
     IMPLIED,
@@ -70,33 +71,11 @@ def _data_order(arm: Arm, seed: int) -> str:
     return h.hexdigest()
 
 
-def active_params(cfg: K3Config) -> int:
-    """Parameters one token touches, by ``k3 plan``'s definition (tested equal to its ``active_params``; train may
-    not import cli): each routed-expert tensor counts top-k / E of itself (floored), the router bias and an untied
-    input embedding count nothing, everything else in full."""
-    import math
-
-    from k3jax.model import abstract_params
-    from k3jax.model.layout import unstack
-    from k3jax.pytree import key_names
-
-    n = 0
-    for p, x in jax.tree_util.tree_flatten_with_path(unstack(abstract_params(cfg), cfg))[0]:
-        path, size = key_names(p), math.prod(x.shape)
-        if path[0] == "layers" and path[2] == "moe" and path[3] == "experts":
-            size = size * cfg.num_experts_per_token // cfg.num_experts
-        elif (path[0] == "layers" and path[2:4] == ("moe", "bias")) or (path == ("embed",) and
-                                                                         not cfg.tie_word_embeddings):
-            size = 0
-        n += size
-    return n
-
-
 def _derived(arm: Arm, seed: int) -> dict:
-    from k3jax.model import abstract_params, count_params
+    from k3jax.model import abstract_params, active_params, count_params
 
     t = arm.train
-    return {"params": count_params(abstract_params(arm.cfg, arm.run)), "active_params": active_params(arm.cfg),
+    return {"params": count_params(abstract_params(arm.cfg, arm.run)), "active_params": active_params(arm.cfg)[0],
             "tokens": t["steps"] * t["batch"] * t["seq_len"], "data_order": _data_order(arm, seed),
             "eval_windows": hashlib.sha256(eval_windows(arm).tokens.tobytes()).hexdigest()}
 
@@ -106,7 +85,7 @@ def _derived(arm: Arm, seed: int) -> dict:
 def _train_settings(parsed: dict, over: dict, where: str) -> dict:
     """TrainConfig keywords of one arm: TrainConfig's defaults (devices: 1), the base's, the level's, then the step
     count from the token budget, the eval settings and the data."""
-    from k3jax.train.loop import TrainConfig
+    from k3jax.train.settings import TrainConfig
 
     d = TrainConfig()
     base = {k: getattr(d, k) for k in TRAIN_KEYS} | {"devices": 1} | parsed["base_train"]
@@ -125,14 +104,14 @@ def _train_settings(parsed: dict, over: dict, where: str) -> dict:
 
 
 def _check_train(cfg: K3Config, train: dict, where: str) -> None:
-    from k3jax.train.loop import TrainConfig, validate
+    from k3jax.train.settings import TrainConfig, validate
 
     n_dev = train["devices"]
     if n_dev is None or n_dev < 1 or n_dev > len(jax.devices()):
         raise AblationSpecError(f"{where}: train.devices = {n_dev}: {len(jax.devices())} device(s) available")
     try:
         validate(TrainConfig(preset=None, model=cfg, seed=0, **train), n_dev)
-    except ValueError as e:
+    except InputError as e:
         raise AblationSpecError(f"{where}: {e}") from e
 
 
@@ -278,4 +257,4 @@ def resolve(parsed: dict) -> Spec:
                 bootstrap=parsed["eval"]["bootstrap"], output=parsed["output"], fingerprint=fingerprint)
 
 
-__all__ = ["DERIVED", "active_params", "corpus", "diff", "eval_windows", "format_diff", "resolve", "violations"]
+__all__ = ["DERIVED", "corpus", "diff", "eval_windows", "format_diff", "resolve", "violations"]

@@ -220,7 +220,7 @@ def _model_overrides(table, where: str) -> dict:
 
 
 def _train_overrides(table, where: str) -> dict:
-    from k3jax.train.loop import TrainConfig
+    from k3jax.train.settings import TrainConfig
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     set_elsewhere = {"steps": "[budget]", "total_steps": "[budget]", "seed": "`seeds`", "data": "[data]",
@@ -307,7 +307,7 @@ def _factor(t, where: str) -> dict:
 def parse(path: str) -> dict:
     """The ablation file at ``path`` as checked, normalized pieces (no config is resolved yet)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"ablation file {path!r} does not exist")
+        raise AblationSpecError(f"ablation file {path!r} does not exist")
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -324,7 +324,7 @@ def parse(path: str) -> dict:
     if "config" in base:
         cfg_path = os.path.join(here, base["config"])
         if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{path}: [base] config: no such file {cfg_path!r}")
+            raise AblationSpecError(f"{path}: [base] config: no such file {cfg_path!r}")
         base_cfg = from_hf(cfg_path)
     else:
         try:

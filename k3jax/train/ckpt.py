@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.errors import InputError
+
 
 def manager(directory: str, *, keep: int, async_save: bool):
     """An orbax CheckpointManager over ``directory`` keeping the latest ``keep`` steps."""
@@ -64,7 +66,7 @@ def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int,
     step = mngr.latest_step() if step is None else step
     mngr.close()
     if step is None:
-        raise ValueError(f"{ckpt_dir}: no committed checkpoint")
+        raise InputError(f"{ckpt_dir}: no committed checkpoint")
     path = os.path.join(os.path.abspath(ckpt_dir), str(step), "state")
     ck = ocp.PyTreeCheckpointer()
     meta = ck.metadata(path)

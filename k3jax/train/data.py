@@ -16,16 +16,17 @@ import os
 import numpy as np
 
 from k3jax.data import stdlib_bytes
+from k3jax.errors import InputError
 
 
 def _read_user_file(path: str) -> bytes:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data: no such file {path!r}")
+        raise InputError(f"--data: no such file {path!r}")
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ValueError(f"--data: cannot read {path!r}: {e}") from e
+        raise InputError(f"--data: cannot read {path!r}: {e}") from e
     if not path.endswith(".jsonl"):
         return raw
     out = []
@@ -35,9 +36,9 @@ def _read_user_file(path: str) -> bytes:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--data: {path}:{n}: not JSON ({e.msg})") from e
+            raise InputError(f"--data: {path}:{n}: not JSON ({e.msg})") from e
         if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-            raise ValueError(f"--data: {path}:{n}: each JSONL line needs a string field \"text\"")
+            raise InputError(f"--data: {path}:{n}: each JSONL line needs a string field \"text\"")
         out.append(rec["text"].encode("utf-8"))
     return b"\n".join(out)
 
@@ -49,7 +50,7 @@ def load_corpus(paths=None, *, max_bytes: int = 4 << 20) -> np.ndarray:
     else:
         toks = np.frombuffer(b"\n".join(_read_user_file(os.fspath(p)) for p in paths)[:max_bytes], np.uint8).copy()
     if toks.size == 0:
-        raise ValueError("--data: the corpus is empty")
+        raise InputError("--data: the corpus is empty")
     return toks
 
 
@@ -61,7 +62,7 @@ def split(tokens: np.ndarray, heldout_frac: float = 0.05) -> tuple[np.ndarray, n
 
 def check_size(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if len(tokens) < seq_len + 2:
-        raise ValueError(f"--data: the {what} split has {len(tokens)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
+        raise InputError(f"--data: the {what} split has {len(tokens)} bytes, fewer than seq_len + 2 = {seq_len + 2}")
 
 
 def batch_at(tokens: np.ndarray, *, seed: int, step: int, batch: int, seq_len: int, vocab: int = 256) -> np.ndarray:

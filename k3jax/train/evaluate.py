@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from k3jax.errors import InputError
+
 
 class Windows(NamedTuple):
     tokens: np.ndarray  # [N, T + 1] int32: position t predicts t + 1
@@ -32,7 +34,7 @@ def tiled_windows(tokens, *, seq_len: int) -> Windows:
     """Non-overlapping windows of ``seq_len + 1`` tokens over the whole stream (consecutive windows share one)."""
     t = np.asarray(tokens).reshape(-1).astype(np.int32)
     if t.size < 2:
-        raise ValueError(f"need at least 2 tokens to score, got {t.size}")
+        raise InputError(f"need at least 2 tokens to score, got {t.size}")
     starts = np.arange(0, t.size - 1, seq_len)
     w = np.zeros((starts.size, seq_len + 1), np.int32)
     m = np.zeros((starts.size, seq_len), np.float32)

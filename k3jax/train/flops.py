@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config
+from k3jax.model.counts import active_leaf
 from k3jax.pytree import key_names
 
 
@@ -31,10 +32,7 @@ def flops_per_token(cfg: K3Config, params, seq_len: int) -> float:
         ndim = leaf.ndim - (names[:1] == ("groups",))
         if ndim < 2 or names[0] == "embed":
             continue
-        n = float(np.prod(leaf.shape))
-        if "experts" in names:
-            n *= cfg.num_experts_per_token / cfg.num_experts
-        dense += n
+        dense += active_leaf(cfg, names, int(np.prod(leaf.shape)))
     attn = 0.0
     for l in range(cfg.num_layers):
         if cfg.is_mla(l):

@@ -1,7 +1,8 @@
 """The QAT fine-tuning / pre-training loop: jitted steps on any mesh the rules table describes, orbax checkpoints
 with exact resume, metrics JSONL, NaN/Inf skipping, SIGTERM handling and a final export in the official layout.
 
-    from k3jax.train.loop import TrainConfig, train
+    from k3jax.train.loop import train
+    from k3jax.train.settings import TrainConfig
     summary = train(TrainConfig(preset="k3-tiny", steps=20, batch=8, seq_len=32, ckpt_dir="ck/", metrics="m.jsonl"))
     summary = train(TrainConfig(preset="k3-mini", mesh="data=2,expert=4", strategy="ep", ...))   # sharded
 
@@ -20,16 +21,12 @@ checkpoint holds params (QB biases included), optimizer state, step, RNG and the
 same command with the same ``ckpt_dir`` continues from the latest committed checkpoint (``k3jax.train.ckpt``) and
 ends with parameters bit-identical to an uninterrupted run.
 
-Everything the user can get wrong (preset, corpus, batch divisibility, steps, --init config) is checked before the
-first compile and raises ValueError (`k3 train` → exit 2).
+The run's settings, their defaults and every check of them live in ``k3jax.train.settings`` (``InputError`` before
+the first compile: `k3 train` exits 2); the records written to ``--metrics`` in ``k3jax.train.records``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
-import os
 import signal
 import sys
 import time
@@ -42,197 +39,33 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from k3jax.config import QAT_MODES, REMAT_POLICIES, ConfigError, K3Config, RunConfig, default_run, get_preset
-from k3jax.sharding import make_mesh, param_shardings, param_specs
+from k3jax.checkpoint.save import export_trained
+from k3jax.config import K3Config, RunConfig
+from k3jax.errors import InputError
+from k3jax.layers.experts import merge_trees, packed_form, split_packed
+from k3jax.sharding import param_shardings
 from k3jax.sharding import placement as place
 from k3jax.train import data as tdata
-from k3jax.train.ckpt import load_checkpoint_params, manager, restore_state, save_state
+from k3jax.train.ckpt import manager, restore_state, save_state
 from k3jax.train.evaluate import Windows, heldout_loss, make_scorer, spaced_windows
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
 from k3jax.train.optim import OptimConfig, make_optimizer, schedule
-from k3jax.train.step import StepSpec, init_state, make_train_step
-
-# Fields that change which batches / updates a run produces: a resume with different values is refused.
-_RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
-                "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data",
-                "max_bytes", "heldout_frac", "total_steps", "frozen_experts")
-
-
-def resume_diff(saved: dict, now: dict) -> list[str]:
-    """Settings (``_RESUME_KEYS``) that differ between a checkpoint's run and this one. A key the checkpoint does
-    not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default."""
-    defaults = TrainConfig().resume_key()
-    return sorted(k for k in now if saved.get(k, defaults[k]) != now[k])
+from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, step_record
+from k3jax.train.settings import (
+    TrainConfig,
+    check_frozen,
+    resolve_mesh,
+    resolve_model,
+    resume_diff,
+    run_settings,
+    step_spec,
+    validate,
+)
+from k3jax.train.step import init_state, make_train_step
 
 
 class TrainingStoppedError(RuntimeError):
     """Too many non-finite steps in a row; the message names the steps and the last good checkpoint."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    preset: str | None = "k3-mini"
-    init: str | None = None  # checkpoint directory (official/HF layout) to start from
-    steps: int = 300
-    total_steps: int | None = None  # LR-schedule length (default: steps)
-    batch: int = 16  # global sequences per optimizer step
-    micro_batches: int = 1
-    seq_len: int = 128
-    lr: float = 3e-3
-    optimizer: str = "per_head"  # OptimConfig.mode
-    qat: str = "off"
-    compute_dtype: str = "float32"
-    layer_stack: str = "loop"  # RunConfig.layer_stack: "scan" compiles the repeating layer group once
-    remat: str = "none"  # RunConfig.remat: per-layer jax.checkpoint policy (same math: not a resume key)
-    balance: str = "qb"
-    sign_gamma: float = 1e-3
-    qb_ema: float = 0.0
-    aux_alpha: float = 1e-2
-    qk_clip: bool = True
-    qk_tau: float = 100.0
-    seed: int = 0
-    data: tuple[str, ...] = ()
-    max_bytes: int = 4 << 20
-    heldout_frac: float = 0.05
-    eval_every: int = 50
-    eval_windows: int = 32
-    ckpt_dir: str | None = None
-    ckpt_every: int = 50
-    keep: int = 3
-    async_ckpt: bool = True
-    metrics: str | None = None
-    export: str | None = None
-    max_bad_steps: int = 3
-    devices: int | None = None  # data-parallel width (default: all devices); excludes mesh
-    mesh: str | None = None  # "data=2,expert=4": axis sizes over data, fsdp, expert, tensor (placement by the rules)
-    strategy: str | None = None  # rules-table column (k3jax.sharding.rules.STRATEGIES); default from the mesh axes
-    # routed experts kept as the --init checkpoint's MXFP4 bytes and frozen; attention, router, shared experts and
-    # norms train (the packed leaves live in state["frozen"], outside gradients and the optimizer)
-    frozen_experts: bool = False
-    eval_at_start: bool = False  # held-out loss of the initial parameters too (a step-0 point of the eval curve)
-    progress: bool | None = None
-    peak_flops: float | None = None  # None: measure an XLA matmul at start-up
-    strict_config: bool = False  # unknown keys in the --init checkpoint's config.json are errors
-    fork: bool = False  # resume from ckpt_dir even if the run settings differ (e.g. switch QAT on mid-run)
-    poison_steps: tuple[int, ...] = ()  # testing hook: (1-based) steps whose loss and gradient are made NaN
-    # `k3 ablate`'s arms: an architecture to build instead of --preset (give preset=None), and the initial parameter
-    # state dict as a function of (cfg, run settings) instead of the random init from `seed` (the shared seed init)
-    model: K3Config | None = None
-    init_fn: Callable[[K3Config, RunConfig], dict] | None = field(default=None, compare=False, repr=False)
-
-    def replace(self, **kw) -> TrainConfig:
-        return dataclasses.replace(self, **kw)
-
-    def resume_key(self) -> dict:
-        d = {k: getattr(self, k) for k in _RESUME_KEYS}
-        d["data"] = list(d["data"])
-        d["total_steps"] = self.total_steps or self.steps
-        return d
-
-
-# ---------------------------------------------------------------------------------------------------------- setup
-
-
-def resolve_model(tc: TrainConfig) -> K3Config:
-    """The model config from --preset and/or --init, compared before any array is read."""
-    from k3jax.checkpoint.save import architecture_diff
-    from k3jax.config import from_hf
-
-    if tc.model is not None:
-        if tc.preset or tc.init:
-            raise ValueError("TrainConfig.model replaces --preset and --init: give preset=None and no init")
-        return tc.model
-    cfg = get_preset(tc.preset) if tc.preset else None
-    if tc.init:
-        cfg_file = os.path.join(tc.init, "config.json")
-        if not os.path.isfile(cfg_file):
-            raise ValueError(f"--init {tc.init}: no config.json (not a checkpoint directory)")
-        ck_cfg = from_hf(cfg_file, strict=tc.strict_config)
-        if cfg is not None:
-            diff = architecture_diff(ck_cfg, cfg)
-            if diff:
-                raise ValueError(f"--init {tc.init}: checkpoint config does not match --preset {tc.preset} "
-                                 f"(differs in {', '.join(diff)})")
-        else:
-            cfg = ck_cfg
-    if cfg is None:
-        raise ValueError("give --preset or --init")
-    return cfg
-
-
-def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") -> None:
-    """The run's own settings; ``n_dev``: how many ways each micro-batch is split (``split`` names them)."""
-    if tc.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {tc.steps}")
-    if tc.batch < 1 or tc.micro_batches < 1 or tc.seq_len < 1:
-        raise ValueError("--batch, --micro-batches and --seq-len must be >= 1")
-    if tc.batch % tc.micro_batches:
-        raise ValueError(f"--batch {tc.batch} is not divisible by --micro-batches {tc.micro_batches}")
-    b = tc.batch // tc.micro_batches
-    if b % n_dev:
-        raise ValueError(f"micro-batch size {b} (= batch {tc.batch} / {tc.micro_batches} micro-batches) is not "
-                         f"divisible by the {n_dev} {split}")
-    if tc.qat not in QAT_MODES:
-        raise ValueError(f"--qat {tc.qat!r}: must be one of {', '.join(QAT_MODES)}")
-    if tc.compute_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--compute-dtype {tc.compute_dtype!r}: must be float32 or bfloat16")
-    if tc.layer_stack not in ("loop", "scan"):
-        raise ValueError(f"--layer-stack {tc.layer_stack!r}: must be loop or scan")
-    if tc.remat not in REMAT_POLICIES:
-        raise ValueError(f"--remat {tc.remat!r}: must be one of {', '.join(REMAT_POLICIES)}")
-    if not 0.0 < tc.heldout_frac < 1.0:
-        raise ValueError(f"--heldout-frac must be in (0, 1), got {tc.heldout_frac}")
-    if tc.max_bad_steps < 1 or tc.ckpt_every < 1 or tc.eval_every < 1 or tc.keep < 1:
-        raise ValueError("--max-bad-steps, --ckpt-every, --eval-every and --keep must be >= 1")
-    StepSpec(balance=tc.balance, qb_ema=tc.qb_ema, qk_tau=tc.qk_tau)  # validates the balance mode, ρ and τ
-    OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
-
-
-def make_data_mesh(n: int | None) -> Mesh:
-    """The data-parallel mesh over the first ``n`` devices (default: all), in ``jax.devices()`` order; its fsdp,
-    expert and tensor axes have size 1, so ``P("data")`` / ``P(None, "data")`` shard over the ``n`` devices."""
-    devs = jax.devices()
-    n = len(devs) if n is None else n
-    if not 1 <= n <= len(devs):
-        raise ValueError(f"--devices {n}: {len(devs)} device(s) available")
-    return make_mesh({"data": n}, devices=devs[:n])
-
-
-def _check_frozen(tc: TrainConfig, cfg: K3Config) -> None:
-    """--frozen-experts needs packed experts to freeze; QAT of the experts needs their master weights."""
-    if not tc.frozen_experts:
-        return
-    if not tc.init:
-        raise ValueError("--frozen-experts keeps the routed experts as a checkpoint's MXFP4 bytes: give --init")
-    if cfg.expert_format != "mxfp4":
-        raise ValueError(f"--frozen-experts: --init {tc.init} stores its routed experts as {cfg.expert_format}, not "
-                         "MXFP4 bytes (export a QAT run, or save with expert_format='mxfp4')")
-    if tc.qat == "weights":
-        raise ValueError(f"--qat weights trains the routed experts on the MXFP4 grid, but --frozen-experts holds "
-                         f"{tc.init}'s experts as packed bytes without master weights; drop --frozen-experts to "
-                         "QAT the experts (from their dequantized values), or use --qat weights+acts to quantize "
-                         "the expert inputs over the frozen experts")
-
-
-def resolve_mesh(tc: TrainConfig, cfg: K3Config) -> tuple[Mesh, str]:
-    """(mesh, strategy) of a run, every check before any compile: axis names and sizes, the device count, the
-    strategy's name, and that each parameter dimension the rules shard divides by its mesh axes."""
-    if tc.mesh is None:
-        if tc.strategy is not None:
-            raise ValueError("--strategy needs --mesh (without it the run is data-parallel over --devices)")
-        return make_data_mesh(tc.devices), "fsdp"  # data-only mesh: fsdp has size 1 → replicated params
-    if tc.devices is not None:
-        raise ValueError("give --mesh or --devices, not both (--devices N is --mesh data=N)")
-    sizes = place.parse_mesh(tc.mesh)
-    need, have = math.prod(sizes.values()), len(jax.devices())
-    if need > have:
-        raise ValueError(f"--mesh {tc.mesh}: needs {need} devices, {have} available")
-    strategy = place.check_strategy(tc.strategy or place.default_strategy(sizes))
-    try:
-        param_specs(cfg, strategy, sizes)  # names the parameter, dimension and mesh axes that do not divide
-    except ValueError as e:
-        raise ValueError(f"--mesh {tc.mesh} --strategy {strategy}: {e}") from None
-    return make_mesh(sizes, devices=jax.devices()[:need]), strategy
 
 
 # -------------------------------------------------------------------------------------------------------- the loop
@@ -283,22 +116,17 @@ class _Run:
     last_good: int | None = None
     flops_tok: float | None = None
     peak: float | None = None
-    mfile: Any = None
+    mfile: MetricsFile = field(default_factory=lambda: MetricsFile(None))
     bar: Any = None
 
     def write(self, rec: dict) -> None:
-        if self.mfile is not None:
-            self.mfile.write(json.dumps(rec) + "\n")
-            self.mfile.flush()
+        self.mfile.write(rec)
 
 
 def _prepare(tc: TrainConfig, log) -> _Run:
     """Every user-facing check, before any compute; loads and splits the corpus."""
-    try:
-        cfg = resolve_model(tc)
-    except ConfigError as e:
-        raise ValueError(str(e)) from e
-    _check_frozen(tc, cfg)
+    cfg = resolve_model(tc)  # a ConfigError is an InputError
+    check_frozen(tc, cfg)
     mesh, strategy = resolve_mesh(tc, cfg)
     n_dev = place.token_parallel(strategy, mesh)  # ways a batch is split (data-parallel width)
     axes = place.token_axes(strategy, mesh)
@@ -314,10 +142,8 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     # the periodic eval's fixed windows: eval_windows rounded down to a multiple of the devices (at least one each)
     eval_set = spaced_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
                               vocab=vocab)
-    settings = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32",  # fp32 master
-                           layer_stack=tc.layer_stack, remat=tc.remat)
-    return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, strategy=strategy, log=log, train_toks=train_toks,
-                eval_set=eval_set, vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
+    return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log,
+                train_toks=train_toks, eval_set=eval_set, vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
 
 
 def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, shardings, log=None):
@@ -340,11 +166,6 @@ def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, shardings,
     return jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=shardings)(jax.random.key(tc.seed))
 
 
-def step_spec(tc: TrainConfig) -> StepSpec:
-    return StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, qb_ema=tc.qb_ema, aux_alpha=tc.aux_alpha,
-                    qk_clip=tc.qk_clip, qk_tau=tc.qk_tau)
-
-
 def _build(run: _Run) -> None:
     """Parameters and optimizer state placed by the rules, the train state, the jitted train step and the
     held-out scorer."""
@@ -355,12 +176,12 @@ def _build(run: _Run) -> None:
     ocfg = OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
     abstract = abstract_params(cfg, run.settings)
     if tc.frozen_experts:
-        abstract = place.packed_form(abstract)
+        abstract = packed_form(abstract)
     param_sh = param_shardings(cfg, run.strategy, run.mesh, abstract)
     params = _init_params(cfg, run.settings, tc, param_sh, run.log)
-    params, frozen = place.split_packed(params)
+    params, frozen = split_packed(params)
     if frozen and not tc.frozen_experts:
-        raise ValueError("the initial parameters hold packed routed experts (w*_packed / w*_scale): they can only "
+        raise InputError("the initial parameters hold packed routed experts (w*_packed / w*_scale): they can only "
                          "be trained frozen (frozen_experts=True, `k3 train --frozen-experts`)")
     tx, _ = make_optimizer(params, ocfg)
     init = lambda p, f: init_state(p, tx, tc.seed, frozen=f or None)  # noqa: E731
@@ -388,7 +209,7 @@ def _resume(run: _Run) -> None:
     if diff and tc.fork:
         run.log(f"fork: resuming with changed {', '.join(diff)}")
     elif diff:
-        raise ValueError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
+        raise InputError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
                          "use a fresh --ckpt-dir")
     run.start = int(run.state["step"])
     run.log(f"resumed from {tc.ckpt_dir} at step {run.start}")
@@ -403,7 +224,7 @@ def _open_outputs(run: _Run) -> None:
 
         run.flops_tok = flops_per_token(run.cfg, abstract_params(run.cfg, run.settings), tc.seq_len)
         run.peak = tc.peak_flops or matmul_peak_flops(dtype=jnp.dtype(tc.compute_dtype))
-    run.mfile = open(tc.metrics, "a", encoding="utf-8") if tc.metrics else None  # noqa: SIM115
+    run.mfile = MetricsFile(tc.metrics)
     if tc.progress if tc.progress is not None else sys.stderr.isatty():
         from tqdm import tqdm
         run.bar = tqdm(total=tc.steps, initial=run.start, desc="train", unit="step", file=sys.stderr)
@@ -412,24 +233,6 @@ def _open_outputs(run: _Run) -> None:
                "param_bytes_per_device": place.bytes_per_device(_full(run.state)),
                "opt_state_bytes_per_device": place.bytes_per_device(run.state["opt"]),
                "flops_per_token": run.flops_tok, "peak_flops": run.peak, "model": run.cfg.name, "qat": tc.qat})
-
-
-def _to_json(x):
-    a = np.asarray(x)
-    return a.item() if a.ndim == 0 else a.tolist()
-
-
-def _step_record(run: _Run, m: dict, step: int, dt: float) -> dict:
-    """The metrics record of (1-based) ``step`` from the step's metrics ``m`` and its wall time ``dt``."""
-    tc = run.tc
-    tps = tc.batch * tc.seq_len / dt
-    clipped = np.argwhere(m["qk_clipped"])
-    return {"step": step, "loss": float(m["ce"]), "total_loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
-            "finite": bool(m["finite"]), "lr": float(run.lr_at(step - 1)), "tokens_per_s": tps,
-            "mfu": run.flops_tok * tps / run.peak if run.peak else None,
-            "load_max_over_mean": _to_json(m["load_ratio"]), "qb_bias_range": _to_json(m["bias_range"]),
-            "mla_max_logit": _to_json(np.max(m["max_logit"], axis=-1)) if m["max_logit"].size else [],
-            "qk_clip_events": [[int(i), int(h), float(m["max_logit"][i, h])] for i, h in clipped]}
 
 
 def _note_step(run: _Run, rec: dict, summary: dict) -> None:
@@ -460,7 +263,7 @@ def _stop_diverged(run: _Run, rec: dict, summary: dict, bad: int) -> None:
 
 def _full(state: dict):
     """The whole parameter tree of a train state (or of its shardings): the trained leaves and any frozen ones."""
-    return place.merge_trees(state["params"], state.get("frozen"))
+    return merge_trees(state["params"], state.get("frozen"))
 
 
 def _evaluate(run: _Run) -> float:
@@ -498,27 +301,11 @@ def _compile_step(run: _Run, x, poison) -> None:
     """Compile the train step ahead of its first call and say what it costs: one log line and a ``compile``
     metrics record (compile seconds, the compiler's per-device argument / output / temporary bytes, and the placed
     state's bytes on the fullest device)."""
-    t0 = time.perf_counter()
-    lowered = run.step_fn.lower(run.state, x, poison)
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    ma = compiled.memory_analysis()
-    mem = {} if ma is None else {"argument_bytes_per_device": int(ma.argument_size_in_bytes),
-                                 "output_bytes_per_device": int(ma.output_size_in_bytes),
-                                 "temp_bytes_per_device": int(ma.temp_size_in_bytes)}
-    rec = {"event": "compile", "lower_s": t1 - t0, "compile_s": t2 - t1, **mem,
-           "param_bytes_per_device": place.bytes_per_device(_full(run.state)),
-           "opt_state_bytes_per_device": place.bytes_per_device(run.state["opt"])}
-    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
-    run.log(f"train step compiled in {t2 - t0:.1f} s (lower {t1 - t0:.1f} s) on mesh "
-            f"{place.format_mesh(run.mesh)} ({run.strategy}): per device "
-            + (f"{mib(mem['argument_bytes_per_device'])} arguments, {mib(mem['temp_bytes_per_device'])} "
-               "temporaries; " if mem else "")
-            + f"parameters {mib(rec['param_bytes_per_device'])}, optimizer state "
-              f"{mib(rec['opt_state_bytes_per_device'])}")
+    run.step_fn, rec = compile_ahead(run.step_fn, run.state, x, poison)
+    rec.update(param_bytes_per_device=place.bytes_per_device(_full(run.state)),
+               opt_state_bytes_per_device=place.bytes_per_device(run.state["opt"]))
+    run.log(compile_summary(rec, place.format_mesh(run.mesh), run.strategy))
     run.write(rec)
-    run.step_fn = compiled
 
 
 def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
@@ -538,7 +325,8 @@ def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
         m = jax.device_get(m)
         dt = time.perf_counter() - t0
         step += 1
-        rec = _step_record(run, m, step, dt)
+        rec = step_record(m, step, dt, tokens=tc.batch * tc.seq_len, lr=run.lr_at(step - 1),
+                          flops_per_token=run.flops_tok, peak_flops=run.peak)
         _note_step(run, rec, summary)
         if not _finish_step(run, rec, summary, term):
             break
@@ -575,29 +363,15 @@ def train(tc: TrainConfig, *, log=None) -> dict:
             run.mngr.close()
         if run.bar is not None:
             run.bar.close()
-        if run.mfile is not None:
-            run.mfile.close()
+        run.mfile.close()
 
     summary.update(step=step, final_loss=summary["losses"][-1] if summary["losses"] else None,
                    final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None, params=_full(run.state))
     if tc.export and summary["stopped"] is None:
-        summary["export"] = export(summary["params"], run.cfg, run.settings, tc.export)
+        summary["export"] = export_trained(summary["params"], run.cfg, run.settings.qat, tc.export)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")
     return summary
 
 
-def export(params, cfg: K3Config, settings: RunConfig, out_dir: str) -> dict:
-    """Official-layout export: packed MXFP4 experts when QAT was on (the fake-quant grid is the export grid)."""
-    from k3jax.checkpoint import save
-    from k3jax.model.functional import packed_expert_paths
-
-    # packed experts (a frozen-expert run) are written as their own bytes
-    fmt = "mxfp4" if settings.qat != "off" or packed_expert_paths(params) else "bf16"
-    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=True)
-    r["expert_format"] = fmt
-    return r
-
-
-__all__ = ["TrainConfig", "TrainingStoppedError", "build", "export", "load_checkpoint_params", "resolve_mesh",
-           "resolve_model", "restore_state", "save_state", "train", "validate"]
+__all__ = ["TrainingStoppedError", "build", "train"]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers as MDN  # noqa: N817
 
+from k3jax.errors import InputError
 from k3jax.pytree import key_names
 
 MODES = ("per_head", "full", "adamw")
@@ -48,11 +49,11 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.mode not in MODES:
-            raise ValueError(f"optimizer mode {self.mode!r}: must be one of {MODES}")
+            raise InputError(f"optimizer mode {self.mode!r}: must be one of {MODES}")
         if self.kvb_split not in ("separate", "joint"):
-            raise ValueError(f"kvb_split {self.kvb_split!r}: must be 'separate' or 'joint'")
+            raise InputError(f"kvb_split {self.kvb_split!r}: must be 'separate' or 'joint'")
         if self.total_steps < 1 or self.lr <= 0:
-            raise ValueError(f"total_steps must be >= 1 and lr > 0 (got {self.total_steps}, {self.lr})")
+            raise InputError(f"total_steps must be >= 1 and lr > 0 (got {self.total_steps}, {self.lr})")
 
     def replace(self, **kw) -> OptimConfig:
         return dataclasses.replace(self, **kw)
@@ -66,8 +67,9 @@ def schedule(peak: float, cfg: OptimConfig):
 
 _PER_HEAD = {("kda", "wq"), ("kda", "wk"), ("kda", "wv"), ("mla", "q_b"), ("mla", "wq")}
 _ADAM_DECAY = {"embed", "lm_head", "conv_q", "conv_k", "conv_v", "query"}
-_ADAM_NODECAY = {"input_norm", "post_norm", "final_norm", "o_norm", "q_a_norm", "kv_a_norm", "latent_norm", "gain",
-                 "A_log", "dt_bias"}
+# Without weight decay: every vector (norm scales, gains, A_log — the 1-D rule in _layer_rule, so a new 1-D leaf needs
+# no entry here) and KDA's dt_bias [N, K].
+_ADAM_NODECAY = {"dt_bias"}
 
 
 def leaf_rule(path, leaf, mode: str = "per_head", kvb_split: str = "separate"):
@@ -95,7 +97,7 @@ def _layer_rule(names: tuple, shape: tuple, mode: str, kvb_split: str):
         return "frozen", None, None
     if last in _ADAM_DECAY:
         return "adam_decay", None, None
-    if last in _ADAM_NODECAY:
+    if last in _ADAM_NODECAY or ndim <= 1:
         return "adam_nodecay", None, None
     if mode == "adamw":
         return "adam_decay", None, None

@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from k3jax.errors import InputError
+from k3jax.layers.experts import merge_trees
 from k3jax.model import forward
-from k3jax.sharding.placement import merge_trees
 from k3jax.train import balance as bal
 from k3jax.train.qk_clip import qk_clip
 
@@ -43,11 +44,11 @@ class StepSpec:
 
     def __post_init__(self):
         if self.balance not in bal.MODES:
-            raise ValueError(f"balance mode {self.balance!r}: must be one of {bal.MODES}")
+            raise InputError(f"balance mode {self.balance!r}: must be one of {bal.MODES}")
         if not 0.0 <= self.qb_ema < 1.0:
-            raise ValueError(f"qb_ema must lie in [0, 1), got {self.qb_ema}")
+            raise InputError(f"qb_ema must lie in [0, 1), got {self.qb_ema}")
         if self.qk_tau <= 0:
-            raise ValueError(f"qk_tau must be > 0, got {self.qk_tau}")
+            raise InputError(f"qk_tau must be > 0, got {self.qk_tau}")
 
 
 def init_state(params, tx, seed: int = 0, frozen=None) -> dict:

@@ -60,7 +60,7 @@ def test_inspect_reports_and_fails_with_exit_2(ckpt, tmp_path, capsys):
 
 
 def test_config_json_roundtrips_architecture():
-    from k3jax.checkpoint.save import architecture
+    from k3jax.config import architecture
 
     for cfg in (CFG, get_preset("k3-mini"), get_preset("k3-tiny", expert_format="bf16")):
         assert architecture(from_hf(json.loads(config_json(cfg)))) == architecture(cfg)

@@ -7,8 +7,7 @@ import warnings
 
 import pytest
 
-from k3jax.checkpoint.save import architecture
-from k3jax.config import PRESETS, ConfigError, from_hf, get_preset
+from k3jax.config import PRESETS, ConfigError, architecture, from_hf, get_preset
 from k3jax.hf_config import KEYS, UnknownConfigKeysWarning, classify_keys, to_hf_dict
 
 HERE = os.path.dirname(__file__)

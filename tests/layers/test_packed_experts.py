@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from k3jax.config import default_run, get_preset, k3_full_attn_layers
-from k3jax.layers.moe import PACKED_DISPATCH, MoE, PackedExperts
+from k3jax.layers.experts import PACKED_DISPATCH, PackedExperts
+from k3jax.layers.moe import MoE
 from k3jax.model import abstract_params, layer_kind, merge
 from k3jax.model.functional import packed_expert_paths
 from k3jax.ops import packed_experts as pe

@@ -1,19 +1,20 @@
 """Adding a leaf is one edit: a parameter created in one block's ``__init__`` plus its row in that block's ``HF``
-table reaches init, the sharding rules, the HF name map and the planner with no other change."""
+table reaches init, the sharding rules, the HF name map, the planner and the optimizer with no other change."""
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.checkpoint.name_map import hf_tensors, leaf_shapes
-from k3jax.cli.plan import build_plan
 from k3jax.config import get_preset
 from k3jax.layers import ffn
 from k3jax.layers.common import param, vec
 from k3jax.model import abstract_params, count_params, init_params
+from k3jax.plan.formula import build_plan
 from k3jax.sharding.rules import param_specs
+from k3jax.train.optim import OptimConfig, make_optimizer
 
 
-def test_a_leaf_added_to_one_block_reaches_init_rules_name_map_and_planner(monkeypatch):
+def test_a_leaf_added_to_one_block_reaches_init_rules_name_map_planner_and_optimizer(monkeypatch):
     base_cfg = get_preset("k3-tiny", vocab_size=98)  # even, so "vocab" splits over tensor=2
     base_total = build_plan(base_cfg)["total_params"]
     real_init = ffn.GLU.__init__
@@ -46,3 +47,13 @@ def test_a_leaf_added_to_one_block_reaches_init_rules_name_map_and_planner(monke
     plan = build_plan(cfg)
     assert plan["total_params"] == base_total + added
     assert plan["checkpoint_tensors"] == build_plan(base_cfg)["checkpoint_tensors"] + 1 + len(moe_layers)
+
+    # the optimizer: a vector gets AdamW without decay (the 1-D rule), and an update moves it (the second: the
+    # schedule's warm-up starts at lr 0)
+    tx, labels = make_optimizer(params, OptimConfig(lr=1e-2, total_steps=10))
+    assert labels["pre"][0]["mlp"]["extra"] == "adam_nodecay"
+    grads, state = jax.tree.map(jnp.ones_like, params), tx.init(params)
+    for _ in range(2):
+        updates, state = tx.update(grads, state, params)
+    step = updates["pre"][0]["mlp"]["extra"]
+    assert step.shape == (cfg.intermediate_size,) and bool(jnp.all(step < 0))  # against a positive gradient

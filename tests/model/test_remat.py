@@ -120,7 +120,8 @@ def test_unknown_remat_policy_is_refused_by_name():
 
 
 def test_train_takes_the_remat_policy_and_refuses_unknown_ones():
-    from k3jax.train.loop import TrainConfig, _prepare, validate
+    from k3jax.train.loop import _prepare
+    from k3jax.train.settings import TrainConfig, validate
 
     tc = TrainConfig(preset="k3-tiny", remat="dots_saveable", batch=2, seq_len=16, max_bytes=100_000, eval_windows=1,
                      devices=1)

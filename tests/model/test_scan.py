@@ -113,7 +113,8 @@ def test_train_with_a_scanned_stack_follows_the_loop(tmp_path):
     stacked gradients give the loop's losses step by step."""
     import json
 
-    from k3jax.train.loop import TrainConfig, train
+    from k3jax.train.loop import train
+    from k3jax.train.settings import TrainConfig
 
     losses = {}
     for st in ("loop", "scan"):

@@ -20,7 +20,8 @@ from k3jax.checkpoint import save
 from k3jax.cli.main import main
 from k3jax.config import get_preset
 from k3jax.model import init_params
-from k3jax.train.loop import TrainConfig, build, train
+from k3jax.train.loop import build, train
+from k3jax.train.settings import TrainConfig
 
 
 def _export(cfg, d, fmt="mxfp4"):

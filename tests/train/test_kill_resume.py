@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import pytest
 
-from k3jax.train.loop import load_checkpoint_params
+from k3jax.train.ckpt import load_checkpoint_params
 
 pytestmark = pytest.mark.slow
 

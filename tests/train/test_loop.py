@@ -10,7 +10,9 @@ import pytest
 
 from k3jax.cli.main import main
 from k3jax.pytree import path_str
-from k3jax.train.loop import TrainConfig, TrainingStoppedError, load_checkpoint_params, resume_diff, train
+from k3jax.train.ckpt import load_checkpoint_params
+from k3jax.train.loop import TrainingStoppedError, train
+from k3jax.train.settings import TrainConfig, resume_diff
 
 BASE = TrainConfig(preset="k3-tiny", steps=4, batch=4, micro_batches=2, seq_len=16, lr=3e-3, eval_every=100,
                    eval_windows=4, max_bytes=100_000, devices=2, progress=False, peak_flops=1e9)
@@ -116,7 +118,7 @@ def test_data_mesh_comes_from_make_mesh_and_places_like_a_plain_data_mesh():
     from jax.sharding import PartitionSpec as P
 
     from k3jax.sharding import MESH_AXES
-    from k3jax.train.loop import make_data_mesh
+    from k3jax.train.settings import make_data_mesh
 
     mesh = make_data_mesh(2)
     assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}

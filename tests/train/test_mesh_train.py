@@ -29,7 +29,8 @@ from k3jax.cli.main import main
 from k3jax.pytree import key_names, path_str
 from k3jax.testing import TOL, rel_rms
 from k3jax.train import data as tdata
-from k3jax.train.loop import TrainConfig, build, train
+from k3jax.train.loop import build, train
+from k3jax.train.settings import TrainConfig
 from k3jax.train.step import make_loss
 
 TINY = TrainConfig(preset="k3-tiny", steps=1, batch=8, seq_len=16, max_bytes=100_000, eval_every=1000,
@@ -41,7 +42,7 @@ def _first_grads(tc: TrainConfig, parts: int = 1):
     """Gradients of the first micro-batch's loss at the initial parameters, computed on ``tc``'s mesh; with
     ``parts`` > 1 (one device) the mean of the gradients of ``parts`` equal slices of the batch."""
     from k3jax.sharding.placement import batch_sharding
-    from k3jax.train.loop import step_spec
+    from k3jax.train.settings import step_spec
 
     run = build(tc, log=lambda m: None)
     tokens = tdata.batch_at(run.train_toks, seed=tc.seed, step=0, batch=tc.batch, seq_len=tc.seq_len,
@@ -148,7 +149,7 @@ def test_first_step_gradients_and_expert_shards_k3_mini(mesh, strategy, frac, mi
 def mini_single():
     """(float64 gradients by leaf name, one-device fp32 gradients) of k3-mini's first batch."""
     from k3jax.config import default_run
-    from k3jax.train.loop import step_spec
+    from k3jax.train.settings import step_spec
 
     run, g32 = _first_grads(MINI.replace(devices=1))
     tokens = tdata.batch_at(run.train_toks, seed=MINI.seed, step=0, batch=MINI.batch, seq_len=MINI.seq_len,

@@ -1,4 +1,4 @@
-"""The compiled-HLO reader (k3jax/analysis/hlo.py): loop bodies counted by their trip counts, collectives found and
+"""The compiled-HLO reader (k3jax/plan/hlo.py): loop bodies counted by their trip counts, collectives found and
 sized, FLOPs against hand counts and against XLA's own cost analysis of the unrolled program."""
 
 import jax
@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.analysis.hlo import arrays, parse, program_stats, shape_bytes, trip_count
+from k3jax.plan.hlo import arrays, parse, program_stats, shape_bytes, trip_count
 
 L, M, D = 5, 16, 64
 

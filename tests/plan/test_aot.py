@@ -1,4 +1,4 @@
-"""Ahead-of-time plans (k3jax/train/aot.py, `k3 plan --compile`): the compiled program's per-device argument bytes
+"""Ahead-of-time plans (k3jax/plan/aot.py, `k3 plan --compile`): the compiled program's per-device argument bytes
 against the closed-form estimate for every mode, the input checks (exit 2 before any compile), the CPU re-spawn and
 the TPU compiler through libtpu's deviceless topologies (slow pass: one libtpu process at a time)."""
 
@@ -13,22 +13,24 @@ import pytest
 
 from k3jax.cli.main import main
 from k3jax.config import get_preset
-from k3jax.train import aot
+from k3jax.plan import aot, estimate, hardware
+from k3jax.plan import spec as plan_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = get_preset("k3-tiny")
 LIBTPU_LOCK = "/tmp/k3jax_libtpu_tests.lock"  # the lock tests/pallas/test_targets.py takes around libtpu children
 
 
-@pytest.mark.parametrize("mode", [m if m == "forward" else pytest.param(m, marks=pytest.mark.slow) for m in aot.MODES])
+@pytest.mark.parametrize("mode", [m if m == "forward" else pytest.param(m, marks=pytest.mark.slow)
+                                  for m in plan_spec.MODES])
 def test_compiled_arguments_match_the_closed_form(mode):
     """XLA:CPU over the test's 8 devices, data=2 x expert=4: the compiler's argument bytes per device are the
     config's parameters x the rules' shardings x the mode's bytes per parameter (within 0.1%: the estimate leaves
     out step counters, the RNG key and Muon's coefficients); the program is the scanned stack with the
     expert-parallel exchange inside it, and its FLOPs are counted through the loops."""
-    spec = aot.PlanSpec(mode=mode, mesh="data=2,expert=4", batch=8, seq_len=32,
+    spec = plan_spec.PlanSpec(mode=mode, mesh="data=2,expert=4", batch=8, seq_len=32,
                         remat="none" if mode == "forward" else "full")
-    out = aot.compile_plan(TINY, aot.parse_target("cpu:8"), spec)
+    out = aot.compile_plan(TINY, hardware.parse_target("cpu:8"), spec)
     assert out["argument_over_estimate"] == pytest.approx(1.0, rel=1e-3), out["estimate"]
     assert out["temp_bytes_per_device"] > 0 and out["fits"] is None and out["roofline"] is None
     assert "all-to-all" in out["collectives"]  # the bucketed expert exchange (XLA:CPU)
@@ -50,9 +52,9 @@ def test_estimate_by_hand_for_kimi_k3():
     dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything
     else is replicated; train keeps fp32 master + Muon momentum (AdamW: two moments)."""
     cfg = get_preset("kimi-k3")
-    spec = aot.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096)
-    sizes, strategy = aot.check(cfg, aot.parse_target("cpu:64"), spec)
-    est = aot.estimate_arguments(cfg, spec, sizes, strategy)
+    spec = plan_spec.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096)
+    sizes, strategy = plan_spec.check(cfg, hardware.parse_target("cpu:64"), spec)
+    est = estimate.estimate_arguments(cfg, spec, sizes, strategy)
     n_total = 2_779_484_476_000  # SPEC §12.1, the k3jax tree (A_log unpadded)
     moe_layers = cfg.num_layers - cfg.first_k_dense_replace
     n_experts = moe_layers * cfg.num_experts * (3 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
@@ -66,16 +68,16 @@ def test_estimate_by_hand_for_kimi_k3():
 def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
     """Unset fields get what one deploys at full size (capacity 1.25, remat full per group in the train modes,
     zero3_ep_tp on fsdp x expert meshes), each reported; a flag given is kept as given (-1: dropless)."""
-    spec, d = aot.with_defaults(aot.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
+    spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
                                              seq_len=4096))
     assert d == {"remat": "full", "capacity_factor": 1.25, "strategy": "zero3_ep_tp"}
     assert (spec.remat, spec.capacity_factor, spec.strategy) == ("full", 1.25, "zero3_ep_tp")
-    spec, d = aot.with_defaults(aot.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
+    spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
     assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"}
-    given = aot.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",
+    given = plan_spec.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",
                          capacity_factor=-1.0, strategy="fsdp_ep_tp")
-    assert aot.with_defaults(given) == (given, {})
-    assert aot.check(TINY, aot.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
+    assert plan_spec.with_defaults(given) == (given, {})
+    assert plan_spec.check(TINY, hardware.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
 
 
 def test_newton_schulz_flops_match_the_compiled_optimizer():
@@ -86,13 +88,13 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     import jax
     import numpy as np
 
-    from k3jax.analysis.hlo import program_stats
     from k3jax.model import abstract_params
+    from k3jax.plan.hlo import program_stats
     from k3jax.sharding.placement import parse_mesh
     from k3jax.train.optim import OptimConfig, make_optimizer
 
-    spec = aot.PlanSpec(mode="train", mesh="data=1", batch=1, seq_len=8)
-    ns = aot.newton_schulz_flops(TINY, spec, parse_mesh("data=1"), "fsdp", OptimConfig().ns_steps)
+    spec = plan_spec.PlanSpec(mode="train", mesh="data=1", batch=1, seq_len=8)
+    ns = estimate.newton_schulz_flops(TINY, spec, parse_mesh("data=1"), "fsdp", OptimConfig().ns_steps)
     params = abstract_params(TINY)
     tx, _ = make_optimizer(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), params), OptimConfig())
     state = jax.eval_shape(tx.init, params)
@@ -100,7 +102,7 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     assert program_stats(compiled.as_text()).flops == pytest.approx(ns["global"], rel=1e-3)
     assert ns["per_device"] == ns["global"]
     # experts split 4 ways, everything else replicated: the expert blocks' share falls 4x
-    sharded = aot.newton_schulz_flops(TINY, spec, parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
+    sharded = estimate.newton_schulz_flops(TINY, spec, parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
     assert sharded["global"] == ns["global"] and ns["global"] / 4 < sharded["per_device"] < ns["global"]
 @pytest.mark.parametrize("argv,msg", [
     (["--target", "cpu:8", "--mesh", "expert=4"], "--mesh expert=4: 4 devices, but --target cpu:8 has 8"),

@@ -1,0 +1,12 @@
+"""Planning a model on hardware before running it: what it costs, in closed form and as the compiler sees it.
+
+    formula.py   `k3 plan`: parameters, checkpoint bytes, per-device memory and caches from the config's shapes
+    hardware.py  published figures of the GPUs and TPU chips plans are made for; compile targets; the roofline
+    spec.py      what a compiled plan is asked for (mode, mesh, batch, sequence), its defaults and input checks
+    estimate.py  closed-form argument bytes, Newton–Schulz and step FLOPs of a plan
+    aot.py       `k3 plan --compile`: the full-size program lowered and compiled for a TPU topology or cpu:N
+    hlo.py       the compiled program's FLOPs, collectives and HBM traffic, read from its HLO text
+
+It sits above ``k3jax.train`` (a train plan compiles the train step) and below ``k3jax.cli`` (``cli/plan.py`` only
+parses flags and prints).
+"""

@@ -1,0 +1,140 @@
+"""Closed-form figures of a plan, from the config and the rules alone (nothing lowered): the program's argument
+bytes per device (``estimate_arguments``), Muon's Newton–Schulz FLOPs (``newton_schulz_flops``) and the FLOPs of one
+step (``model_flops``: 6 · N_active · tokens and the mode's terms; N_active is ``k3jax.model.active_params``, the
+one count ``k3 plan`` reports too). The AOT planner (``k3jax.plan.aot``) prints them beside the compiler's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from k3jax.config import K3Config
+from k3jax.plan.spec import PlanSpec, plan_params, with_defaults
+from k3jax.pytree import key_names
+
+# (block, leaf) the official checkpoint stores as F32 (../shared/k3/tensors.tsv.gz: e_score_correction_bias, and
+# A_log, dt_bias, the q/k/v conv1d weights and o_norm of every KDA layer); every other non-expert tensor is BF16
+F32_STORED = {("moe", "bias"), *(("kda", k) for k in ("A_log", "dt_bias", "conv_q", "conv_k", "conv_v", "o_norm"))}
+
+
+def _per_device(shape, pspec, sizes) -> float:
+    ways = 1
+    for ax in pspec:
+        for a in (ax,) if isinstance(ax, str) else (ax or ()):
+            ways *= sizes[a]
+    return math.prod(shape) / ways
+
+
+def _with_specs(tree, specs) -> list:
+    """[((path, leaf), PartitionSpec)] of a params tree and its ``param_specs``."""
+    return list(zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(
+        specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)), strict=True))
+
+
+def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
+    """Closed-form bytes per device of the program's arguments: for every parameter of the config (shape from the
+    config), its elements per device under the rules' shardings × the bytes the mode stores per element —
+    forward: the checkpoint's dtypes — 4 for the tensors it stores F32 (``F32_STORED``), 2 (BF16) for every other
+    weight, 1 per packed MXFP4 byte / E8M0 scale; train and frozen-experts: 4 (fp32
+    master) + optimizer state (Muon: 4, momentum; AdamW: 8, two moments; the frozen router bias: 0), packed experts
+    as stored. Plus the tokens (int32, split over the batch axes). Step counters, the RNG key and Muon's
+    Newton–Schulz coefficients are left out (bytes). ``gradient_bytes``: 4 per trainable element (the lower bound's
+    gradient term; not an argument)."""
+    from k3jax.layers.experts import parse_packed_name
+    from k3jax.sharding import placement as place
+    from k3jax.sharding.rules import param_specs
+    from k3jax.train.optim import leaf_rule
+
+    abstract = plan_params(cfg, spec)
+    specs = param_specs(cfg, strategy, sizes, abstract)
+    state_per_label = {"muon": 4, "adam_decay": 8, "adam_nodecay": 8, "frozen": 0}
+    out = {"weights": 0.0, "optimizer": 0.0, "packed_experts": 0.0, "tokens": 0.0, "gradient_bytes": 0.0}
+    for (path, leaf), pspec in _with_specs(abstract, specs):
+        n = _per_device(leaf.shape, pspec, sizes)
+        if parse_packed_name(key_names(path)[-1]):
+            out["packed_experts"] += n
+        elif spec.mode == "forward":
+            names = key_names(path)
+            out["weights"] += (4 if tuple(names[-2:]) in F32_STORED else 2) * n
+        else:
+            label = leaf_rule(path, leaf)[0]
+            out["weights"] += 4 * n
+            out["optimizer"] += state_per_label[label] * n
+            out["gradient_bytes"] += 0 if label == "frozen" else 4 * n
+    ways = place.token_parallel(strategy, sizes)
+    out["tokens"] = 4 * spec.batch * (spec.seq_len + (spec.mode != "forward")) / ways
+    out["total"] = out["weights"] + out["optimizer"] + out["packed_experts"] + out["tokens"]
+    return out
+
+
+def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, ns_steps: int) -> dict:
+    """Matmul FLOPs of Muon's Newton–Schulz in one optimizer step, from the config and the optimizer's rules: per
+    orthogonalized [m, n] block (per head / per expert / per layer, ``train.optim.leaf_rule``), a = min(m, n),
+    b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
+    ``global``: each block once; ``per_device``: each leaf's share on one device if the work splits as its
+    sharding splits the leaf (a replicated leaf is orthogonalized whole on every device). That split is the ideal:
+    XLA computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256,
+    each shared-expert block's 6144² A·A: 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md). At full
+    size with the experts trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever
+    the batch)."""
+    from k3jax.layers.experts import split_packed
+    from k3jax.sharding.rules import param_specs
+    from k3jax.train.optim import leaf_rule
+
+    out = {"global": 0.0, "per_device": 0.0}
+    if spec.mode == "forward":  # no optimizer step
+        return out
+    abstract = split_packed(plan_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
+    specs = param_specs(cfg, strategy, sizes, abstract)
+    for (path, leaf), pspec in _with_specs(abstract, specs):
+        label, dims, reshape = leaf_rule(path, leaf)
+        if label != "muon":
+            continue
+        stacked = key_names(path)[0] == "groups"
+        layers = leaf.shape[0] if stacked else 1
+        shape = tuple(reshape or (leaf.shape[1:] if stacked else leaf.shape))
+        axis = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
+        red, outs = axis(dims.reduction_axis), axis(dims.output_axis)
+        m, n = math.prod(shape[i] for i in red), math.prod(shape[i] for i in outs)
+        blocks = layers * math.prod(shape) // (m * n)
+        a, b = min(m, n), max(m, n)
+        f = blocks * ns_steps * (4.0 * a * a * b + 2.0 * a ** 3)
+        out["global"] += f
+        out["per_device"] += f * _per_device(leaf.shape, pspec, sizes) / math.prod(leaf.shape)
+    return out
+
+
+def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strategy: str | None = None) -> dict:
+    """FLOPs of one step from the config: ``6 · N_active · tokens`` (train; the issue's check), with the terms a
+    mode changes — forward 2·N, frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
+    recompute of one forward (+2·N) under a remat policy that saves nothing of the layer; with the mesh
+    (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz split over the devices (``newton_schulz_flops``:
+    per device x devices, so a replicated block counts once per device, as the compiled program's total does)."""
+    from k3jax.model import active_params
+    from k3jax.train.optim import OptimConfig
+
+    spec = with_defaults(spec)[0]
+    n_active, n_exp = active_params(cfg)
+    tokens = spec.batch * spec.seq_len
+    six = 6.0 * n_active * tokens
+    if spec.mode == "forward":
+        expected = 2.0 * n_active * tokens
+    elif spec.mode == "frozen-experts":
+        expected = (6.0 * (n_active - n_exp) + 4.0 * n_exp) * tokens
+    else:
+        expected = six
+    if spec.mode != "forward" and spec.remat in ("full", "nothing_saveable"):
+        expected += 2.0 * n_active * tokens
+    out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
+    if sizes is not None:
+        ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
+        out["newton_schulz"] = ns["global"]
+        out["newton_schulz_split"] = ns["per_device"] * math.prod(sizes.values())
+        expected += out["newton_schulz_split"]
+    out["expected"] = expected
+    return out
+
+
+__all__ = ["F32_STORED", "estimate_arguments", "model_flops", "newton_schulz_flops"]

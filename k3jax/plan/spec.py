@@ -1,0 +1,119 @@
+"""What a plan is asked for: the mode, mesh, batch and sequence of a full-size program (``PlanSpec``), the defaults
+a plan fills in (the program one deploys at full size), the run settings and parameter form of each mode, and every
+check before a compile.
+
+Modes (each the program a user runs, with the rules table's shardings and the expert-parallel dispatch when the
+rules shard the experts; the layer stack scanned):
+    forward         serving prefill in the stored form: BF16 weights, routed experts as packed MXFP4 bytes,
+                    tokens [B, T] → logits [B, T, V] (f32)
+    train           the QAT fine-tune step (``k3jax.train.step``): fp32 master weights, per-head Muon / AdamW state,
+                    QAT weights+acts (MXFP4 expert weights, MXFP8 expert inputs), QB, QK-Clip; tokens [1, B, T+1]
+    frozen-experts  the same step with the routed experts frozen as packed MXFP4 bytes (``k3 train
+                    --frozen-experts``): no expert master weights, gradients or optimizer state; QAT of the expert
+                    inputs (``qat="weights+acts"`` over packed experts quantizes the activations only)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3jax.config import REMAT_POLICIES, K3Config, default_run
+from k3jax.errors import InputError
+from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
+
+MODES = ("forward", "train", "frozen-experts")
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    mode: str
+    mesh: str
+    batch: int
+    seq_len: int
+    remat: str | None = None  # None: PLAN_REMAT for the train modes, "none" for forward
+    capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
+    strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
+
+
+# A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
+# dropless static buffers must hold every token routed to one device (at kimi-k3 / v5p-512 56x the balanced load:
+# terabytes per chip), a 93-layer train step without remat keeps every layer's activations, and non-expert weights
+# over fsdp alone leave ~100 GB/chip of fp32 state (experiments/LOG.md, 2026-12-02 session 10). Each default a plan
+# used is reported under ``defaults`` in its JSON; the flags override them (``--capacity-factor -1`` is dropless).
+PLAN_CAPACITY = 1.25
+PLAN_REMAT = "full"
+
+
+def plan_strategy(sizes: dict) -> str:
+    """The rules column of a plan: ``zero3_ep_tp`` when the mesh has fsdp and expert axes (every non-expert weight
+    over fsdp x expert, as full-size training state needs), otherwise the mesh's default (``default_strategy``)."""
+    from k3jax.sharding import placement as place
+
+    s = place.axis_sizes(sizes)
+    return "zero3_ep_tp" if s["fsdp"] > 1 and s["expert"] > 1 else place.default_strategy(sizes)
+
+
+def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
+    """(``spec`` with every unset field filled, the filled fields and their values)."""
+    from dataclasses import replace
+
+    from k3jax.sharding import placement as place
+
+    d = {}
+    if spec.remat is None:
+        d["remat"] = "none" if spec.mode == "forward" else PLAN_REMAT
+    if spec.capacity_factor is None:
+        d["capacity_factor"] = PLAN_CAPACITY
+    if spec.strategy is None:
+        d["strategy"] = plan_strategy(place.parse_mesh(spec.mesh))
+    return replace(spec, **d), d
+
+
+def run_settings(cfg: K3Config, spec: PlanSpec):
+    spec = with_defaults(spec)[0]
+    if spec.mode == "forward":
+        return default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
+    return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16", param_dtype="float32",
+                       qat="weights+acts")
+
+
+def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
+    """(mesh sizes, strategy) after every check a plan needs before it compiles; InputError naming the value.
+    Unset fields of ``spec`` are checked as ``with_defaults`` fills them."""
+    from k3jax.sharding import placement as place
+
+    if spec.mode not in MODES:
+        raise InputError(f"--mode {spec.mode!r}: unknown; known: {', '.join(MODES)}")
+    spec, _ = with_defaults(spec)
+    if spec.remat not in REMAT_POLICIES:
+        raise InputError(f"--remat {spec.remat!r}: unknown policy; known: {', '.join(REMAT_POLICIES)}")
+    if spec.mode == "forward" and spec.remat != "none":
+        raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode forward has none")
+    if spec.batch < 1 or spec.seq_len < 1:
+        raise InputError(f"--batch {spec.batch} --seq-len {spec.seq_len}: both must be >= 1")
+    if not (spec.capacity_factor == -1 or spec.capacity_factor > 0):
+        raise InputError(f"--capacity-factor {spec.capacity_factor}: must be > 0 or -1 (worst case, dropless)")
+    if spec.mode == "frozen-experts" and cfg.expert_format != "mxfp4":
+        raise InputError(f"--mode frozen-experts: {cfg.name} stores its routed experts as {cfg.expert_format}, "
+                         "not MXFP4 bytes")
+    sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
+                                         strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
+    ways = place.token_parallel(strategy, sizes)
+    if spec.batch % ways:
+        raise InputError(f"--batch {spec.batch}: not divisible by the {ways} ways the batch is split (mesh axes "
+                         f"{', '.join(place.token_axes(strategy, sizes))})")
+    if target.platform == "tpu" and not libtpu_installed():
+        raise InputError(f"--target {target.spec}: libtpu is not installed; {LIBTPU_HINT}")
+    return sizes, strategy
+
+
+def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
+    from k3jax.layers.experts import packed_form
+    from k3jax.model import abstract_params
+
+    p = abstract_params(cfg, run_settings(cfg, spec))
+    return packed_form(p) if spec.mode in ("forward", "frozen-experts") else p
+
+
+__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_REMAT", "PlanSpec", "check", "plan_params", "plan_strategy", "run_settings",
+           "with_defaults"]
