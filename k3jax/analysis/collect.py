@@ -1,4 +1,4 @@
-"""Collect routing from forward passes over a token stream, in bounded memory (issue #17).
+"""Collect routing from forward passes over a token stream or token rows, in bounded memory (issue #17).
 
     fn = routing_fn(cfg, layers=[1, 2], fields=("ids",))            # jitted: (params, tokens [B, T]) -> {l: {...}}
     stats = RoutingStats(cfg, layers=[1, 2], vocab=cfg.vocab_size)
@@ -7,7 +7,8 @@
     report = stats.result()
 
 The stream is cut into windows of ``seq_len`` tokens (each window is an independent sequence: the model sees no
-context across windows); ``batch`` windows go through one compiled forward, the last batch padded with masked
+context across windows); [B, T] rows right-padded with -1 are B sequences, each cut into windows only where it is
+longer than ``seq_len``; ``batch`` windows go through one compiled forward, the last batch padded with masked
 windows. Only the requested fields of the requested MoE layers leave the device, so memory is
 O(batch · seq_len · k · layers) per step plus the fixed-size accumulators of ``RoutingStats`` — flat in the number
 of tokens. On a mesh the windows are split over the mesh's first axis; the routing of a window does not depend on
@@ -16,6 +17,7 @@ which device ran it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -50,13 +52,21 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
     Fields: ``ids`` [B, T, k] int32 (best first), ``weights`` [B, T, k] combine weights, ``scores`` [B, T, E]
     unbiased sigmoid scores, ``biased`` [B, T, E] scores + bias (what selects), ``cutoff`` [B, T] the (k+1)-th
     biased score. Unrequested outputs (logits, other layers' routing) are dead code and not computed past the
-    last requested layer."""
-    from k3jax.model import forward, layer_view
-
+    last requested layer. One function per (config, layers, fields, run settings) in a process, so its compiles
+    are reused by every later call with the same shapes."""
     layers = check_layers(cfg, layers)
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown routing field(s) {bad}; known: {FIELDS}")
+    from k3jax.config import default_run
+
+    return _routing_fn(cfg, tuple(layers), tuple(fields), default_run(cfg) if run is None else run)
+
+
+@functools.cache
+def _routing_fn(cfg, layers: tuple[int, ...], fields: tuple[str, ...], run):
+    from k3jax.model import forward, layer_view
+
     order = moe_layers(cfg)
 
     def route(params, tokens):
@@ -76,26 +86,74 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
     return jax.jit(route)
 
 
-def windows(stream, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1
-            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Cut a 1-D token stream into [batch, seq_len] int32 windows → (tokens, mask) pairs; the last window and
-    the last batch are padded with token 0 under ``mask == False``. ``batch`` is rounded up to ``multiple_of``."""
-    s = np.asarray(stream).reshape(-1)
+def _rows(tokens) -> tuple[np.ndarray, np.ndarray]:
+    """([B, T] rows, [B] lengths): a 1-D stream is one row of only real ids; a 2-D array's rows are right-padded
+    with -1 (any negative id ends the real part of its row)."""
+    t = np.asarray(tokens)
+    if t.ndim == 1:
+        return t[None], np.array([t.size], np.int64)
+    if t.ndim != 2:
+        raise ValueError(f"tokens must be a [T] stream or [B, T] rows, got shape {list(t.shape)}")
+    real = t >= 0
+    n = real.sum(axis=1)
+    if (real != (np.arange(t.shape[1]) < n[:, None])).any():
+        raise ValueError("token rows must be right-padded with -1 (padding only at the end of a row)")
+    return t, n
+
+
+def row_lengths(tokens, max_tokens: int | None = None) -> np.ndarray:
+    """[B] tokens routed from each row of ``tokens`` (see ``windows``): the row lengths, cut so that the rows taken
+    in order hold at most ``max_tokens`` in all."""
+    n = _rows(tokens)[1]
     if max_tokens is not None:
-        s = s[:max_tokens]
-    if s.size == 0:
+        n = np.clip(max_tokens - (np.cumsum(n) - n), 0, n)
+    return n
+
+
+def _plan(tokens, seq_len: int, max_tokens: int | None):
+    """(rows, window row ids, starts, lengths, width) of every window, rows in order, each row's windows in order."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    t = _rows(tokens)[0]
+    n = row_lengths(tokens, max_tokens)
+    if n.sum() == 0:
         raise ValueError("the token stream is empty")
-    if seq_len < 1 or batch < 1:
-        raise ValueError(f"seq_len and batch must be >= 1, got {seq_len}, {batch}")
+    per = -(-n // seq_len)                                  # windows per row
+    row = np.repeat(np.arange(n.size), per)
+    start = (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * seq_len
+    length = np.minimum(seq_len, n[row] - start)
+    width = seq_len if np.ndim(tokens) == 1 else int(min(seq_len, n.max()))
+    return t, row, start, length, width
+
+
+def num_batches(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1) -> int:
+    """How many (tokens, mask) pairs ``windows`` yields."""
     batch = -(-batch // multiple_of) * multiple_of
-    step = seq_len * batch
-    for i in range(0, s.size, step):
-        chunk = s[i:i + step]
-        tok = np.zeros(step, np.int32)
-        mask = np.zeros(step, bool)
-        tok[:chunk.size] = chunk
-        mask[:chunk.size] = True
-        yield tok.reshape(batch, seq_len), mask.reshape(batch, seq_len)
+    return -(-_plan(tokens, seq_len, max_tokens)[1].size // batch)
+
+
+def windows(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Cut token sequences into windows of at most ``seq_len`` → [batch, W] int32 (tokens, mask) pairs; each window
+    is an independent sequence, padded with token 0 under ``mask == False``, and the last batch is filled with
+    empty windows. ``batch`` is rounded up to ``multiple_of``.
+
+    ``tokens`` [T]: one stream, cut into consecutive windows of ``seq_len`` (W = seq_len). ``tokens`` [B, T]: B
+    independent sequences right-padded with -1; each row starts its own window, a row longer than ``seq_len`` is cut
+    into windows of ``seq_len``, and W = min(seq_len, longest row), so a row that fits is routed as the
+    model's forward over the [B, T] rows routes it. ``max_tokens``: only the first ``max_tokens`` real ids, rows in
+    order (``row_lengths``)."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    t, row, start, length, width = _plan(tokens, seq_len, max_tokens)
+    batch = -(-batch // multiple_of) * multiple_of
+    for i in range(0, row.size, batch):
+        tok = np.zeros((batch, width), np.int32)
+        mask = np.zeros((batch, width), bool)
+        for j, (r, s, m) in enumerate(zip(row[i:i + batch], start[i:i + batch], length[i:i + batch])):
+            tok[j, :m] = t[r, s:s + m]
+            mask[j, :m] = True
+        yield tok, mask
 
 
 class RoutingStats:
@@ -203,10 +261,11 @@ class RoutingStats:
                 "cross_layer_agreement": agree}
 
 
-def collect(params, cfg, stream, *, layers=None, seq_len: int = 128, batch: int = 8, max_tokens: int | None = None,
+def collect(params, cfg, tokens, *, layers=None, seq_len: int = 128, batch: int = 8, max_tokens: int | None = None,
             mesh=None, fields: Sequence[str] = ("ids",), keep: bool = False, run=None, compare_params=None,
             progress=None):
-    """Route ``stream`` through the model and accumulate ``RoutingStats``.
+    """Route ``tokens`` through the model and accumulate ``RoutingStats``: a 1-D stream cut into windows of
+    ``seq_len``, or [B, T] independent sequences right-padded with -1 (padding is in no statistic); see ``windows``.
 
     Returns (report, stats, kept): ``report`` = ``stats.result()`` (plus ``drift``), ``stats`` the accumulators
     (full co-activation and specialization tables), ``kept`` None unless ``keep`` — then {"tokens": [N] int,
@@ -234,11 +293,11 @@ def collect(params, cfg, stream, *, layers=None, seq_len: int = 128, batch: int 
             compare_params = jax.device_put(compare_params, rep)
     kept = {"tokens": [], "mask": [], **{l: {f: [] for f in fields} for l in layers}} if keep else None
     drift = np.zeros((len(layers), 3))
-    it = windows(stream, seq_len, batch, max_tokens=max_tokens, multiple_of=mult)
+    it = windows(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult)
     if progress:
         from tqdm import tqdm
-        n = np.asarray(stream).size if max_tokens is None else min(max_tokens, np.asarray(stream).size)
-        it = tqdm(it, total=-(-n // (seq_len * (-(-batch // mult) * mult))), desc="route", unit="batch")
+        it = tqdm(it, total=num_batches(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult),
+                  desc="route", unit="batch")
     for tok, mask in it:
         routed = jax.device_get(fn(params, put(tok)))
         stats.update(tok, routed, mask)
@@ -264,5 +323,5 @@ def collect(params, cfg, stream, *, layers=None, seq_len: int = 128, batch: int 
     return report, stats, kept
 
 
-__all__ = ["DENSE_SPEC_LIMIT", "FIELDS", "RoutingStats", "check_layers", "collect", "moe_layers", "routing_fn",
-           "windows"]
+__all__ = ["DENSE_SPEC_LIMIT", "FIELDS", "RoutingStats", "check_layers", "collect", "moe_layers", "num_batches",
+           "routing_fn", "row_lengths", "windows"]

@@ -4,13 +4,14 @@
     k3 generate --ckpt DIR --prompt "Hello" --temperature 0.8 --top-p 0.9 --seed 1
     k3 generate --ckpt DIR --tokens prompts.npy --greedy --out gen.npy --logits-out logits.npy --json
 
-``--tokens`` is an int32 [B, T] array, ragged prompts right-padded with -1. ``--prompt`` text is encoded by the
-checkpoint's own tokenizer when its directory has one (``tiktoken.model``, SPEC §1.1a), else as UTF-8 bytes.
-``--out`` gets the new tokens only, [B, N] int32, -1 after a row's stop; ``--logits-out`` the float32 logits
-[B, N, V] each new token was drawn from (zeros after a stop). With B = 1 the text streams to stdout as it decodes
-(B > 1: each row printed whole at the end); ``--json`` prints one object instead. Same seed, same samples. A
---stop id ends its row and is kept as the row's last token. Bad input exits 2 before any compute and writes no
-file; output files appear only once generation has finished.
+``--tokens`` is an int32 [B, T] array of B independent prompts, ragged ones right-padded with -1 (as in `k3 route` and
+`k3 logits`; a 1-D [T] file is one prompt); an id < -1 or >= vocab, a row of only padding or -1 inside a row exits 2
+naming the row. ``--prompt`` text is encoded by the checkpoint's own tokenizer when its directory has one
+(``tiktoken.model``, SPEC §1.1a), else as UTF-8 bytes. ``--out`` gets the new tokens only, [B, N] int32, -1 after a
+row's stop; ``--logits-out`` the float32 logits [B, N, V] each new token was drawn from (zeros after a stop). With
+B = 1 the text streams to stdout as it decodes (B > 1: each row printed whole at the end); ``--json`` prints one object
+instead. Same seed, same samples. A --stop id ends its row and is kept as the row's last token. Bad input exits 2
+before any compute and writes no file; output files appear only once generation has finished.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import numpy as np
 
 from k3jax.cli.source import default_ckpt, load_model, load_token_file, model_config
+from k3jax.errors import InputError
 
 # SPEC §1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
 DEFAULT_MAX_LEN = 1 << 20
@@ -37,7 +39,8 @@ def add_parser(sub) -> None:
     src.add_argument("--preset", help="random init of this preset (init seed 0)")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="prompt text")
-    inp.add_argument("--tokens", help=".npy of int32 prompt ids [B, T] (or [T]); ragged rows right-padded with -1")
+    inp.add_argument("--tokens", help=".npy int32 [B, T]: B independent prompts, ragged rows right-padded with -1; "
+                     "[T]: one prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="arg-max decoding (the default without --temperature)")
@@ -72,23 +75,17 @@ def _stops(s: str | None, vocab: int) -> list[int]:
     return out
 
 
-def _prompts(args, tok, vocab: int) -> np.ndarray:
+def _prompts(args, tok, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """(prompts [B, T] int32 right-padded with -1, lengths [B]) of --prompt or --tokens, checked before any compute."""
     if args.prompt is not None:
         if args.prompt == "":
-            raise ValueError("--prompt is empty")
+            raise InputError("--prompt is empty")
         ids = tok.encode(args.prompt)
         if not ids:
-            raise ValueError("--prompt encodes to no tokens")
-        return np.asarray(ids, np.int32)[None]
-    t = load_token_file(args.tokens)
-    t = t[None] if t.ndim == 1 else t
-    if t.ndim != 2 or t.shape[1] == 0:
-        raise ValueError(f"--tokens {args.tokens}: expected [B, T] or [T], got shape {list(t.shape)}")
-    if t.size and t.max() >= vocab:
-        raise ValueError(f"--tokens {args.tokens}: token id {int(t.max())} >= vocab {vocab}")
-    if (t < -1).any():
-        raise ValueError(f"--tokens {args.tokens}: ids must be >= 0 (-1 only as right padding), got {int(t.min())}")
-    return t.astype(np.int32)
+            raise InputError("--prompt encodes to no tokens")
+        return np.asarray(ids, np.int32)[None], np.array([len(ids)], np.int32)
+    rows = load_token_file(args.tokens, vocab)
+    return rows.tokens, rows.lengths
 
 
 def _max_len(args, ckpt) -> int:
@@ -114,7 +111,7 @@ def _save(path: str, arr: np.ndarray) -> None:
 
 
 def run(args) -> int:
-    from k3jax.model.generate import Sampling, generate, prompt_lengths
+    from k3jax.model.generate import Sampling, generate
     from k3jax.tokenizer import TokenizerError, load_tokenizer
 
     if args.max_new_tokens < 1:
@@ -138,8 +135,7 @@ def run(args) -> int:
         if args.prompt is not None:
             raise ValueError(f"--prompt needs a tokenizer: {e}") from None
         tok = None                                     # ids in, ids out (e.g. a preset's 97-id vocabulary)
-    prompts = _prompts(args, tok, cfg.vocab_size)
-    n = prompt_lengths(prompts)
+    prompts, n = _prompts(args, tok, cfg.vocab_size)
     limit = _max_len(args, args.ckpt)
     if int(n.max()) + args.max_new_tokens > limit:
         raise ValueError(f"prompt of {int(n.max())} tokens + {args.max_new_tokens} new tokens exceeds the maximum "

@@ -6,14 +6,19 @@
     k3 route --ckpt A --compare B --text f.txt                     drift A -> B (router saturation, top-1 agreement)
 
 `--text` goes through the checkpoint's own tokenizer when its directory has one (`tiktoken.model`, SPEC §1.1a),
-else bytes (the presets, the shipped k3-mini); `--tokens` takes int32 [B, T] ids
-(rows right-padded with -1; the rows are concatenated into one stream). The stream is cut into independent windows
-of `--seq-len` tokens. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder
-layer and `load` the exact assignment counts.
+else bytes (the presets, the shipped k3-mini), and is one stream, cut into independent windows of `--seq-len`
+tokens; so is a 1-D `--tokens` file [T]. A 2-D `--tokens` file, int32 [B, T], is B independent sequences, ragged
+rows right-padded with -1 (as in `k3 logits` and `k3 generate`): each row is routed as its own sequence, as
+the model's forward over the rows routes it, and padding is in no statistic; a row longer than `--seq-len` is cut
+into windows of `--seq-len` (said once on stderr). `--max-tokens` keeps the first N real tokens, rows in order.
+Bad input (an id < -1 or >= vocab, a row of only padding, -1 inside a row) exits 2 before any compute, naming the
+row. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder layer and `load`
+the exact assignment counts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -21,21 +26,24 @@ import sys
 import numpy as np
 
 from k3jax.cli.source import default_ckpt, load_model, load_token_file
+from k3jax.errors import InputError
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("route", help="routing analysis: loads, co-activation, specialization, drift, static",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint directory (HF layout)")
     src.add_argument("--preset", help="random init of this preset (see --seed)")
     txt = p.add_mutually_exclusive_group()
     txt.add_argument("--text", help="text file, routed as bytes")
-    txt.add_argument("--tokens", help=".npy int32 [B, T] (or [T]) token ids, ragged rows right-padded with -1")
-    p.add_argument("--max-tokens", type=int, default=None, help="route at most this many tokens")
+    txt.add_argument("--tokens", help=".npy int32 [B, T]: B independent sequences, ragged rows right-padded with -1 "
+                     "(a row longer than --seq-len is windowed); [T]: one stream, cut into --seq-len windows")
+    p.add_argument("--max-tokens", type=int, default=None, help="route at most this many tokens (rows in order)")
     p.add_argument("--layers", default=None, help="comma-separated 0-based MoE layers (default: all)")
-    p.add_argument("--seq-len", type=int, default=128, help="window length (independent sequences)")
-    p.add_argument("--batch", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--seq-len", type=int, default=128,
+                   help="window length: a stream's windows, and the longest a --tokens row is routed whole")
+    p.add_argument("--batch", type=int, default=8, help="windows (sequences) per forward pass")
     p.add_argument("--mesh", default=None, help="e.g. data=8: windows sharded over the devices")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
@@ -72,8 +80,10 @@ def parse_mesh_arg(s: str | None):
     return make_mesh({"data": shape["data"]})
 
 
-def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
-    """(token stream, tokenizer) of --text (through the checkpoint's tokenizer, or bytes) or --tokens (None)."""
+def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
+    """(tokens, tokenizer): --text as a 1-D stream (through the checkpoint's tokenizer, or bytes); --tokens as
+    ``load_token_file`` reads it, a [T] file as a 1-D stream and a [B, T] file as its rows, right-padded with -1
+    (tokenizer None). Every check is here, before any compute."""
     if args.text:
         from k3jax.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -81,25 +91,18 @@ def read_stream(args, vocab: int) -> tuple[np.ndarray, object]:
             with open(args.text, "rb") as f:
                 raw = f.read()
         except OSError as e:
-            raise ValueError(f"--text {args.text}: {e.strerror}") from None
+            raise InputError(f"--text {args.text}: {e.strerror}") from None
         if not raw:
-            raise ValueError(f"--text {args.text}: the file is empty")
+            raise InputError(f"--text {args.text}: the file is empty")
         tok = load_tokenizer(args.ckpt, vocab)
         if isinstance(tok, ByteTokenizer):
             return np.frombuffer(raw, np.uint8).astype(np.int32), tok  # any bytes, UTF-8 or not
         try:
             return np.asarray(tok.encode(raw.decode("utf-8")), np.int32), tok
         except UnicodeDecodeError as e:
-            raise ValueError(f"--text {args.text}: not UTF-8 ({e})") from None
-    t = load_token_file(args.tokens)
-    valid = t.reshape(-1)[t.reshape(-1) >= 0] if t.ndim <= 2 else None
-    if valid is None:
-        raise ValueError(f"--tokens {args.tokens}: expected [B, T] or [T], got shape {list(t.shape)}")
-    if valid.size == 0:
-        raise ValueError(f"--tokens {args.tokens}: no token ids (only padding)")
-    if valid.max() >= vocab:
-        raise ValueError(f"--tokens {args.tokens}: id {int(valid.max())} >= vocab {vocab}")
-    return valid.astype(np.int32), None
+            raise InputError(f"--text {args.text}: not UTF-8 ({e})") from None
+    rows = load_token_file(args.tokens, vocab)
+    return (rows.tokens[0, : rows.lengths[0]] if rows.stream else rows.tokens), None
 
 
 def _model(args):
@@ -116,9 +119,9 @@ def run(args) -> int:
     if args.static:
         return _run_static(args, layers)
     if not args.text and not args.tokens:
-        raise ValueError("give --text FILE or --tokens FILE.npy (or --static)")
+        raise InputError("give --text FILE or --tokens FILE.npy (or --static)")
     if args.seq_len < 1 or args.batch < 1 or (args.max_tokens is not None and args.max_tokens < 1):
-        raise ValueError("--seq-len, --batch and --max-tokens must be >= 1")
+        raise InputError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
     from k3jax.analysis import collect as ac
     from k3jax.config import architecture_diff, from_hf, get_preset
@@ -127,7 +130,12 @@ def run(args) -> int:
     cfg0 = get_preset(args.preset) if args.preset else from_hf(os.path.join(args.ckpt, "config.json"),
                                                                strict=args.strict_config)
     layers = ac.check_layers(cfg0, layers)
-    stream, tok = read_stream(args, cfg0.vocab_size)
+    tokens, tok = read_tokens(args, cfg0.vocab_size)
+    if tokens.ndim == 2:
+        n = ac.row_lengths(tokens, args.max_tokens)
+        if (long := int((n > args.seq_len).sum())):
+            print(f"k3 route: {long} of {len(n)} rows are longer than --seq-len {args.seq_len}: each is cut into "
+                  f"windows of {args.seq_len} tokens, routed as independent sequences", file=sys.stderr)
     if args.compare:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
         if diff:
@@ -138,7 +146,7 @@ def run(args) -> int:
         from k3jax.checkpoint.load import load
 
         _, other = load(args.compare, cfg=cfg, dtype=settings.param_dtype, progress=False)
-    report, stats, kept = ac.collect(params, cfg, stream, layers=layers, seq_len=args.seq_len, batch=args.batch,
+    report, stats, kept = ac.collect(params, cfg, tokens, layers=layers, seq_len=args.seq_len, batch=args.batch,
                                     max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots), run=settings,
                                     compare_params=other, progress=not args.json and sys.stderr.isatty())
     report["source"] = args.ckpt or f"preset:{args.preset}"

@@ -1,10 +1,14 @@
-"""Where a CLI command's model comes from: ``--ckpt DIR`` (loaded), ``--preset NAME`` (random init) or the
-trained k3-mini shipped with the package (``default_ckpt``)."""
+"""Where a CLI command's model and tokens come from: ``--ckpt DIR`` (loaded), ``--preset NAME`` (random init) or
+the trained k3-mini shipped with the package (``default_ckpt``); ``--tokens FILE.npy`` (``load_token_file``, the one
+reader of token files: int32 [B, T] is B independent sequences right-padded with -1, [T] one stream)."""
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
+
+import numpy as np
 
 from k3jax.errors import InputError
 
@@ -39,17 +43,75 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
     return cfg, default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {})), params
 
 
-def load_token_file(path: str, flag: str = "--tokens"):
-    """An integer .npy array of token ids (never unpickled); errors name the flag and the file."""
-    import numpy as np
+class TokenRows(NamedTuple):
+    """A ``--tokens`` file as ``load_token_file`` checked it.
+
+    tokens: [B, T] int32, each row one sequence right-padded with -1 (a 1-D file is one row).
+    lengths: [B] int32, the real ids of each row (``tokens[b, :lengths[b]] >= 0``, the rest -1; every row >= 1).
+    stream: the file was 1-D ``[T]``: one stream, not B sequences."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stream: bool
+
+    @property
+    def mask(self) -> np.ndarray:
+        """[B, T] bool: True at real ids, False at the -1 padding."""
+        return self.tokens >= 0
+
+
+def load_token_file(path: str, vocab: int, flag: str = "--tokens") -> TokenRows:
+    """Read and check a token-id file (shared/CLI.md): an integer .npy, never unpickled, of shape [B, T] (B
+    independent sequences, ragged rows right-padded with -1) or [T] (one stream, treated as one row).
+
+    Raises ``InputError`` naming the flag, the file and the first bad row: an unreadable or pickled file, a
+    non-integer dtype, another ndim, no rows, an id < -1, an id >= ``vocab``, -1 padding followed by a real id
+    (padding only at the end of a row), a row of only padding. Nothing is computed before this check."""
+    def bad(msg):
+        return InputError(f"{flag} {path}: {msg}")
 
     try:
         t = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path}: cannot read ({e})") from None
+    except OSError as e:
+        raise bad(f"cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # object arrays and pickles need unpickling: refused
+        raise bad(f"not an integer .npy array readable without unpickling ({e})") from None
+    if not isinstance(t, np.ndarray):
+        raise bad("expected one .npy array, got an .npz archive")
     if not np.issubdtype(t.dtype, np.integer):
-        raise ValueError(f"{flag} {path}: ids must be integers, got {t.dtype}")
-    return t
+        raise bad(f"token ids must be integers, got dtype {t.dtype}")
+    if t.ndim not in (1, 2):
+        raise bad(f"expected [B, T] (B sequences) or [T] (one stream), got shape {list(t.shape)}")
+    stream = t.ndim == 1
+    t = t[None] if stream else t
+    if t.shape[0] == 0:
+        raise bad(f"no rows (shape {list(t.shape)})")
+
+    def row(b) -> str:
+        return "the [T] stream" if stream else f"row {b}"
+
+    def first(hit):  # (row, position) of the first True in row-major order
+        b, i = np.unravel_index(int(np.argmax(hit)), hit.shape)
+        return int(b), int(i)
+
+    if np.issubdtype(t.dtype, np.signedinteger) and (low := t < -1).any():
+        b, i = first(low)
+        raise bad(f"{row(b)}, position {i}: token id {int(t[b, i])} is negative (-1 is right padding, nothing "
+                  "else below 0)")
+    if (high := t >= vocab).any():
+        b, i = first(high)
+        raise bad(f"{row(b)}, position {i}: token id {int(t[b, i])} >= vocab {vocab}")
+    real = t >= 0
+    n = real.sum(axis=1)
+    if (empty := n == 0).any():
+        raise bad(f"{row(int(np.argmax(empty)))} is empty (only -1 padding)")
+    if (inner := real != (np.arange(t.shape[1]) < n[:, None])).any():
+        b, _ = first(inner)
+        i = int(np.argmin(real[b]))
+        j = i + int(np.argmax(real[b, i:]))
+        raise bad(f"{row(b)}: -1 at position {i} is followed by token id {int(t[b, j])} at position {j} (-1 is "
+                  "right padding only: it may end a row, not sit inside it)")
+    return TokenRows(t.astype(np.int32), n.astype(np.int32), stream)
 
 
 @functools.cache
@@ -68,8 +130,8 @@ def model_config(*, ckpt: str | None, preset: str | None, strict_config: bool = 
         return get_preset(preset)
     path = os.path.join(ckpt, "config.json")
     if not os.path.exists(path):
-        raise ValueError(f"{ckpt}: no config.json (not a checkpoint directory)")
+        raise InputError(f"{ckpt}: no config.json (not a checkpoint directory)")
     return from_hf(path, strict=strict_config)
 
 
-__all__ = ["default_ckpt", "load_model", "load_token_file", "model_config"]
+__all__ = ["TokenRows", "default_ckpt", "load_model", "load_token_file", "model_config"]

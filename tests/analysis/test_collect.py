@@ -1,6 +1,7 @@
 """Routing collection: exact loads from the model's own routing, agreement with the float64 reference model,
 mesh == single device, static router analysis byte counts, and `k3 route` bad input (issue #17)."""
 
+import functools
 import json
 import os
 
@@ -39,25 +40,79 @@ def stream(n=150, seed=0):
     return np.random.default_rng(seed).integers(0, CFG.vocab_size, n).astype(np.int32)
 
 
-def test_route_json_loads_equal_bincount_of_forward_routing(ckpt, loaded, tmp_path, capsys):
+@functools.cache
+def forward_ids(cfg):
+    """Jitted once per config: the expert ids [B, T, k] of each MoE layer from ``forward(..., return_aux=True)``."""
+    return jax.jit(lambda p, t: [r.ids for r in forward(p, t, cfg, return_aux=True)[1]["routing"]])
+
+
+def forward_loads(params, cfg, tokens, mask):
+    """{layer: bincount of the expert ids the model's forward over ``tokens`` [B, T] routes, at ``mask``}."""
+    ids = forward_ids(cfg)(params, tokens)
+    return {l: np.bincount(np.asarray(ids[i])[mask].reshape(-1), minlength=CFG.num_experts)
+            for i, l in enumerate((1, 2, 3, 4))}
+
+
+@pytest.mark.parametrize("pad", [0, 11], ids=["full", "ragged"])
+def test_route_json_loads_equal_bincount_of_forward_routing(ckpt, loaded, tmp_path, capsys, pad):
+    """A [2, 32] --tokens file is a batch of 2 sequences: the loads are the bincount of the expert ids the model's
+    own forward over those two rows routes; ragged (row 1 right-padded with -1): over the real positions of the
+    forward over the rows (padding as id 0), the padding in no statistic."""
     cfg, params = loaded
-    s = stream()
-    np.save(tmp_path / "t.npy", s)
+    rows = stream(64).reshape(2, 32)
+    rows[1, 32 - pad:] = -1
+    mask = rows >= 0
+    np.save(tmp_path / "t.npy", rows)
     capsys.readouterr()
-    assert main(["route", "--ckpt", ckpt, "--tokens", str(tmp_path / "t.npy"), "--seq-len", str(SEQ),
-                 "--batch", str(BATCH), "--json"]) == 0
-    rep = json.loads(capsys.readouterr().out)
-    assert rep["tokens"] == s.size and [d["layer"] for d in rep["layers"]] == [1, 2, 3, 4]
-    # the same windows through forward(..., return_aux=True)
-    want = {l: np.zeros(CFG.num_experts, np.int64) for l in (1, 2, 3, 4)}
-    for tok, mask in ac.windows(s, SEQ, BATCH):
-        _, aux = jax.jit(lambda p, t: forward(p, t, cfg, return_aux=True))(params, tok)
-        for i, l in enumerate((1, 2, 3, 4)):
-            want[l] += np.bincount(np.asarray(aux["routing"][i].ids)[mask].reshape(-1), minlength=CFG.num_experts)
+    assert main(["route", "--ckpt", ckpt, "--tokens", str(tmp_path / "t.npy"), "--batch", "2", "--json"]) == 0
+    io = capsys.readouterr()
+    rep = json.loads(io.out)
+    assert rep["tokens"] == mask.sum() and [d["layer"] for d in rep["layers"]] == [1, 2, 3, 4]
+    assert "--seq-len" not in io.err                    # 32 <= --seq-len 128: each row routed whole
+    want = forward_loads(params, cfg, np.where(mask, rows, 0), mask)
     for d in rep["layers"]:
-        assert d["load"] == want[d["layer"]].tolist() and sum(d["load"]) == s.size * CFG.num_experts_per_token
+        assert d["load"] == want[d["layer"]].tolist() and sum(d["load"]) == mask.sum() * CFG.num_experts_per_token
         for k in ("max_over_mean_load", "load_cv", "load_entropy_bits", "experts_unused", "maxvio"):
             assert k in d
+
+
+def test_route_windows_a_row_longer_than_seq_len(ckpt, loaded, tmp_path, capsys):
+    """Row 0 (40 tokens) > --seq-len 16: three windows (16, 16, 8), said once on stderr; row 1 (10 tokens, then
+    padding) one window. The loads are those of the forward over exactly these four sequences."""
+    cfg, params = loaded
+    rows = stream(80, seed=3).reshape(2, 40)
+    rows[1, 10:] = -1
+    np.save(tmp_path / "t.npy", rows)
+    capsys.readouterr()
+    assert main(["route", "--ckpt", ckpt, "--tokens", str(tmp_path / "t.npy"), "--seq-len", "16", "--batch", "4",
+                 "--json"]) == 0
+    io = capsys.readouterr()
+    assert io.err.count("longer than --seq-len") == 1 and "1 of 2 rows are longer than --seq-len 16" in io.err
+    win = np.zeros((4, 16), np.int32)
+    win[0], win[1], win[2, :8], win[3, :10] = rows[0, :16], rows[0, 16:32], rows[0, 32:], rows[1, :10]
+    mask = np.zeros((4, 16), bool)
+    mask[:2], mask[2, :8], mask[3, :10] = True, True, True
+    rep = json.loads(io.out)
+    want = forward_loads(params, cfg, win, mask)
+    assert rep["tokens"] == 50 and all(d["load"] == want[d["layer"]].tolist() for d in rep["layers"])
+
+
+def test_windows_of_rows_and_of_a_stream():
+    """``windows``: a [T] stream keeps its consecutive --seq-len windows; [B, T] rows each start a window, are cut
+    only past seq_len, run at width min(seq_len, longest row); max_tokens takes the first real ids, rows in order."""
+    s = np.arange(1, 40, dtype=np.int32)
+    (tok, mask), = ac.windows(s, 16, 4)
+    assert tok.shape == (4, 16) and tok.reshape(-1)[:39].tolist() == s.tolist() and mask.sum() == 39
+    rows = np.array([[1, 2, 3, 4, 5, -1], [6, -1, -1, -1, -1, -1], [7, 8, 9, 10, 11, 12]], np.int32)
+    got = list(ac.windows(rows, 4, 3))
+    assert [t.shape for t, _ in got] == [(3, 4), (3, 4)]
+    tok, mask = np.concatenate([t for t, _ in got]), np.concatenate([m for _, m in got])
+    assert [t[m].tolist() for t, m in zip(tok, mask)] == [[1, 2, 3, 4], [5], [6], [7, 8, 9, 10], [11, 12], []]
+    assert (tok[~mask] == 0).all()
+    (tok, mask), = ac.windows(rows, 8, 4, max_tokens=7)
+    assert tok.shape == (4, 5) and [t[m].tolist() for t, m in zip(tok, mask)] == [[1, 2, 3, 4, 5], [6], [7], []]
+    assert ac.row_lengths(rows, 7).tolist() == [5, 1, 1]
+    assert ac.num_batches(rows, 4, 3) == 2 and ac.num_batches(s, 16, 1) == 3
 
 
 def test_ids_equal_the_float64_reference_model(loaded, capsys):

@@ -69,14 +69,17 @@ def test_config_json_roundtrips_architecture():
 
 
 def test_logits_cli_matches_forward_of_loaded_params(ckpt, tmp_path):
-    toks = np.array([[1, 5, 9, 33, 2, 96, 0, 4]], np.int32)
+    """Ragged rows (row 1 right-padded with -1): the forward over the rows (padding as id 0) at the real positions,
+    NaN at the padding."""
+    toks = np.array([[1, 5, 9, 33, 2, 96, 0, 4], [7, 8, 9, -1, -1, -1, -1, -1]], np.int32)
     np.save(tmp_path / "t.npy", toks)
     assert main(["logits", ckpt, "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "o.npy")]) == 0
     got = np.load(tmp_path / "o.npy", allow_pickle=False)
     cfg, params = load(ckpt, progress=False)
-    want = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg))(params, toks))
-    assert got.shape == (1, 8, 97) and np.isfinite(got).all()
-    np.testing.assert_array_equal(got, want)
+    want = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg))(params, np.maximum(toks, 0)))
+    real = toks >= 0
+    assert got.shape == (2, 8, 97) and np.isfinite(got[real]).all() and np.isnan(got[~real]).all()
+    np.testing.assert_array_equal(got[real], want[real])
     np.save(tmp_path / "obj.npy", np.array([object()], dtype=object), allow_pickle=True)
     assert main(["logits", ckpt, "--tokens", str(tmp_path / "obj.npy"), "--out", str(tmp_path / "x.npy")]) == 2
     np.save(tmp_path / "big.npy", np.array([[97]]))
