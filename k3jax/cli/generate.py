@@ -68,9 +68,9 @@ def _stops(s: str | None, vocab: int) -> list[int]:
         try:
             v = int(part)
         except ValueError:
-            raise ValueError(f"--stop: {part!r} is not a token id") from None
+            raise InputError(f"--stop: {part!r} is not a token id") from None
         if not 0 <= v < vocab:
-            raise ValueError(f"--stop: id {v} is outside the vocabulary [0, {vocab})")
+            raise InputError(f"--stop: id {v} is outside the vocabulary [0, {vocab})")
         out.append(v)
     return out
 
@@ -115,30 +115,30 @@ def run(args) -> int:
     from k3jax.tokenizer import TokenizerError, load_tokenizer
 
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = Sampling(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_k=args.top_k,
                         top_p=args.top_p)
     for path in (args.out, args.logits_out):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"output directory of {path} does not exist")
+            raise InputError(f"output directory of {path} does not exist")
     if not args.ckpt and not args.preset:
         args.ckpt = default_ckpt()
         if args.ckpt is None:
-            raise ValueError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
+            raise InputError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
     if args.ckpt and not os.path.isdir(args.ckpt):
-        raise ValueError(f"--ckpt {args.ckpt}: not a directory")
+        raise InputError(f"--ckpt {args.ckpt}: not a directory")
     # Everything about the request is checked against the architecture before any parameter is loaded.
     cfg = model_config(ckpt=args.ckpt, preset=args.preset, strict_config=args.strict_config)
     try:
         tok = load_tokenizer(args.ckpt, cfg.vocab_size)
     except TokenizerError as e:
         if args.prompt is not None:
-            raise ValueError(f"--prompt needs a tokenizer: {e}") from None
+            raise InputError(f"--prompt needs a tokenizer: {e}") from None
         tok = None                                     # ids in, ids out (e.g. a preset's 97-id vocabulary)
     prompts, n = _prompts(args, tok, cfg.vocab_size)
     limit = _max_len(args, args.ckpt)
     if int(n.max()) + args.max_new_tokens > limit:
-        raise ValueError(f"prompt of {int(n.max())} tokens + {args.max_new_tokens} new tokens exceeds the maximum "
+        raise InputError(f"prompt of {int(n.max())} tokens + {args.max_new_tokens} new tokens exceeds the maximum "
                          f"length {limit} (--max-len)")
     stops = _stops(args.stop, cfg.vocab_size)
     cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,

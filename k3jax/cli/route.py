@@ -61,23 +61,23 @@ def parse_layers(s: str | None) -> list[int] | None:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--layers must be comma-separated integers, got {s!r}") from None
+        raise InputError(f"--layers must be comma-separated integers, got {s!r}") from None
     if not out:
-        raise ValueError("--layers is empty")
+        raise InputError("--layers is empty")
     return out
 
 
 def parse_mesh_arg(s: str | None):
+    """The data mesh the windows are split over (``--mesh data=N``; route shards nothing else)."""
     if s is None:
         return None
-    from k3jax.sharding.mesh import make_mesh
-    from k3jax.sharding.placement import parse_mesh
+    import jax
 
-    shape = parse_mesh(s)
-    other = sorted(a for a, n in shape.items() if a != "data" and n > 1)
-    if other:
-        raise ValueError(f"k3 route shards windows over 'data' only, got axes {other}")
-    return make_mesh({"data": shape["data"]})
+    from k3jax.sharding.mesh import make_mesh
+    from k3jax.sharding.placement import resolve_mesh
+
+    sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data",))
+    return make_mesh({"data": sizes["data"]})
 
 
 def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
@@ -114,7 +114,7 @@ def run(args) -> int:
     if not args.ckpt and not args.preset:
         args.ckpt = default_ckpt()
         if args.ckpt is None:
-            raise ValueError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
+            raise InputError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
     layers = parse_layers(args.layers)
     if args.static:
         return _run_static(args, layers)
@@ -139,7 +139,7 @@ def run(args) -> int:
     if args.compare:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
         if diff:
-            raise ValueError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
+            raise InputError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
     cfg, settings, params = _model(args)
     other = None
     if args.compare:
@@ -202,7 +202,7 @@ def _run_static(args, layers) -> int:
     from k3jax.analysis.static import static_router_analysis
 
     if not args.ckpt:
-        raise ValueError("--static reads a checkpoint's router tensors: give --ckpt DIR")
+        raise InputError("--static reads a checkpoint's router tensors: give --ckpt DIR")
     from k3jax.config import from_hf
 
     cfg = from_hf(os.path.join(args.ckpt, "config.json"), strict=args.strict_config)

@@ -63,7 +63,8 @@ def _model(args):
 
 
 def _sample(args, cfg, settings, params) -> dict:
-    """The greedy continuation of ``--prompt`` (bytes in, bytes out: the model is byte-level) and its timing."""
+    """The greedy continuation of ``--prompt`` (bytes in, bytes out: the model is byte-level) and its wall time,
+    the prefill and decode-step compiles included."""
     import numpy as np
 
     from k3jax.model.generate import generate
@@ -72,7 +73,7 @@ def _sample(args, cfg, settings, params) -> dict:
     out = generate(params, prompt, cfg, settings, max_new_tokens=args.max_new_tokens)
     ids = [int(x) for x in out.tokens[0] if x >= 0]
     return {"prompt": args.prompt, "tokens": ids, "text": bytes(ids).decode("utf-8", errors="replace"),
-            "decode_tokens_per_s": out.timing["decode_tokens_per_s"]}
+            "seconds_with_compile": out.timing["prefill_s"] + out.timing["decode_s"]}
 
 
 def run(args) -> int:
@@ -130,8 +131,8 @@ def run(args) -> int:
           f"tail that training holds out (unigram entropy {out['unigram_entropy_nats'] / math.log(2):.3f} "
           f"bits/byte); {eval_s:.1f} s")
     if sample is not None:
-        print(f"greedy sample ({len(sample['tokens'])} bytes, {sample['decode_tokens_per_s']:.0f} bytes/s through the "
-              f"KDA-state + MLA-latent cache):")
+        print(f"greedy sample, {len(sample['tokens'])} new bytes decoded through the KDA-state + MLA-latent cache "
+              f"({sample['seconds_with_compile']:.1f} s with its compiles):")
         print("    " + (sample["prompt"] + sample["text"]).replace("\n", "\n    "))
     print(f"routing over the first {report['tokens']:,} held-out bytes:")
     print("layer  max/mean  cv     unused  entropy/max bits  token spec  top-1 weight  mean cutoff")

@@ -1,10 +1,12 @@
-"""`k3 run`, the README's main job: the shipped k3-mini's held-out loss and routing summary (issue #17)."""
+"""`k3 run`, the README's main job: the shipped k3-mini's held-out loss, a greedy sample and the routing summary
+(issues #17, #34)."""
 
 import json
 
 import pytest
 
 from k3jax.cli.main import main
+from k3jax.cli.run import SAMPLE_PROMPT
 from k3jax.cli.source import default_ckpt
 
 SHIPPED = default_ckpt()
@@ -12,9 +14,13 @@ SHIPPED = default_ckpt()
 
 @pytest.mark.skipif(SHIPPED is None, reason="the shipped k3-mini is not in this checkout")
 def test_main_job_on_the_shipped_model(tmp_path, capsys):
-    assert main(["run", "--tokens", "8192", "--route-tokens", "4096", "--plots", str(tmp_path), "--json"]) == 0
+    assert main(["run", "--tokens", "8192", "--route-tokens", "4096", "--max-new-tokens", "24", "--plots",
+                 str(tmp_path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == SHIPPED and out["config"] == "hf-kimi_k3"
+    sample = out["sample"]  # greedy, no stop ids: exactly the bytes asked for, continuing the fixed prompt
+    assert sample["prompt"] == SAMPLE_PROMPT and len(sample["tokens"]) == 24
+    assert sample["text"] == bytes(sample["tokens"]).decode("utf-8", errors="replace") and sample["text"].strip()
     assert out["heldout_tokens_scored"] > 8000 and out["routed_tokens"] == 4096
     assert out["heldout_nats_per_byte"] < 1.6 < out["unigram_entropy_nats"]  # trained, far below the unigram
     assert [r["layer"] for r in out["routing"]] == list(range(1, 9))
@@ -36,6 +42,7 @@ def test_random_init_preset_and_text_output(capsys):
     (["--preset", "k3-tiny"], "vocab 97 < 256"),
     (["--preset", "k3-mini", "--tokens", "1"], "--tokens and --route-tokens must be >= 2"),
     (["--preset", "nope"], "unknown preset"),
+    (["--preset", "k3-mini", "--max-new-tokens", "-1"], "--max-new-tokens >= 0"),
 ])
 def test_bad_input_exits_2(argv, words, capsys):
     assert main(["run", *argv]) == 2

@@ -135,3 +135,21 @@ def test_each_run_mode_list_has_one_home():
     assert tuple(EXPERT_IMPLS) == MOE_IMPLS  # the dispatch table's keys are the config's MoE impls
     assert kda.IMPLS is KDA_IMPLS and moe.QAT_MODES is QAT_MODES
     assert QAT_MODES == ("off", "weights", "weights+acts") and "pallas" in KDA_IMPLS
+
+
+def test_run_settings_follow_the_architecture_not_the_name():
+    """A loaded checkpoint is named after its model_type; it runs with the settings of the preset it is (the shipped
+    k3-mini: mla_block_size 128, not RunConfig's 512), and an unknown architecture with RunConfig's."""
+    from k3jax.cli.source import default_ckpt
+    from k3jax.config import PRESET_RUNS, RunConfig, default_run, preset_of
+
+    ckpt = default_ckpt()
+    if ckpt is not None:
+        shipped = from_hf(os.path.join(ckpt, "config.json"))
+        assert shipped.name != "k3-mini" and preset_of(shipped) == "k3-mini"
+        assert default_run(shipped) == PRESET_RUNS["k3-mini"] and default_run(shipped).mla_block_size == 128
+    loaded_tiny = get_preset("k3-tiny").replace(name="hf-kimi_k3", expert_format="mxfp4")  # storage aside
+    assert preset_of(loaded_tiny) == "k3-tiny" and default_run(loaded_tiny, remat="full") == PRESET_RUNS[
+        "k3-tiny"].replace(remat="full")
+    other = get_preset("k3-tiny").replace(name="hf-kimi_k3", hidden_size=96)
+    assert preset_of(other) is None and default_run(other) == RunConfig()

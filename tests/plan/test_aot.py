@@ -124,7 +124,7 @@ def test_bad_input_exits_2_before_any_compile(capsys, argv, msg):
 
 
 def test_tpu_target_without_libtpu_exits_2_saying_how_to_install(capsys, monkeypatch):
-    monkeypatch.setattr(aot, "libtpu_installed", lambda: False)
+    monkeypatch.setattr(plan_spec, "libtpu_installed", lambda: False)
     assert main(["plan", "--preset", "k3-tiny", "--compile", "--target", "tpu:v5p:2x2x1", "--mesh", "expert=4",
                  "--batch", "4"]) == 2
     err = capsys.readouterr().err
