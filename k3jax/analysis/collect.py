@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.analysis import metrics as am
+from k3jax.errors import InputError
 
 FIELDS = ("ids", "weights", "scores", "biased", "cutoff")
 DENSE_SPEC_LIMIT = 1 << 24  # V · E above this: the token-specialization table is kept sparse
@@ -35,13 +36,13 @@ def moe_layers(cfg) -> list[int]:
 
 
 def check_layers(cfg, layers: Sequence[int] | None) -> list[int]:
-    """The requested 0-based decoder layers (default: every MoE layer); a non-MoE layer is a ValueError."""
+    """The requested 0-based decoder layers (default: every MoE layer); a non-MoE layer is an InputError."""
     all_moe = moe_layers(cfg)
     if layers is None:
         return all_moe
     bad = [l for l in layers if l not in all_moe]
     if bad:
-        raise ValueError(f"layer(s) {bad} are not MoE layers of {cfg.name!r}; its MoE layers are "
+        raise InputError(f"layer(s) {bad} are not MoE layers of {cfg.name!r}; its MoE layers are "
                          f"{all_moe[0]}..{all_moe[-1]} (0-based decoder layers)")
     return sorted(set(int(l) for l in layers))
 

@@ -212,8 +212,8 @@ def _read_bandwidth(nbytes: int, *, reps: int) -> float:
 
 def run(args) -> dict:
     from k3jax.config import default_run, get_preset
+    from k3jax.model import count_params, init_params
     from k3jax.model.cache import cache_bytes, cache_shapes, capacity
-    from k3jax.model.functional import count_params, init_params
 
     contexts = sorted(set(args.contexts))
     batches = sorted(set(args.batches))
