@@ -27,6 +27,7 @@ the first compile: `k3 train` exits 2); the records written to ``--metrics`` in 
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 import time
@@ -146,54 +147,84 @@ def _prepare(tc: TrainConfig, log) -> _Run:
                 train_toks=train_toks, eval_set=eval_set, vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
 
 
-def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, shardings, log=None):
-    """The initial parameters placed with ``shardings`` (a NamedSharding per leaf)."""
-    from k3jax.model import init_params
+@dataclass(frozen=True)
+class _Programs:
+    """The placement and jitted programs of one (model, run settings, optimizer, step settings, mesh)."""
 
+    param_sh: Any  # NamedSharding per parameter leaf (packed experts included)
+    init_params: Callable  # key -> the random initial parameters, placed
+    tx: Any  # the optimizer
+    init_state: Callable  # (params, frozen, seed) -> the train state, placed
+    state_sh: dict
+    batch_sh: NamedSharding  # [M, b, T + 1]: b is split
+    dispatch: Any  # the MoE's expert-parallel dispatch, or None
+    step: Callable  # (state, tokens, poison) -> (state, metrics)
+    score: Callable  # the held-out scorer (k3jax.train.evaluate.make_scorer)
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strategy: str, mesh: Mesh,
+              frozen_experts: bool) -> _Programs:
+    """A run's programs, built once per process for each key: runs that differ only in their seed, data, length,
+    initial parameters or outputs — `k3 ablate`'s seeds, a resumed run, a notebook's or a test's repeated runs —
+    reuse the jitted init, train step and scorer, and JAX reuses their compiled executables (a k3-tiny train step is
+    ~35 s of XLA:CPU compile, its random init ~20 s: experiments/LOG.md 2026-12-03, session 13)."""
+    from k3jax.model import abstract_params, init_params
+
+    abstract = abstract_params(cfg, settings)
+    if frozen_experts:
+        abstract = packed_form(abstract)
+    param_sh = param_shardings(cfg, strategy, mesh, abstract)
+    trained, frozen = split_packed(abstract)
+    tx, _ = make_optimizer(trained, ocfg)
+    init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
+    state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
+    batch_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
+    dispatch = place.expert_dispatch(strategy, mesh)
+    return _Programs(
+        param_sh=param_sh,
+        init_params=jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=param_sh),
+        tx=tx, init_state=jax.jit(init, out_shardings=state_sh), state_sh=state_sh, batch_sh=batch_sh,
+        dispatch=dispatch,
+        step=jax.jit(make_train_step(cfg, settings, tx, spec, dispatch=dispatch),
+                     in_shardings=(state_sh, batch_sh, None), out_shardings=(state_sh, None), donate_argnums=0),
+        score=make_scorer(cfg, settings, params_sharding=_full(state_sh),
+                          batch_sharding=place.batch_sharding(strategy, mesh, 2), dispatch=dispatch))
+
+
+def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, prog: _Programs, log=None):
+    """The initial parameters placed with the programs' parameter shardings."""
     if tc.init_fn is not None:
-        return jax.device_put(tc.init_fn(cfg, settings), shardings)
+        return jax.device_put(tc.init_fn(cfg, settings), prog.param_sh)
     if tc.init:
         from k3jax.checkpoint.load import load
 
         st: dict = {}
-        _, params = load(tc.init, cfg=cfg, shardings=shardings, dtype=jnp.float32, progress=tc.progress,
+        _, params = load(tc.init, cfg=cfg, shardings=prog.param_sh, dtype=jnp.float32, progress=tc.progress,
                          strict_config=tc.strict_config, stats=st, keep_experts_packed=tc.frozen_experts)
         if log is not None:
             log(f"loaded {tc.init}: {st['bytes_read'] / 2**20:,.1f} MiB read in {st['seconds']:.1f} s "
                 f"({st['bytes_read'] / 2**20 / max(st['seconds'], 1e-9):,.0f} MiB/s), "
                 f"{place.bytes_per_device(params) / 2**20:,.1f} MiB of parameters per device")
         return params
-    return jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=shardings)(jax.random.key(tc.seed))
+    return prog.init_params(jax.random.key(tc.seed))
 
 
 def _build(run: _Run) -> None:
     """Parameters and optimizer state placed by the rules, the train state, the jitted train step and the
-    held-out scorer."""
-    from k3jax.model import abstract_params
-
+    held-out scorer (``_programs``: built once per process for each model, settings and mesh)."""
     tc, cfg = run.tc, run.cfg
-    run.batch_sh = place.batch_sharding(run.strategy, run.mesh, 3, batch_dim=1)  # [M, b, T + 1]: b is split
     ocfg = OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
-    abstract = abstract_params(cfg, run.settings)
-    if tc.frozen_experts:
-        abstract = packed_form(abstract)
-    param_sh = param_shardings(cfg, run.strategy, run.mesh, abstract)
-    params = _init_params(cfg, run.settings, tc, param_sh, run.log)
+    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, tc.frozen_experts)
+    params = _init_params(cfg, run.settings, tc, prog, run.log)
     params, frozen = split_packed(params)
     if frozen and not tc.frozen_experts:
         raise InputError("the initial parameters hold packed routed experts (w*_packed / w*_scale): they can only "
                          "be trained frozen (frozen_experts=True, `k3 train --frozen-experts`)")
-    tx, _ = make_optimizer(params, ocfg)
-    init = lambda p, f: init_state(p, tx, tc.seed, frozen=f or None)  # noqa: E731
-    run.state_sh = place.state_shardings(cfg, run.strategy, run.mesh, jax.eval_shape(init, params, frozen))
-    run.state = jax.jit(init, out_shardings=run.state_sh)(params, frozen)
+    run.state_sh, run.batch_sh, run.dispatch = prog.state_sh, prog.batch_sh, prog.dispatch
+    run.state = prog.init_state(params, frozen, tc.seed)
     del params, frozen
-    run.dispatch = place.expert_dispatch(run.strategy, run.mesh)
-    run.step_fn = jax.jit(make_train_step(cfg, run.settings, tx, step_spec(tc), dispatch=run.dispatch),
-                          in_shardings=(run.state_sh, run.batch_sh, None), out_shardings=(run.state_sh, None),
-                          donate_argnums=0)
-    run.score = make_scorer(cfg, run.settings, params_sharding=_full(run.state_sh),
-                            batch_sharding=place.batch_sharding(run.strategy, run.mesh, 2), dispatch=run.dispatch)
+    run.step_fn, run.score = prog.step, prog.score
     run.lr_at = schedule(tc.lr, ocfg)
     run.meta = {"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
 

@@ -5,6 +5,11 @@
 * SIGTERM: the run saves a checkpoint, exits 0, and resuming ends bit-identical too.
 * SIGKILL on a mesh (``--mesh expert=2``: expert-parallel, sharded state and checkpoints), then resume on the same
   mesh: bit-identical to an uninterrupted run on that mesh.
+
+Every process of this module runs one of two programs (the data-parallel and the expert-parallel k3-tiny run), so
+they share one JAX persistent compilation cache: the reference run of each compiles, the kill and resume runs
+load its executables instead of compiling them again (a cache hit is the same executable: bit-identity is checked
+as before).
 """
 
 import json
@@ -33,9 +38,20 @@ def _cmd(ck, metrics, placement=("--devices", "2")):
             "--eval-every", "100", "--no-progress"]
 
 
+_CACHE: list = []  # the module's compilation cache directory (set by the autouse fixture)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    _CACHE[:] = [str(tmp_path_factory.mktemp("jax_cache"))]
+    yield
+    _CACHE.clear()
+
+
 def _env():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["JAX_COMPILATION_CACHE_DIR"] = _CACHE[0]
     return env
 
 
