@@ -10,6 +10,7 @@ import pytest
 from nbclient import NotebookClient
 
 from k3jax.cli.source import default_ckpt
+from k3jax.testing import xla_flags
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "routing_analysis.py"
 
@@ -20,7 +21,7 @@ def test_routing_notebook_runs(tmp_path):
     # The kernel inherits this environment; without MPLBACKEND it picks matplotlib's inline backend, as in Jupyter.
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     env.update(K3_NB_OUT=str(tmp_path), K3_NB_TOKENS="4096", K3_NB_FT_STEPS="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags(1))
     nb = jupytext.read(NB)
     # raises CellExecutionError (the cell and its traceback) at the first cell that fails
     NotebookClient(nb, kernel_name="python3", timeout=900, resources={"metadata": {"path": str(tmp_path)}}).execute(

@@ -32,9 +32,11 @@ def test_main_job_on_the_shipped_model(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_random_init_preset_and_text_output(capsys):
-    assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--route-tokens", "1024", "--no-plots"]) == 0
+    assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--route-tokens", "1024", "--max-new-tokens", "4",
+                 "--no-plots"]) == 0
     text = capsys.readouterr().out
     assert "preset k3-mini (random init, seed 0)" in text and "bits/byte" in text
+    assert "greedy sample, 4 new bytes" in text
     assert text.count("\n") >= 3 + 8  # header lines + one line per MoE layer
 
 

@@ -47,8 +47,9 @@ def _decode_vs_forward(cfg, run, params, rows, seqs, ref):
 
 # kimi-linear-tiny's decode is also checked in the default suite by tests/cli/test_generate.py (transformers'
 # cached greedy generation, a ragged batch of 1, 7 and 70 tokens, 24 steps).
-@pytest.mark.slow  # CI's budget, session 9: k3-tiny and kimi-linear-tiny in the slow pass, k3-mini manual
-@pytest.mark.parametrize("name", ["k3-tiny", "kimi-linear-tiny", pytest.param("k3-mini", marks=pytest.mark.manual)])
+@pytest.mark.slow  # CI's budget, sessions 9 and 13: k3-tiny in the slow pass, kimi-linear-tiny and k3-mini manual
+@pytest.mark.parametrize("name", ["k3-tiny", pytest.param("kimi-linear-tiny", marks=pytest.mark.manual),
+                                  pytest.param("k3-mini", marks=pytest.mark.manual)])
 def test_decode_equals_forward(name):
     cfg, run, params = _setup(name)
     T = max(LENGTHS) + N_DECODE + 1

@@ -49,8 +49,9 @@ def _grads_and_outputs(cfg, run, params, toks):
 
 
 # All slow: the scan is opt-in (k3 train's default is the loop) and the default suite is at its 15-minute budget
-# (k3-tiny-9 took 51 s of it); the masked mix and the compiled-once check below stay in the default suite.
-@pytest.mark.parametrize("case", [pytest.param("k3-tiny-9", marks=pytest.mark.slow),
+# (k3-tiny-9 took 51 s of it); the masked mix and the compiled-once check below stay in the default suite. CI's
+# budget, session 13: k3-mini in the slow pass, k3-tiny-9 manual (passed in 111 s, experiments/LOG.md).
+@pytest.mark.parametrize("case", [pytest.param("k3-tiny-9", marks=pytest.mark.manual),
                                   pytest.param("k3-tiny-13", marks=pytest.mark.manual),
                                   pytest.param("k3-tiny-13-plain", marks=pytest.mark.manual),
                                   pytest.param("k3-mini", marks=pytest.mark.slow),

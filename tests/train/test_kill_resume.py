@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import pytest
 
+from k3jax.testing import xla_flags
 from k3jax.train.ckpt import load_checkpoint_params
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def _compilation_cache(tmp_path_factory):
 
 def _env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = xla_flags(2)
     env["JAX_COMPILATION_CACHE_DIR"] = _CACHE[0]
     return env
 

@@ -9,6 +9,8 @@ import jupytext
 import pytest
 from nbclient import NotebookClient
 
+from k3jax.testing import xla_flags
+
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "qat_finetune.py"
 
 
@@ -16,7 +18,7 @@ NB = Path(__file__).resolve().parents[2] / "notebooks" / "qat_finetune.py"
 def test_qat_finetune_notebook_runs(tmp_path):
     # The kernel inherits this environment; without MPLBACKEND it picks matplotlib's inline backend, as in Jupyter.
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    env.update(K3_NB_OUT=str(tmp_path), K3_NB_STEPS="4", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env.update(K3_NB_OUT=str(tmp_path), K3_NB_STEPS="4", XLA_FLAGS=xla_flags(1))
     nb = jupytext.read(NB)
     # raises CellExecutionError (the cell and its traceback) at the first cell that fails
     NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute(
