@@ -34,7 +34,8 @@ import jax
 import matplotlib.pyplot as plt
 from IPython.display import Image, display
 
-from k3jax.train.loop import TrainConfig, train
+from k3jax.train.loop import train
+from k3jax.train.settings import TrainConfig
 
 PRESET = os.environ.get("K3_NB_PRESET", "k3-tiny")
 STEPS = int(os.environ.get("K3_NB_STEPS", "12"))

@@ -173,7 +173,8 @@ display(Image(filename=ap.static_norms(st, os.path.join(OUT, "static_router.png"
 # router saturation = mean |top-k(before) ∩ top-k(after)| / k per layer (1 = routing unchanged).
 
 # %%
-from k3jax.train.loop import TrainConfig, train  # noqa: E402
+from k3jax.train.loop import train  # noqa: E402
+from k3jax.train.settings import TrainConfig  # noqa: E402
 
 ft_dir = os.path.join(OUT, "qat_ft")
 train_log: list[str] = []  # train()'s progress lines (compile and load times, temp paths): $K3_NB_OUT/train.log
