@@ -85,12 +85,3 @@ def free_port() -> int:
         sk.bind(("localhost", 0))
         return sk.getsockname()[1]
 
-
-def xla_flags(devices: int | None) -> str:
-    """XLA_FLAGS for a child process with ``devices`` simulated CPU devices (None: the platform's own count), keeping
-    the caller's other flags (e.g. scripts/test.sh's XLA:CPU -O0, so a test's subprocesses compile as fast as the
-    test itself)."""
-    import os
-
-    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    return " ".join([*keep, *([f"--xla_force_host_platform_device_count={devices}"] if devices else [])])

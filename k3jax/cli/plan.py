@@ -148,9 +148,9 @@ def _respawn_cpu(args, n: int) -> int:
     import os
     import subprocess
 
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={n}"]),
-               JAX_PLATFORMS="cpu", **{_CHILD_ENV: str(n)})
+    from k3jax.plan.hardware import xla_flags
+
+    env = dict(os.environ, XLA_FLAGS=xla_flags(n), JAX_PLATFORMS="cpu", **{_CHILD_ENV: str(n)})
     return subprocess.run([sys.executable, "-m", "k3jax.cli.main", *_compile_argv(args)], env=env).returncode
 
 

@@ -73,6 +73,15 @@ def parse_target(s: str) -> Target:
                      f"{', '.join(CHIPS)} (e.g. tpu:v5p:8x8x8, tpu:v6e:16x16) or cpu:<devices> (e.g. cpu:64)")
 
 
+def xla_flags(cpu_devices: int | None) -> str:
+    """XLA_FLAGS for a child process whose XLA:CPU has ``cpu_devices`` devices (None: its own count; XLA reads the
+    count once, at start), keeping the caller's other flags (e.g. scripts/test.sh's -O0)."""
+    import os
+
+    keep = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    return " ".join([*keep, *([f"--xla_force_host_platform_device_count={cpu_devices}"] if cpu_devices else [])])
+
+
 def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 

@@ -10,7 +10,7 @@ import pytest
 from nbclient import NotebookClient
 
 from k3jax.cli.source import default_ckpt
-from k3jax.testing import xla_flags
+from k3jax.plan.hardware import xla_flags
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "routing_analysis.py"
 

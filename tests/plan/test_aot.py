@@ -15,7 +15,7 @@ from k3jax.cli.main import main
 from k3jax.config import get_preset
 from k3jax.plan import aot, estimate, hardware
 from k3jax.plan import spec as plan_spec
-from k3jax.testing import xla_flags
+from k3jax.plan.hardware import xla_flags
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = get_preset("k3-tiny")

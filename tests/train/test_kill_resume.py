@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from k3jax.testing import xla_flags
+from k3jax.plan.hardware import xla_flags
 from k3jax.train.ckpt import load_checkpoint_params
 
 pytestmark = pytest.mark.slow
