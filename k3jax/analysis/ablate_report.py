@@ -25,9 +25,10 @@ function of the file, so two runs of it agree bit for bit once ``strip_timing`` 
     aa            {seed_offset, paired, bootstrap_ci95, floor, repeat: {seed, eval_loss: [a, b], identical}}
     timing        {this_invocation_s, runs_wall_s}
 
-Differences are arm − base in nats per token of the final held-out loss, paired by seed (the same init and token
-stream); ``paired`` is a Student-t interval over seeds, ``bootstrap_ci95`` resamples the shared held-out windows
-(the per-window differences averaged over seeds; ``k3jax.analysis.paired``). bits/byte = nats / ln 2 (byte tokens).
+Differences are arm − base (a tuned factor's: arm − its own base level) in nats per token of the final held-out
+loss, paired by seed (the same init and token stream); ``paired`` is a Student-t interval over seeds,
+``bootstrap_ci95`` resamples the shared held-out windows (the per-window differences averaged over seeds;
+``k3jax.analysis.paired``). bits/byte = nats / ln 2 (byte tokens).
 """
 
 from __future__ import annotations
@@ -103,11 +104,13 @@ def assemble(spec, records: dict, init_plan: dict) -> dict:
     factors = {}
     for f in spec.factors:
         levels = {}
+        ref = f.levels[f.base_level]  # "base", or a tuned factor's own base level (a scaling study's)
+        ref_recs = _by_seed(records, spec.arms[ref].run_id)
         for level, name in f.levels.items():
             if level == f.base_level:
-                levels[level] = {"arm": "base"}
+                levels[level] = {"arm": ref}
                 continue
-            c = _compare(_by_seed(records, spec.arms[name].run_id), base_recs, [(s, s) for s in seeds],
+            c = _compare(_by_seed(records, spec.arms[name].run_id), ref_recs, [(s, s) for s in seeds],
                          spec.bootstrap)
             word, why = verdict(c["paired"], c["bootstrap_ci95"], aa["floor"])
             levels[level] = {"arm": name, **c, "verdict": word, "reason": why}

@@ -4,14 +4,19 @@ the one-factor guarantee checked before any compute, paired statistics against t
     k3 ablate experiments/ablations/attn_res.toml --out runs/attn_res     # the grid (resumes), then the tables
     k3 ablate experiments/ablations/latent_moe.toml --check               # resolve and check only: arms, diffs
     k3 ablate experiments/smoke.toml --out /tmp/smoke                     # 2 arms x 2 seeds x 3 steps: minutes, CPU
+    k3 ablate experiments/ablations/scaling.toml --out runs/scaling       # a scaling study: >= 4 budgets, fits,
+                                                                          # compute multipliers, tuned baselines
 
-The file format is in k3jax/train/ablate_spec.py; the output (results.json's schema) in
-k3jax/analysis/ablate_report.py. Re-running the same command continues a killed grid where it stopped; finished
+The file format is in k3jax/train/ablate_spec.py (a scaling study's [scaling], `tune` and `calibration`:
+k3jax/train/ablate_scaling.py); the output (results.json's schema) in k3jax/analysis/ablate_report.py (a study's:
+k3jax/analysis/scaling_report.py). Re-running the same command continues a killed grid where it stopped; finished
 runs are not redone, and the results equal an uninterrupted run's. Exit 0 (also when SIGTERM stopped the grid: re-run
 to continue); 1 when the determinism repeat of the A/A arm differs; 2 on bad input, before any training: an unknown
 key, an arm that differs outside its factor's declaration (the diff is printed), a `holds` value off by more than
 its tolerance, a level that changes nothing, seeds or a budget that are not positive integers, an --out holding
-another file's results.
+another file's results; in a scaling study also fewer than 4 budgets, budgets not increasing in compute or spanning
+under 8x, a tuned setting that is also a factor's key, a calibration factor with other keys or a k that is not a
+whole number of steps at every budget.
 """
 
 from __future__ import annotations
@@ -59,6 +64,63 @@ def ablate(spec, out: str, *, progress: bool | None = None, log=None) -> dict | 
     return results
 
 
+def study(st, out: str, *, progress: bool | None = None, log=None) -> dict | None:
+    """Run (or resume) the scaling study ``st`` in ``out``: each budget's tuning runs and grid (each budget's
+    directory gets its own results.json/md, curves.png), then the fits and multipliers (results.json, results.md,
+    scaling.png in ``out``). Returns the results, or None when SIGTERM stopped it."""
+    from k3jax.analysis import ablate_report, scaling_report
+    from k3jax.train.ablate_scaling import points, run_flops, run_study
+
+    t0 = time.perf_counter()
+    done = run_study(st, out, progress=progress, log=log)
+    if done is None:
+        return None
+    repeats = {}
+    for d in done:
+        r = ablate_report.assemble(d["spec"], d["records"], d["init"])
+        r["timing"] = {"runs_wall_s": sum(x["timing"]["wall_s"] for x in d["records"].values())}
+        ablate_report.write_all(r, os.path.join(out, "budgets", d["budget"].name))
+        repeats[d["budget"].name] = r["aa"]["repeat"]
+    s0 = done[0]["spec"]
+    meta = {"name": st.name, "description": st.description, "file": os.path.basename(st.path),
+            "fingerprint": st.fingerprint, "seeds": list(s0.seeds),
+            "budgets": [{"name": d["budget"].name, "tokens": d["spec"].base.derived["tokens"],
+                         "width": d["budget"].width, "flops": run_flops(d["spec"].base)} for d in done]}
+    results = scaling_report.assemble(meta, points(done), {d["budget"].name: d["tuning"] for d in done if d["tuning"]},
+                                      form=st.fit, reps=st.bootstrap)
+    wall = [x["timing"]["wall_s"] for d in done for x in d["records"].values()]
+    if any(d["budget"].tuning is not None for d in done):
+        from k3jax.train.ablate import _read_json
+
+        for d in done:
+            for job in d["budget"].tune_jobs:
+                wall.append(_read_json(os.path.join(job.dir(os.path.join(out, "tune", d["budget"].name)),
+                                                    "result.json"))["timing"]["wall_s"])
+    results["repeat"] = repeats  # per budget: the A/A determinism repeat (None: the file asks for none)
+    results["timing"] = {"this_invocation_s": time.perf_counter() - t0, "runs_wall_s": sum(wall), "runs": len(wall)}
+    scaling_report.write_all(results, out)
+    return results
+
+
+def _describe_study(st) -> str:
+    from k3jax.train.ablate_scaling import run_flops
+
+    runs = 0
+    lines = [f"{st.path}: scaling study {st.name!r}, {len(st.budgets)} budgets, fit {st.fit!r}, "
+             f"{st.bootstrap} bootstrap resamples, fingerprint {st.fingerprint[:12]}"]
+    for b in st.budgets:
+        from k3jax.train.ablate import grid
+
+        n = len(grid(b.spec)) + len(b.tune_jobs)
+        runs += n
+        lines.append(f"budget {b.name}: {b.spec.base.derived['tokens']:,} tokens, width {b.width:g}, base "
+                     f"{run_flops(b.spec.base):.3g} FLOPs; {n} runs ({len(b.tune_jobs)} tuning)")
+    lines.append(f"{runs} runs in all (tuned levels that pick another value run once more at each seed)")
+    lines.append(f"budget {st.budgets[-1].name}'s arms:")
+    lines.append(_describe(st.budgets[-1].spec))
+    return "\n".join(lines)
+
+
 def _describe(spec) -> str:
     from k3jax.train.ablate_check import format_diff
 
@@ -83,9 +145,11 @@ def _enable_compile_cache(path: str) -> None:
 
 def run_cli(args) -> int:
     from k3jax.train.ablate import claim_out
-    from k3jax.train.ablate_spec import load_spec
+    from k3jax.train.ablate_scaling import Study, load
 
-    spec = load_spec(args.spec)
+    spec = load(args.spec)
+    if isinstance(spec, Study):
+        return _run_study(spec, args)
     if args.check:
         if args.json:
             print(json.dumps({"fingerprint": spec.fingerprint, "arms": {n: {"run": a.run_id, "flat": a.flat,
@@ -114,5 +178,40 @@ def run_cli(args) -> int:
     rep = results["aa"]["repeat"]
     if rep is not None and not rep["identical"]:
         print(f"k3 ablate: the base at seed {rep['seed']} run twice differs: {rep['eval_loss']}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_study(st, args) -> int:
+    if args.check:
+        if args.json:
+            print(json.dumps({"fingerprint": st.fingerprint, "budgets": {
+                b.name: {"arms": {n: {"run": a.run_id, "flat": a.flat, "derived": a.derived}
+                                  for n, a in b.spec.arms.items()},
+                         "tuning_runs": [j.run_id for j in b.tune_jobs]} for b in st.budgets}}, default=list))
+        else:
+            print(_describe_study(st))
+        return 0
+    if not args.out:
+        raise InputError("--out DIR is required (or --check to only resolve the file)")
+    from k3jax.train.ablate_scaling import claim_study
+
+    claim_study(st, args.out)
+    if args.compile_cache != "off":
+        _enable_compile_cache(args.compile_cache or os.path.join(args.out, "compile_cache"))
+    results = study(st, args.out, progress=args.progress)
+    if results is None:
+        print(f"k3 ablate: stopped by SIGTERM; re-run the same command to continue ({args.out})", file=sys.stderr)
+        return 0
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        from k3jax.analysis.scaling_report import markdown
+
+        print(markdown(results), end="")
+        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, scaling.png")
+    bad = {b: rep["eval_loss"] for b, rep in results["repeat"].items() if rep is not None and not rep["identical"]}
+    if bad:
+        print(f"k3 ablate: the base run twice differs at budget(s) {bad}", file=sys.stderr)
         return 1
     return 0

@@ -120,10 +120,10 @@ def _window_scorer(cfg, run):
         forward(p, t[:, :-1], cfg, run), t[:, 1:]).mean(axis=-1))
 
 
-def window_losses(params, arm) -> np.ndarray:
-    """[N] float64: mean next-token cross-entropy (nats) of each of the arm's held-out windows, scored in
-    micro-batch chunks (the last chunk padded with zero rows, so one compiled shape)."""
-    w = eval_windows(arm).tokens
+def window_losses(params, arm, *, tuning: bool = False) -> np.ndarray:
+    """[N] float64: mean next-token cross-entropy (nats) of each of the arm's held-out windows (``tuning``: its tuning
+    windows), scored in micro-batch chunks (the last chunk padded with zero rows, so one compiled shape)."""
+    w = eval_windows(arm, tuning=tuning).tokens
     b = min(len(w), arm.train["batch"] // arm.train["micro_batches"])
     score = _window_scorer(arm.cfg, arm.run)
     out = []
@@ -208,6 +208,8 @@ def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) 
            "final_eval_loss": final, "window_losses": [float(x) for x in losses], "curve": m["curve"],
            "skipped_steps": m["skipped_steps"],
            "timing": {"wall_s": wall, "tokens_per_s": m["tokens_per_s"], "resumed_at_step": summary["start_step"]}}
+    if job.tag == "tune":  # a scaling study's tuning run: also scored on the windows between the evaluation windows
+        rec["tuning_window_losses"] = [float(x) for x in window_losses(summary["params"], arm, tuning=True)]
     _write_json(res_path, rec)
     if not spec.output["keep_checkpoints"]:
         shutil.rmtree(tc.ckpt_dir, ignore_errors=True)
@@ -254,16 +256,17 @@ def _plan(spec: Spec, out: str) -> tuple[dict, dict]:
     return plan, summary
 
 
-def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None) -> tuple[dict, dict] | None:
-    """Run (or resume) every job of ``grid(spec)`` in ``out``. Returns ({Job: result record}, the init summary per
-    run), or None when SIGTERM stopped the grid (re-run the same call to continue)."""
+def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None,
+             jobs: list[Job] | None = None) -> tuple[dict, dict] | None:
+    """Run (or resume) every job of ``grid(spec)`` (or ``jobs``) in ``out``. Returns ({Job: result record}, the init
+    summary per run), or None when SIGTERM stopped the grid (re-run the same call to continue)."""
     progress = sys.stderr.isatty() if progress is None else progress
     claim_out(spec, out)
-    jobs = grid(spec)
+    jobs = grid(spec) if jobs is None else jobs
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(jobs), desc="ablate", unit="run", file=sys.stderr)
+        bar = tqdm(total=len(jobs), desc=f"ablate {spec.name}", unit="run", file=sys.stderr)
 
     def say(msg: str) -> None:
         if log is not None:

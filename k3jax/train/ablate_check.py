@@ -46,16 +46,22 @@ def corpus(data: tuple[str, ...], max_bytes: int, heldout_frac: float) -> tuple[
     return tdata.split(tdata.load_corpus(data, max_bytes=max_bytes), heldout_frac)
 
 
-def eval_windows(arm: Arm):
+def eval_windows(arm: Arm, *, tuning: bool = False):
     """The held-out windows the train loop evaluates ``arm`` on (``loop._prepare``: the count rounded down to a
-    multiple of the devices, at least one each) — a ``Windows`` of [N, T + 1] int32 tokens."""
+    multiple of the devices, at least one each) — a ``Windows`` of [N, T + 1] int32 tokens. ``tuning``: the N - 1
+    windows midway between them instead, on which a scaling study picks tuned settings (no token shared with the
+    evaluation windows)."""
     from k3jax.train.evaluate import spaced_windows
 
     t = arm.train
     _, held = corpus(t["data"], t["max_bytes"], t["heldout_frac"])
     n_dev = t["devices"]
-    return spaced_windows(held, num=max(n_dev, t["eval_windows"] // n_dev * n_dev), seq_len=t["seq_len"],
-                          vocab=min(arm.cfg.vocab_size, 256))
+    try:
+        return spaced_windows(held, num=max(n_dev, t["eval_windows"] // n_dev * n_dev), seq_len=t["seq_len"],
+                              vocab=min(arm.cfg.vocab_size, 256), between=tuning)
+    except ValueError as e:
+        raise AblationSpecError(f"[eval] windows = {t['eval_windows']}: {e}; use fewer windows or a larger "
+                                f"[data] heldout_frac") from e
 
 
 def _data_order(arm: Arm, seed: int) -> str:
@@ -154,7 +160,7 @@ def diff(base: Arm, arm: Arm) -> dict[str, tuple]:
 
 def violations(f: Factor, base: Arm, arm: Arm) -> dict[str, str]:
     """{key: why} for every way ``arm`` breaks factor ``f``'s declaration."""
-    allowed = set(f.keys) | {i for k in f.keys for i in IMPLIED.get(k, ())}
+    allowed = set(f.keys) | {i for k in f.keys for i in IMPLIED.get(k, ())} | {f"train.{k}" for k in f.tune}
     out = {}
     for k in diff(base, arm):
         name = k.removeprefix("derived.")
@@ -188,7 +194,7 @@ def format_diff(base: Arm, arm: Arm, bad: dict[str, str] | None = None) -> str:
 def _check_factor(path: str, f: Factor, base: Arm, arms: dict) -> list[str]:
     errors = []
     for level, name in f.levels.items():
-        if level == f.base_level:
+        if name == "base":
             continue
         bad = violations(f, base, arms[name])
         if bad:
@@ -202,8 +208,14 @@ def _check_factor(path: str, f: Factor, base: Arm, arms: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------------ resolve
 
 def _levels(parsed: dict, f: dict, base_cfg: K3Config, base: Arm) -> tuple[dict, dict]:
-    """(level -> Arm, the levels' arm names); finds the base level and refuses levels that change nothing."""
+    """(level -> Arm, the base level's name); finds the base level and refuses levels that change nothing. The
+    settings a factor tunes are left out of both comparisons: its base level is the one equal to the base elsewhere."""
     table = f["levels"](base_cfg) if callable(f["levels"]) else f["levels"]
+    tuned = {f"train.{k}" for k in f.get("tune", {})}
+
+    def core(arm):
+        return {k: v for k, v in arm.flat.items() if k not in tuned}
+
     where = f["where"]
     if not isinstance(table, dict) or not table:
         raise AblationSpecError(f"{where}: `levels` must be a non-empty table of level tables")
@@ -215,7 +227,7 @@ def _levels(parsed: dict, f: dict, base_cfg: K3Config, base: Arm) -> tuple[dict,
         model_over, train_over = parse_level(t, lw)
         arm = _arm(parsed, f"{f['name']}={level}", f["name"], level, _replace(base_cfg, model_over, lw), train_over,
                    lw)
-        if arm.flat == base.flat:
+        if core(arm) == core(base):
             if base_level is not None:
                 raise AblationSpecError(f"{lw}: does not change anything: it resolves to the base configuration, "
                                         f"as level {base_level!r} does")
@@ -236,10 +248,13 @@ def resolve(parsed: dict) -> Spec:
     base = _arm(parsed, "base", None, None, base_cfg, {}, f"{path}: [base]")
     arms, factors, errors = {"base": base}, [], []
     for f in parsed["factors"]:
+        if "calibration" in f:  # a scaling study's: ablate_scaling.calibrate adds it per budget
+            continue
         level_arms, base_level = _levels(parsed, f, base_cfg, base)
-        names = {lv: ("base" if lv == base_level else a.name) for lv, a in level_arms.items()}
-        fac = Factor(f["name"], f["keys"], f["varies"], f["holds"], f["tolerance"], names, base_level)
-        arms |= {a.name: a for lv, a in level_arms.items() if lv != base_level}
+        names = {lv: ("base" if a.flat == base.flat else a.name) for lv, a in level_arms.items()}
+        fac = Factor(f["name"], f["keys"], f["varies"], f["holds"], f["tolerance"], names, base_level,
+                     f.get("tune", {}))
+        arms |= {a.name: a for lv, a in level_arms.items() if names[lv] != "base"}
         errors += _check_factor(path, fac, base, arms)
         factors.append(fac)
     if errors:

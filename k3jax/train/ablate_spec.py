@@ -41,6 +41,10 @@ Schema (every table is strict: an unknown key is an error that names it):
     attn_res = {}
     plain = { model = { attn_res_block_size = "none" } }
 
+A scaling study replaces [budget] with [scaling] (budgets at >= 4 compute levels, the fit) and may give a factor
+``tune = { lr = [...] }`` (each level picks its best value per budget) or add the ``calibration`` factor (``k``):
+``k3jax.train.ablate_scaling`` has that schema.
+
 Derived values (DERIVED): params and active_params (``k3 plan``'s counts), tokens (steps x batch x seq_len),
 data_order (sha256 of every training batch at the first seed) and eval_windows (sha256 of the held-out windows).
 An arm may differ from the base only in its factor's ``keys`` (and the settings they imply, IMPLIED) and in the
@@ -136,8 +140,9 @@ class Factor:
     varies: tuple[str, ...]
     holds: tuple[str, ...]
     tolerance: float
-    levels: dict  # level -> arm name (the base level -> "base")
+    levels: dict  # level -> arm name (the base level -> "base", or its own arm when tuning moved it off the base)
     base_level: str
+    tune: dict = field(default_factory=dict)  # tuned training setting -> candidates (a scaling study's factors)
 
 
 @dataclass(frozen=True)
@@ -279,8 +284,12 @@ def _derived_list(v, where: str, allowed=DERIVED) -> tuple[str, ...]:
 
 
 def _factor(t, where: str) -> dict:
-    t = _strict(t, ("name", "keys", "varies", "holds", "tolerance", "levels"), where)
+    t = _strict(t, ("name", "keys", "varies", "holds", "tolerance", "levels", "tune", "k"), where)
     name = t.get("name")
+    if name == "calibration" or "k" in t:
+        from k3jax.train.ablate_scaling import parse_calibration
+
+        return parse_calibration(t, where)
     if not is_name(name):
         raise _err(where, f"needs a name of letters, digits and '_', got {name!r}")
     where = f"{where} ({name!r})"
@@ -300,8 +309,13 @@ def _factor(t, where: str) -> dict:
     levels = t.get("levels", builtin.get("levels"))
     if levels is None:
         raise _err(where, "needs `levels`")
+    tune = {}
+    if "tune" in t:
+        from k3jax.train.ablate_scaling import parse_tune
+
+        tune = parse_tune(t["tune"], f"{where}.tune")
     return {"name": name, "keys": keys, "varies": varies, "holds": holds, "tolerance": float(tol),
-            "levels": levels, "where": where}
+            "levels": levels, "tune": tune, "where": where}
 
 
 def parse(path: str) -> dict:
@@ -314,7 +328,8 @@ def parse(path: str) -> dict:
     except tomllib.TOMLDecodeError as e:
         raise AblationSpecError(f"{path}: not valid TOML ({e})") from e
     here = os.path.dirname(os.path.abspath(path))
-    _strict(doc, ("name", "description", "seeds", "base", "budget", "data", "eval", "aa", "output", "factor"), path)
+    _strict(doc, ("name", "description", "seeds", "base", "budget", "data", "eval", "aa", "output", "factor",
+                  "scaling"), path)
     name = doc.get("name", os.path.splitext(os.path.basename(path))[0])
     if "seeds" not in doc:
         raise _err(path, "needs `seeds` (a count or a list)")
@@ -332,9 +347,18 @@ def parse(path: str) -> dict:
         except ConfigError as e:
             raise _err(f"{path}: [base] preset", str(e)) from e
     budget = _strict(doc.get("budget", {}), ("tokens", "steps"), f"{path}: [budget]")
-    if len(budget) != 1:
+    scaling = None
+    if "scaling" in doc:
+        from k3jax.train.ablate_scaling import parse_scaling
+
+        if budget:
+            raise _err(f"{path}: [budget]", "a [scaling] study sets its budgets in [scaling] budgets")
+        scaling = parse_scaling(doc["scaling"], f"{path}: [scaling]")
+        bkey, bval = scaling["budgets"][-1]["kind"], scaling["budgets"][-1]["amount"]
+    elif len(budget) != 1:
         raise _err(f"{path}: [budget]", "give exactly one of `tokens` (training tokens per run) or `steps`")
-    (bkey, bval), = budget.items()
+    else:
+        (bkey, bval), = budget.items()
     data = _strict(doc.get("data", {}), ("files", "max_bytes", "heldout_frac"), f"{path}: [data]")
     files = data.get("files", [])
     if not isinstance(files, list) or not all(isinstance(x, str) for x in files):
@@ -356,6 +380,16 @@ def parse(path: str) -> dict:
     dup = sorted({f["name"] for f in fs if [g["name"] for g in fs].count(f["name"]) > 1})
     if dup:
         raise _err(path, f"factor {dup[0]!r} appears twice")
+    for f in fs:
+        needs = "calibration" if "calibration" in f else "tune" if f["tune"] else None
+        if needs and scaling is None:
+            raise _err(f"{f['where']}.{'k' if needs == 'calibration' else 'tune'}",
+                       f"a {needs} factor belongs to a scaling study: add [scaling] budgets")
+        for k in f["tune"]:
+            owner = next((g["name"] for g in fs if f"train.{k}" in g["keys"]), None)
+            if owner is not None:
+                raise _err(f"{f['where']}.tune.{k}", f"train.{k} is a key of factor {owner!r}: a setting is either "
+                                                     "a factor's level or tuned, not both")
     seeds = _seeds(doc["seeds"], f"{path}: seeds")
     off = aa.get("seed_offset")
     if off is not None:
@@ -377,7 +411,7 @@ def parse(path: str) -> dict:
         "aa": {"seed_offset": off, "repeat": aa.get("repeat", False)},
         "output": {"ckpt_every": _pos_int(out.get("ckpt_every", 25), f"{path}: [output] ckpt_every"),
                    "keep_checkpoints": out.get("keep_checkpoints", True)},
-        "factors": fs,
+        "factors": fs, "scaling": scaling,
     }
 
 
@@ -385,7 +419,10 @@ def load_spec(path: str) -> Spec:
     """Parse, resolve and check the ablation file at ``path`` (no training; seconds: shapes only)."""
     from k3jax.train.ablate_check import resolve
 
-    return resolve(parse(path))
+    parsed = parse(path)
+    if parsed["scaling"] is not None:
+        raise AblationSpecError(f"{path}: a scaling study ([scaling]): load it with ablate_scaling.load_study")
+    return resolve(parsed)
 
 
 def canonical(obj) -> str:

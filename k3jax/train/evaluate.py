@@ -44,9 +44,16 @@ def tiled_windows(tokens, *, seq_len: int) -> Windows:
     return Windows(w, m)
 
 
-def spaced_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 256) -> Windows:
-    """``num`` evenly spaced full windows; tokens are taken ``% vocab`` when ``vocab < 256`` (byte-level data)."""
+def spaced_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 256, between: bool = False) -> Windows:
+    """``num`` evenly spaced full windows; tokens are taken ``% vocab`` when ``vocab < 256`` (byte-level data).
+    ``between``: instead, the ``num - 1`` windows midway between neighbouring ones (a scaling study's tuning windows),
+    which share no token with them — a ValueError when the spacing is under two windows."""
     starts = np.linspace(0, len(tokens) - seq_len - 1, num).astype(np.int64)
+    if between:
+        if num < 2 or np.min(np.diff(starts)) < 2 * (seq_len + 1):
+            raise ValueError(f"{num} windows of {seq_len + 1} tokens over {len(tokens)} held-out tokens leave no room "
+                             f"for disjoint windows between them (need a spacing of >= {2 * (seq_len + 1)} tokens)")
+        starts = (starts[:-1] + starts[1:]) // 2
     w = tokens[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
     return Windows(w % vocab if vocab < 256 else w, None)
 
