@@ -200,6 +200,13 @@ def plot_curves(r: dict, path: str) -> None:
         ax.set_ylabel("held-out loss (nats/token)")
         ax.legend()
     fig.suptitle(f"{r['spec']['name']}: mean ± std over {len(r['spec']['seeds'])} seeds")
+    save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> None:
+    """``fig`` as a PNG at ``path``, written atomically (a temporary file, a rename), then closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = f"{path}.tmp-{os.getpid()}"
     fig.savefig(tmp, format="png", dpi=110)
@@ -207,7 +214,8 @@ def plot_curves(r: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_text(path: str, text: str) -> None:
+def write_text(path: str, text: str) -> None:
+    """``text`` at ``path``, written atomically (a temporary file, a rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
@@ -215,9 +223,9 @@ def _write_text(path: str, text: str) -> None:
 
 
 def write_all(results: dict, out: str) -> None:
-    """results.json, results.md and curves.png in ``out``, each written atomically (a temporary file, a rename)."""
-    _write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1, sort_keys=True) + "\n")
-    _write_text(os.path.join(out, "results.md"), markdown(results))
+    """results.json, results.md and curves.png in ``out``, each written atomically."""
+    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_text(os.path.join(out, "results.md"), markdown(results))
     plot_curves(results, os.path.join(out, "curves.png"))
 
 
@@ -230,4 +238,4 @@ def strip_timing(obj):
     return obj
 
 
-__all__ = ["SCHEMA", "assemble", "markdown", "plot_curves", "strip_timing", "write_all"]
+__all__ = ["SCHEMA", "assemble", "markdown", "plot_curves", "save_figure", "strip_timing", "write_all", "write_text"]

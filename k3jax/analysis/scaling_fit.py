@@ -99,14 +99,16 @@ def _weights(w, n: int) -> np.ndarray:
 
 def identified(C, L, weights=None) -> tuple[bool, str]:
     """Whether the saturating form identifies E on these points: its best α is inside the grid and its E lies in
-    [0, min L). Returns (ok, the reason in words)."""
+    (0, min L), above rounding (an E within 1e-9·min L of 0 is the power law itself, whose exact points fit the
+    saturating form at E = ±1e-14, the sign set by rounding). Returns (ok, the reason in words)."""
     x, _ = _centre(C)
     s = _fit_saturating(x, np.asarray(L, np.float64)[None], _weights(weights, x.size))
     E, alpha = float(s["E"][0]), float(s["alpha"][0])
     if bool(s["edge"][0]):
         return False, f"the best α ({alpha:.3g}) is at the edge of [{ALPHA_GRID[0]:g}, {ALPHA_GRID[-1]:g}]"
-    if not 0.0 <= E < float(np.min(L)):
-        return False, f"the best E ({E:.4f}) is outside [0, min L = {float(np.min(L)):.4f})"
+    lmin = float(np.min(L))
+    if not 1e-9 * lmin < E < lmin:
+        return False, f"the best E ({E:.4g}) is outside (0, min L = {lmin:.4f})"
     return True, f"E = {E:.4f}, α = {alpha:.4f}"
 
 

@@ -36,6 +36,7 @@ import os
 
 import numpy as np
 
+from k3jax.analysis.ablate_report import save_figure, write_text
 from k3jax.analysis.paired import mean_std
 from k3jax.analysis.scaling_fit import (
     bootstrap_weights,
@@ -256,21 +257,13 @@ def plot_scaling(r: dict, path: str) -> None:
         ax.set_ylabel("held-out loss (nats/token)")
         ax.legend(fontsize=7)
     fig.suptitle(f"{r['spec']['name']}: {r['scaling']['form']} fits; mean ± std over {len(r['spec']['seeds'])} seeds")
-    fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
 
 
 def write_all(results: dict, out: str) -> None:
     """results.json, results.md and scaling.png in ``out``, each written atomically."""
-    for name, text in (("results.json", json.dumps(results, indent=1, sort_keys=True) + "\n"),
-                       ("results.md", markdown(results))):
-        tmp = os.path.join(out, f"{name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out, name))
+    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1, sort_keys=True) + "\n")
+    write_text(os.path.join(out, "results.md"), markdown(results))
     plot_scaling(results, os.path.join(out, "scaling.png"))
 
 

@@ -145,73 +145,40 @@ def _enable_compile_cache(path: str) -> None:
 
 def run_cli(args) -> int:
     from k3jax.train.ablate import claim_out
-    from k3jax.train.ablate_scaling import Study, load
+    from k3jax.train.ablate_scaling import Study, claim_study, load
 
     spec = load(args.spec)
-    if isinstance(spec, Study):
-        return _run_study(spec, args)
+    scaling = isinstance(spec, Study)
     if args.check:
         if args.json:
-            print(json.dumps({"fingerprint": spec.fingerprint, "arms": {n: {"run": a.run_id, "flat": a.flat,
-                                                                            "derived": a.derived}
-                                                                        for n, a in spec.arms.items()}},
-                             default=list))
+            def arms(s):
+                return {n: {"run": a.run_id, "flat": a.flat, "derived": a.derived} for n, a in s.arms.items()}
+            doc = ({"budgets": {b.name: {"arms": arms(b.spec), "tuning_runs": [j.run_id for j in b.tune_jobs]}
+                                for b in spec.budgets}} if scaling else {"arms": arms(spec)})
+            print(json.dumps({"fingerprint": spec.fingerprint} | doc, default=list))
         else:
-            print(_describe(spec))
+            print(_describe_study(spec) if scaling else _describe(spec))
         return 0
     if not args.out:
         raise InputError("--out DIR is required (or --check to only resolve the file)")
-    claim_out(spec, args.out)
+    (claim_study if scaling else claim_out)(spec, args.out)
     if args.compile_cache != "off":
         _enable_compile_cache(args.compile_cache or os.path.join(args.out, "compile_cache"))
-    results = ablate(spec, args.out, progress=args.progress)
+    results = (study if scaling else ablate)(spec, args.out, progress=args.progress)
     if results is None:
         print(f"k3 ablate: stopped by SIGTERM; re-run the same command to continue ({args.out})", file=sys.stderr)
         return 0
     if args.json:
         print(json.dumps(results, sort_keys=True))
     else:
-        from k3jax.analysis.ablate_report import markdown
+        from k3jax.analysis import ablate_report, scaling_report
 
-        print(markdown(results), end="")
-        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, curves.png")
-    rep = results["aa"]["repeat"]
-    if rep is not None and not rep["identical"]:
-        print(f"k3 ablate: the base at seed {rep['seed']} run twice differs: {rep['eval_loss']}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _run_study(st, args) -> int:
-    if args.check:
-        if args.json:
-            print(json.dumps({"fingerprint": st.fingerprint, "budgets": {
-                b.name: {"arms": {n: {"run": a.run_id, "flat": a.flat, "derived": a.derived}
-                                  for n, a in b.spec.arms.items()},
-                         "tuning_runs": [j.run_id for j in b.tune_jobs]} for b in st.budgets}}, default=list))
-        else:
-            print(_describe_study(st))
-        return 0
-    if not args.out:
-        raise InputError("--out DIR is required (or --check to only resolve the file)")
-    from k3jax.train.ablate_scaling import claim_study
-
-    claim_study(st, args.out)
-    if args.compile_cache != "off":
-        _enable_compile_cache(args.compile_cache or os.path.join(args.out, "compile_cache"))
-    results = study(st, args.out, progress=args.progress)
-    if results is None:
-        print(f"k3 ablate: stopped by SIGTERM; re-run the same command to continue ({args.out})", file=sys.stderr)
-        return 0
-    if args.json:
-        print(json.dumps(results, sort_keys=True))
-    else:
-        from k3jax.analysis.scaling_report import markdown
-
-        print(markdown(results), end="")
-        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, scaling.png")
-    bad = {b: rep["eval_loss"] for b, rep in results["repeat"].items() if rep is not None and not rep["identical"]}
-    if bad:
-        print(f"k3 ablate: the base run twice differs at budget(s) {bad}", file=sys.stderr)
-        return 1
-    return 0
+        print((scaling_report if scaling else ablate_report).markdown(results), end="")
+        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, "
+              f"{'scaling.png' if scaling else 'curves.png'}")
+    repeats = results["repeat"] if scaling else {"": results["aa"]["repeat"]}
+    bad = {b: rep for b, rep in repeats.items() if rep is not None and not rep["identical"]}
+    for b, rep in bad.items():
+        print(f"k3 ablate: the base at seed {rep['seed']} run twice differs{f' at budget {b}' if b else ''}: "
+              f"{rep['eval_loss']}", file=sys.stderr)
+    return 1 if bad else 0

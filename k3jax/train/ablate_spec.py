@@ -384,7 +384,8 @@ def parse(path: str) -> dict:
         needs = "calibration" if "calibration" in f else "tune" if f["tune"] else None
         if needs and scaling is None:
             raise _err(f"{f['where']}.{'k' if needs == 'calibration' else 'tune'}",
-                       f"a {needs} factor belongs to a scaling study: add [scaling] budgets")
+                       f"{'the calibration factor' if needs == 'calibration' else '`tune`'} belongs to a scaling "
+                       "study: replace [budget] with [scaling] budgets")
         for k in f["tune"]:
             owner = next((g["name"] for g in fs if f"train.{k}" in g["keys"]), None)
             if owner is not None:

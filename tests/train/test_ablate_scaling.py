@@ -310,3 +310,15 @@ name = "glu"
     st = load_study(_write(tmp_path, text))
     assert [b.spec.base.cfg.hidden_size for b in st.budgets] == [32, 64, 128, 128]
     assert [b.spec.arms["glu=swiglu"].cfg.hidden_size for b in st.budgets] == [32, 64, 128, 128]
+
+
+def test_recorded_smoke_study_tables_come_from_its_results_json():
+    from k3jax.analysis.scaling_report import markdown
+
+    d = os.path.join(REPO, "experiments", "runs", "scaling-smoke")
+    r = json.load(open(os.path.join(d, "results.json")))
+    assert markdown(r) == open(os.path.join(d, "results.md")).read()
+    cal = r["scaling"]["multipliers"]["calibration"]["x1_5"]
+    assert cal["true"] == 1.5 and cal["ci95"][0] <= 1.5 <= cal["ci95"][1] and cal["ci95"][0] > 1.0
+    lo, hi = r["scaling"]["aa"]["ci95"]
+    assert lo <= 1.0 <= hi
