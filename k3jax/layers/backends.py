@@ -18,11 +18,23 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate
                      gate_lower_bound=gate_lower_bound)
 
 
-def mxfp4_gmm(x, packed, scale, group_sizes):
+def kernel_target() -> str:
+    """The platform being compiled for ('cpu', 'gpu' or 'tpu'): the current (abstract) mesh's device, else the
+    default backend (``pallas_kernels.platform.target_platform``)."""
+    from pallas_kernels.platform import target_platform
+
+    return target_platform()
+
+
+def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
     """Grouped MXFP4 matmul y [M, N] = x [M, K] @ W_gᵀ per expert group (packed uint8 [G, N, K/2], scale uint8
-    [G, N, K/32]; rows sorted by group; output in x.dtype), with pallas_kernels/mxfp4_matmul's block sizes. Compiled
-    on GPU/TPU; on CPU the Pallas interpreter (the packed experts' "sorted" dispatch never runs it there: it takes
-    the XLA loop of k3jax/ops/packed_experts.py)."""
+    [G, N, K/32]; rows sorted by group; output in x.dtype), with pallas_kernels/mxfp4_matmul's block sizes; its VJP
+    with respect to x is the kernel's transposed form. ``platform``: whose schedule and tiles (None: the platform
+    being compiled for). Compiled for a GPU/TPU target; for a CPU target the Pallas TPU interpreter runs it, so
+    ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too (``ExpertParallel(packed_kernel=
+    "pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it takes the XLA loop of
+    k3jax/ops/packed_experts.py."""
     from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm
 
-    return gmm(x, packed, scale, group_sizes, interpret=jax.default_backend() == "cpu")
+    target = kernel_target()
+    return gmm(x, packed, scale, group_sizes, platform=platform or target, interpret=target == "cpu")

@@ -145,17 +145,31 @@ def varying_zeros(shape, dtype, *inputs):
 def match_varying(ct, primal):
     """Inside shard_map: sum a cotangent over the mesh axes it varies along but its primal does not (what autodiff
     does for a replicated operand, e.g. expert weights × data-sharded tokens). A no-op outside shard_map."""
-    extra = tuple(sorted(_varying_axes(ct) - _varying_axes(primal)))
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     return lax.psum(ct, extra) if extra else ct
 
 
-def _varying_axes(x) -> frozenset:
+def varying_axes(x) -> frozenset:
     """Mesh axes along which ``x`` varies inside shard_map (jax 0.12: manual_axis_type.varying; earlier: vma)."""
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(t, "vma", ()))
+
+
+def varying_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+    """An out_shape for a custom call (``pallas_call``) computed from ``inputs``: inside shard_map (check_vma) it
+    declares the union of their varying mesh axes, as an output computed from them varies; outside, a plain
+    ShapeDtypeStruct. jax 0.12 spells the declaration ``manual_axis_type=ManualAxisType(varying=...)``, jax 0.11
+    ``vma=...``."""
+    axes = frozenset().union(*(varying_axes(a) for a in jax.tree.leaves(inputs)))
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    mat = getattr(jax.sharding, "ManualAxisType", None)
+    if mat is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat(varying=axes))
+    return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
 
 
 _tile_scan_ffn.defvjp(_tile_scan_fwd, _tile_scan_bwd)

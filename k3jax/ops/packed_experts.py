@@ -21,9 +21,10 @@ un-sort, weighted sum over the A slots in at-least-fp32) with the FFN step repla
       so in bf16 runs a and b are rounded to bf16 before act (the XLA loop keeps them in fp32).
   "auto": ``lax.platform_dependent(cpu="tiles", default="gmm")`` ("tiles" everywhere when no ``gmm`` is given).
 
-Gradients (custom_vjp): w.r.t. the rows only — the uint8 storage has no cotangent. The backward pass runs the "tiles"
-loop on every platform (the Pallas kernel contracts over ``in`` only; dx needs the contraction over ``out``):
-per (e, c) and tile it recomputes a, b, then dh = dy W2[:, c], (da, db) = act_vjp(dh), dx += da W1[c] + db W3[c].
+Gradients (custom_vjp): w.r.t. the rows only — the uint8 storage has no cotangent. The backward follows the forward's
+implementation: "tiles" per (e, c) and tile recomputes a, b, then dh = dy W2[:, c], (da, db) = act_vjp(dh),
+dx += da W1[c] + db W3[c]; "gmm" differentiates the three grouped matmuls, whose VJP is the Pallas kernel's transposed
+form (dx = g W, contracting over ``out``, from the packed bytes).
 ``act_quant`` on the GEMM inputs is a straight-through estimator, as in grouped_matmul: applied to the rows outside
 the custom_vjp, and passed through unchanged for h.
 """
@@ -149,7 +150,7 @@ def _tiles_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int, 
     return yt.reshape(-1, P)[back]
 
 
-def _tiles_backward(xs, group_sizes, w1, w3, w2, act, acc, tile: int, fc: int, dy):
+def _tiles_backward(xs, group_sizes, w1, w3, w2, dy, *, act, acc, tile: int, fc: int):
     """dx [R, P] for the rows of ``_tiles_forward`` (weights frozen); act_quant on h is straight-through."""
     R, P = xs.shape
     xt, _, back = tile_rows(xs, group_sizes, tile)
@@ -202,10 +203,26 @@ def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)
     return y, args
 
 
+def _gmm_backward(xs, group_sizes, w1, w3, w2, dy, *, act, act_quant, acc, gmm):
+    """dx of ``_gmm_forward``: autodiff through it, so a and b are recomputed by the kernel and dh = dy W2,
+    da W1 + db W3 run the kernel's own VJP (the transposed kernel over the packed bytes); act_quant on h is
+    straight-through there too."""
+    fwd = partial(_gmm_forward, group_sizes=group_sizes, w1=w1, w3=w3, w2=w2, act=act, act_quant=act_quant,
+                  acc=acc, gmm=gmm)
+    _, vjp = jax.vjp(fwd, xs)
+    return vjp(dy.astype(acc))[0]
+
+
 def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, res, dy):
     xs, group_sizes, w1, w3, w2 = res
     tile, fc = _tiling(xs, group_sizes, w2)
-    dx = _tiles_backward(xs, group_sizes, w1, w3, w2, act, acc, tile, fc, dy)
+    tiles = partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc)
+    args = (xs, group_sizes, w1, w3, w2, dy)
+    if impl == "gmm" or (impl == "auto" and gmm is not None):
+        on_gmm = partial(_gmm_backward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
+        dx = on_gmm(*args) if impl == "gmm" else lax.platform_dependent(*args, cpu=tiles, default=on_gmm)
+    else:
+        dx = tiles(*args)
     # with F sharded (tensor), each device's dx is a partial sum over its F slice: psum to the rows' varying axes
     return match_varying(dx, xs), None, None, None, None  # frozen uint8 storage and int sizes: no cotangent
 

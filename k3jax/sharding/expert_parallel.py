@@ -11,8 +11,9 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
                  GPU/TPU — ``lax.ragged_all_to_all`` of the sorted rows (sizes exchanged with a tiny all_to_all)
     4. local experts: ``experts_sorted`` (sort by local id, ``lax.ragged_dot`` w1/w3 → GLU → w2); pad rows (id El)
        fall outside every group and come out zero; with tensor-sharded expert_mlp, psum over ``tensor``. Frozen
-       MXFP4 experts (``PackedWeight`` stacks) run ``experts_packed`` instead (k3jax/ops/packed_experts.py; its XLA
-       loop on every platform, see ``_local_experts``)
+       MXFP4 experts (``PackedWeight`` stacks) run ``experts_packed`` instead (k3jax/ops/packed_experts.py): the
+       Pallas grouped MXFP4 kernel when compiling for GPU/TPU (forward and the activation gradient; its outputs
+       declare their varying mesh axes), the XLA loop for CPU (``packed_kernel``)
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
 The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
@@ -83,20 +84,20 @@ def _sort_rows(ids_ma, local_experts: int, n_shards: int):
     return flat, order, inverse, dest, counts
 
 
-def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes):
+def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm):
     """Run the local experts on received rows x [R, P] with local ids [R] (pad id = El → zero output). The stacks
-    are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts: k3jax/ops/packed_experts.py)."""
+    are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts: k3jax/ops/packed_experts.py), run by the grouped
+    MXFP4 kernel ``gmm`` (forward and the activation gradient) or, when it is None, the XLA loop."""
     ones = jnp.ones((x.shape[0], 1), acc_dtype(x.dtype))
     if isinstance(w1, PackedWeight):
-        # The XLA loop on every platform here: the Pallas grouped MXFP4 matmul cannot be traced inside shard_map
-        # (check_vma) while its pallas_call's out_shape does not declare the output's varying mesh axes.
-        out = experts_packed(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant, impl="tiles")
+        out = experts_packed(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
+                             impl="tiles" if gmm is None else "gmm")
     else:
         out = experts_sorted(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant)
     return lax.psum(out, tensor_axes) if tensor_axes else out
 
 
-def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
+def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, gmm):
     """CPU path: fixed-size buckets + all_to_all. Returns (y [m, P] acc, dropped int32 local count)."""
     m, A = ids.shape
     El = num_experts(w1)
@@ -111,7 +112,8 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
     send_id = jnp.where(valid, flat[row] % El, El).astype(jnp.int32)
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)
     recv_id = lax.all_to_all(send_id, axis, 0, 0, tiled=True)
-    out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes)
+    out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes,
+                         gmm)
     back = lax.all_to_all(out.reshape(X, C, -1), axis, 0, 0, tiled=True)  # [X, C, P], slots as sent
     rank = jnp.arange(m * A, dtype=jnp.int32)[inverse] - starts[dest]  # position of each row in its bucket
     kept = rank < C
@@ -120,7 +122,7 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
     return y, jnp.sum(~kept).astype(jnp.int32)
 
 
-def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes):
+def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, gmm):
     """GPU/TPU path: ragged_all_to_all of the sorted rows. Each source sends a destination at most ``capacity``
     rows (the first ones in sorted order, as the bucketed path keeps), so the receive buffer is X · capacity rows;
     at the worst-case capacity nothing is dropped. Returns (y [m, P] acc, dropped int32 local count)."""
@@ -140,7 +142,7 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
                                  recv_sizes, axis_name=axis)
     recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
                                     recv_sizes, axis_name=axis)
-    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes)
+    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, gmm)
     back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
     back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
                                  send_sizes, axis_name=axis)
@@ -148,18 +150,38 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     return y, jnp.sum(counts - send_sizes).astype(jnp.int32)
 
 
+PACKED_KERNELS = ("auto", "pallas", "tiles")
+
+
+def _packed_gmm(packed_kernel: str):
+    """The grouped MXFP4 matmul the local packed experts run, or None for the XLA loop: "tiles" never; "pallas"
+    always (for a CPU target the TPU schedule in the TPU interpreter: the code TPUs run, as tests run it);
+    "auto" when compiling for a GPU or TPU."""
+    from k3jax.layers import backends
+
+    target = backends.kernel_target()
+    if packed_kernel == "tiles" or (packed_kernel == "auto" and target == "cpu"):
+        return None
+    return partial(backends.mxfp4_gmm, platform="tpu" if target == "cpu" else None)
+
+
 class ExpertParallel:
     """An ``experts_fn`` for the MoE block (``MoE(...)(x, dispatch=...)``) that runs the routed experts
     expert-parallel on ``mesh``.
 
     Token rows are sharded over the mesh axes that ``rules`` maps "batch" to (minus ``tensor``); expert stacks over
-    the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp".
+    the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp". Frozen MXFP4
+    stacks run on each device by ``packed_kernel`` (``_packed_gmm``): "auto" (the Pallas kernel when compiling for
+    GPU/TPU, the XLA loop for CPU), "pallas" or "tiles".
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto"):
+    def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
+                 packed_kernel: str = "auto"):
         if impl not in ("auto", "bucketed", "ragged"):
             raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
-        self.mesh, self.impl = mesh, impl
+        if packed_kernel not in PACKED_KERNELS:
+            raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, got {packed_kernel!r}")
+        self.mesh, self.impl, self.packed_kernel = mesh, impl, packed_kernel
         self.capacity_factor = capacity_factor
         ex = mesh_axes_of("experts", rules, mesh)
         if len(ex) > 1:
@@ -209,10 +231,12 @@ class ExpertParallel:
         C = bucket_capacity(m, A, El, X, self.capacity_factor)
         kw = dict(act=act, act_quant=act_quant, axis=self.expert_axis, n_shards=X, capacity=C,
                   tensor_axes=self.tensor_axes)
-        bucketed, ragged = partial(_bucketed, **kw), partial(_ragged, **kw)
         reduce_axes = self.token_axes
 
         def local(z, ids, wts, w1, w3, w2):
+            # chosen in here, where the current mesh is shard_map's (its device: the platform being compiled for)
+            gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            bucketed, ragged = partial(_bucketed, **kw, gmm=gmm), partial(_ragged, **kw, gmm=gmm)
             args = (z, ids, wts, w1, w3, w2)
             if self.impl == "bucketed":
                 y, d = bucketed(*args)

@@ -4,8 +4,9 @@
     y = mxfp4_gmm(x, packed, scale, group_sizes)    rows of x sorted by expert; packed [G, N, K/2], scale [G, N, K/32]
 
 y = x @ dequant(W)ᵀ, fp32 accumulation, output in x.dtype (bfloat16 or float32). The weights are frozen storage:
-the VJP gives dx = g @ dequant(W) (from the jnp reference, until the kernel has its own backward) and no cotangent
-for the uint8 arrays. ``act_quant="ceil"`` (or another rule) MXFP8-fake-quantizes x along K first (STE).
+the VJP gives dx = g @ dequant(W) and no cotangent for the uint8 arrays — grouped: by the transposed kernel over the
+packed bytes (kernel.py, ``mxfp4_gmm_t_*``); dense: from the jnp reference (one matrix dequantized). Inside
+``jax.shard_map`` the kernels' outputs declare the inputs' varying mesh axes (``ops.grouped_matmul.varying_struct``). ``act_quant="ceil"`` (or another rule) MXFP8-fake-quantizes x along K first (STE).
 
 Per platform (``platform=``, default ``pallas_kernels.platform.target_platform()``): block sizes default to
 ``DEFAULT_BLOCKS[platform]``; on TPU both entry points run ``kernel.mxfp4_gmm_tpu`` (see kernel.py for its scale
@@ -18,8 +19,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
+from k3jax.ops.grouped_matmul import match_varying
 from pallas_kernels.mxfp4_matmul import kernel as _k
 from pallas_kernels.mxfp4_matmul import reference as _ref
 from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
@@ -58,7 +61,13 @@ def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) ->
     bm = block_m or dm
     if platform == "tpu" and block_m is None:  # small M (decode): the next power of two >= M, at least 16 (bf16 tile)
         bm = min(bm, max(16, 1 << (max(M, 1) - 1).bit_length()))
-    bs = BlockSizes(bm, _fit(block_n or dn, N), _fit(block_k or dk, K))
+    bn, bk = _fit(block_n or dn, N), _fit(block_k or dk, K)
+    if platform == "tpu":  # a default that meets no Mosaic tiling (N = 160: bn = 32) takes the whole dim
+        bn = N if block_n is None and bn % 128 else bn
+        bk = K if block_k is None and (bk // 2) % 128 else bk
+    if any(b & (b - 1) for b in (bm, bn, bk)) and platform != "tpu":
+        raise ValueError(f"blocks must be powers of two off TPU (Triton), got ({bm}, {bn}, {bk})")
+    bs = BlockSizes(bm, bn, bk)
     if platform == "tpu":
         ok_n = bs.block_n % 128 == 0 or bs.block_n == N
         ok_k = (bs.block_k // 2) % 128 == 0 or bs.block_k == K
@@ -66,6 +75,13 @@ def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) ->
             raise ValueError(f"TPU blocks need block_m % 16 == 0, block_n % 128 == 0 (or = N) and block_k/2 % 128 == "
                              f"0 (or block_k = K); got {bs} for N = {N}, K = {K}")
     return bs
+
+
+def _interpret(interpret):
+    """``interpret=True`` -> the TPU interpreter (``pltpu.InterpretParams()``), which runs both schedules and, unlike
+    the generic ``interpret=True`` interpreter (whose loop carry loses the varying mesh axes), also runs them inside
+    ``jax.shard_map``; False or an ``InterpretParams`` pass through."""
+    return pltpu.InterpretParams() if interpret is True else interpret
 
 
 def _split_even_odd(x):
@@ -127,13 +143,28 @@ def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret
 
 
 def _gmm_fwd(x, packed, scale, group_sizes, bs, platform, interpret):
-    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret), (packed, scale, group_sizes)
+    # x[:0]: no bytes, only x's type (its varying mesh axes inside shard_map) for the backward's match_varying
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret), (packed, scale, group_sizes, x[:0])
 
 
 def _gmm_bwd(bs, platform, interpret, res, g):
-    packed, scale, group_sizes = res
-    dx = _ref.mxfp4_gmm_reference_vjp_x(g, packed, scale, group_sizes)
-    return dx.astype(g.dtype), None, None, None  # uint8 storage and int sizes: no cotangent
+    packed, scale, group_sizes, x_type = res
+    dx = _gmm_t(g, packed, scale, group_sizes, bs, platform, interpret)
+    # inside shard_map with W's N split over a mesh axis (tensor-parallel expert F), each device's dx is a partial
+    # sum over its N slice and varies along that axis where x does not: sum it there (what autodiff would do)
+    return match_varying(dx, x_type), None, None, None  # uint8 storage and int sizes: no cotangent
+
+
+def _gmm_t(g, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret):
+    """dx [M, K] = g [M, N] @ W_g [N, K] per group, by the transposed kernel over the packed bytes (the tile layout
+    of the forward: the same row tiles, the weights re-read once per row tile); output in g.dtype."""
+    M = g.shape[0]
+    tile_group, src_rows, dst_rows, valid_rows = group_tile_metadata(group_sizes, M, bs.block_m)
+    g_rows = jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])[src_rows]
+    launch = _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
+    dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret)
+    dx = jnp.stack([dxe, dxo], axis=-1).reshape(dxe.shape[0], 2 * dxe.shape[1])  # columns 2j, 2j+1 interleaved
+    return jnp.where(valid_rows[:, None], dx[dst_rows], 0.0).astype(g.dtype)
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -152,8 +183,10 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
         platform's ``DEFAULT_BLOCKS`` (on TPU block_m is capped near M).
       act_quant: None, or the MXFP8 scale rule to fake-quantize x with (blocks of 32 along K).
       platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
-      interpret: run the Pallas interpreter (CPU) on the chosen platform's kernel.
-    Returns: y [M, N] in x.dtype.
+      interpret: run the chosen platform's kernel in the Pallas TPU interpreter on CPU (True, or your own
+        ``pltpu.InterpretParams(...)``): both schedules, also inside ``shard_map`` (``_interpret``).
+    Returns: y [M, N] in x.dtype. Its VJP with respect to x is the transposed kernel (``_gmm_t``): no weight is
+    dequantized outside a tile.
     """
     _check(x, packed, scale, grouped=True)
     if group_sizes.shape != (packed.shape[0],):
@@ -162,7 +195,7 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
     platform = target_platform(platform)
     bs = _blocks(platform, x.shape[0], packed.shape[1], x.shape[1], block_m, block_n, block_k)
-    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret)
+    return _gmm(x, packed, scale, group_sizes, bs, platform, _interpret(interpret))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,4 +252,4 @@ def mxfp4_matmul(x, packed, scale, *, block_m: int | None = None, block_n: int |
         x2 = mx.fake_quant_mxfp8(x2, axis=-1, rule=act_quant)
     N, K = packed.shape[0], x2.shape[1]
     bs = _blocks(platform, x2.shape[0], N, K, block_m, block_n, block_k)
-    return _matmul(x2, packed, scale, bs, schedule, platform, interpret).reshape(*lead, N)
+    return _matmul(x2, packed, scale, bs, schedule, platform, _interpret(interpret)).reshape(*lead, N)

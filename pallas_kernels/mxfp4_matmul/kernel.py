@@ -36,13 +36,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
+from k3jax.ops.grouped_matmul import varying_struct
 
 SCALE_GROUP_BYTES = 16  # 32 elements per scale = 16 packed bytes
 
 
 @dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two for Triton). bm rows of x, bn output features, bk contraction (multiple of 32)."""
+    """Tile sizes. bm rows of x, bn output features, bk contraction (a multiple of 32: whole scale blocks). Powers of
+    two except where a TPU block spans a whole dimension that no power-of-two Mosaic tile divides (``api._blocks``)."""
 
     block_m: int = 16
     block_n: int = 128
@@ -50,11 +52,10 @@ class BlockSizes:
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v <= 0 or v & (v - 1):
-                raise ValueError(f"{name} must be a positive power of two, got {v}")
-        if self.block_k < 32:
-            raise ValueError(f"block_k must be >= 32 (one scale block), got {self.block_k}")
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_k % 32:
+            raise ValueError(f"block_k must be a multiple of 32 (whole scale blocks), got {self.block_k}")
 
 
 def _expand_scale(scale_u8):
@@ -116,7 +117,7 @@ def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool)
     grid = (M // bm, N // bn, 2 * half // bk)
     return pl.pallas_call(
         _grid_kernel,
-        out_shape=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        out_shape=varying_struct((M, N), jnp.float32, xe, xo, packed, scale),
         grid=grid,
         in_specs=[
             pl.BlockSpec((bm, bk // 2), lambda i, j, k: (i, k)),
@@ -165,7 +166,7 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
     kernel = functools.partial(_loop_kernel, bn=bn, bk=bk, nk=2 * half // bk)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.float32),
+        out_shape=varying_struct((Mp, N), jnp.float32, tile_group, xe, xo, packed, scale),
         grid=(Mp // bm, N // bn),
         in_specs=[
             pl.BlockSpec(tile_group.shape, lambda i, j: (0,)),
@@ -180,7 +181,14 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
     )(tile_group, xe, xo, packed, scale)
 
 
-def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, *, bk: int):
+def _k_lanes(k, bk: int, nk: int):
+    """The lanes [k·bk/2, (k+1)·bk/2) of a whole-K/2 VMEM buffer: a dynamic slice at a multiple of bk/2 (of 128 when
+    there are several k steps, ``api._blocks``), or all of it (static) when bk = K: Mosaic cannot prove a dynamic
+    offset aligned when bk/2 is not a multiple of 128 (k3-mini: K = 192)."""
+    return slice(None) if nk == 1 else pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
+
+
+def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, *, bk: int, nk: int):
     del dma_tile_ref  # read by the index maps only
     k = pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
@@ -195,8 +203,7 @@ def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_re
 
     @pl.when(used)
     def _compute():
-        kh = pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
-        o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], scale_ref[:, kh])
+        o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], scale_ref[:, _k_lanes(k, bk, nk)])
 
 
 def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
@@ -241,10 +248,151 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
         scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32)],
     )
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, bk=bk),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), jnp.float32),
+        functools.partial(_tpu_kernel, bk=bk, nk=nk),
+        out_shape=varying_struct((Mp, N), jnp.float32, tile_group, xe, xo, packed, scale),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="mxfp4_gmm_tpu_fwd",
     )(tile_group.astype(jnp.int32), dma_tile, xe, xo, packed, scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# transposed (the backward with respect to the rows): dx [M, K] = g [M, N] @ W_g [N, K], contracting over N
+
+
+def _tile_product_t(g, bytes_u8, scale):
+    """Rows of the cotangent g [bm, bn] and one packed weight tile [bn, bk/2] with its fp32 scales -> the fp32
+    partial products with the even and the odd columns of the tile, each [bm, bk/2]."""
+    we, wo = _decode_tile(bytes_u8, scale, g.dtype)
+    precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
+    dims = (((1,), (0,)), ((), ()))
+    return (lax.dot_general(g, we, dims, precision=precision, preferred_element_type=jnp.float32),
+            lax.dot_general(g, wo, dims, precision=precision, preferred_element_type=jnp.float32))
+
+
+def _loop_t_kernel(group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, *, bn: int, bk: int, nn: int):
+    i, j = pl.program_id(0), pl.program_id(1)
+    grp = group_ref[i]
+    kh = pl.ds(j * (bk // 2), bk // 2)
+    ks = pl.ds(j * (bk // 32), bk // 32)
+
+    @pl.when(grp >= 0)
+    def _compute():
+        def body(n, acc):
+            rows = pl.ds(n * bn, bn)
+            pe, po = _tile_product_t(g_ref[:, rows], p_ref[grp, rows, kh], _expand_scale(s_ref[grp, rows, ks]))
+            return acc[0] + pe, acc[1] + po
+
+        zero = jnp.zeros(oe_ref.shape, jnp.float32)
+        oe_ref[...], oo_ref[...] = lax.fori_loop(0, nn, body, (zero, zero))
+
+    @pl.when(grp < 0)
+    def _unused():
+        oe_ref[...] = jnp.zeros(oe_ref.shape, oe_ref.dtype)
+        oo_ref[...] = jnp.zeros(oo_ref.shape, oo_ref.dtype)
+
+
+def mxfp4_gmm_t_loop(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) -> tuple[jax.Array, jax.Array]:
+    """Transposed grouped kernel, loop schedule: grid (tiles, K/bk), a fori_loop over N inside the kernel.
+
+    Args:
+      tile_group: int32 [T] expert id of each row tile of bm rows (-1 = unused).
+      g: [T*bm, N] the tile-padded cotangent rows.
+      packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32].
+    Returns: (dx_even, dx_odd) fp32 [T*bm, K/2] each: dx's even and odd columns (the low / high nibbles' columns).
+    """
+    Mp, N = g.shape
+    half = packed.shape[2]
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    out = varying_struct((Mp, half), jnp.float32, tile_group, g, packed, scale)
+    return pl.pallas_call(
+        functools.partial(_loop_t_kernel, bn=bn, bk=bk, nn=N // bn),
+        out_shape=(out, out),
+        grid=(Mp // bm, 2 * half // bk),
+        in_specs=[
+            pl.BlockSpec(tile_group.shape, lambda i, j: (0,)),
+            pl.BlockSpec((bm, N), lambda i, j: (i, 0)),
+            pl.BlockSpec(packed.shape, lambda i, j: (0, 0, 0)),  # whole stack; the kernel indexes [g, rows, k]
+            pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)),
+        ],
+        out_specs=(pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j)), pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j))),
+        interpret=interpret,
+        name="mxfp4_gmm_bwd_x",
+    )(tile_group, g, packed, scale)
+
+
+def _tpu_t_kernel(tile_group_ref, dma_tile_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, *, bk: int, nk: int):
+    del dma_tile_ref  # read by the index maps only
+    n, k = pl.program_id(1), pl.program_id(2)
+    used = tile_group_ref[pl.program_id(0)] >= 0
+
+    @pl.when((n == 0) & (k == 0))
+    def _init():
+        oe_ref[...] = jnp.zeros(oe_ref.shape, oe_ref.dtype)
+        oo_ref[...] = jnp.zeros(oo_ref.shape, oo_ref.dtype)
+
+    @pl.when(used & (k == 0))
+    def _expand():
+        scale_ref[...] = _expand_scale_by_dot(s_ref[...])
+
+    @pl.when(used)
+    def _compute():
+        kh = _k_lanes(k, bk, nk)
+        pe, po = _tile_product_t(g_ref[...], p_ref[...], scale_ref[:, kh])
+        oe_ref[:, kh] += pe
+        oo_ref[:, kh] += po
+
+
+def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) -> tuple[jax.Array, jax.Array]:
+    """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
+
+    The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident in VMEM across n and k,
+    zeroed at the tile's first step, written back once), so each weight block [bn, bk/2] is fetched once per row
+    tile, the cotangent block [bm, bn] once per (tile, n), and the scale block (bn, K/32) once per (tile, n) and
+    spread into the fp32 scratch at k == 0 as in ``mxfp4_gmm_tpu`` (the same Mosaic constraint). Unused tiles name
+    the last used tile's last step's input blocks (nothing fetched) and write zeros. Args and returns as
+    ``mxfp4_gmm_t_loop``; used tiles must come first.
+    """
+    Mp, N = g.shape
+    half = packed.shape[2]
+    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
+    nn, nk = N // bn, 2 * half // bk
+    used = tile_group >= 0
+    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
+    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
+
+    def steps(t, n, k, tg):  # (n, k) of the step whose blocks tile t names
+        on = tg[t] >= 0
+        return jnp.where(on, n, nn - 1), jnp.where(on, k, nk - 1)
+
+    def g_map(t, n, k, tg, dt):
+        return dt[t], steps(t, n, k, tg)[0]
+
+    def w_map(t, n, k, tg, dt):
+        return (jnp.maximum(tg[dt[t]], 0), *steps(t, n, k, tg))
+
+    def s_map(t, n, k, tg, dt):
+        return jnp.maximum(tg[dt[t]], 0), steps(t, n, k, tg)[0], 0
+
+    out_block = pl.BlockSpec((bm, half), lambda t, n, k, tg, dt: (t, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(Mp // bm, nn, nk),
+        in_specs=[
+            pl.BlockSpec((bm, bn), g_map),
+            pl.BlockSpec((None, bn, bk // 2), w_map),
+            pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32, as in mxfp4_gmm_tpu
+        ],
+        out_specs=(out_block, out_block),
+        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32)],
+    )
+    out = varying_struct((Mp, half), jnp.float32, tile_group, g, packed, scale)
+    return pl.pallas_call(
+        functools.partial(_tpu_t_kernel, bk=bk, nk=nk),
+        out_shape=(out, out),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=interpret,
+        name="mxfp4_gmm_tpu_bwd_x",
+    )(tile_group.astype(jnp.int32), dma_tile, g, packed, scale)

@@ -47,13 +47,4 @@ def mxfp4_gmm_loop_reference(x, packed, scale, group_sizes):
     return y.astype(x.dtype)
 
 
-def mxfp4_gmm_reference_vjp_x(g, packed, scale, group_sizes):
-    """dx [M, K] = g [M, N] @ W_{g(r)} for the grouped op (weights frozen)."""
-    w_gnk = dequantize_packed(packed, scale)
-    dx = lax.ragged_dot(g.astype(jnp.float32), w_gnk, group_sizes.astype(jnp.int32),
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return dx
-
-
-__all__ = ["dequantize_packed", "mxfp4_gmm_loop_reference", "mxfp4_gmm_reference", "mxfp4_gmm_reference_vjp_x",
-           "mxfp4_matmul_reference"]
+__all__ = ["dequantize_packed", "mxfp4_gmm_loop_reference", "mxfp4_gmm_reference", "mxfp4_matmul_reference"]

@@ -3,7 +3,8 @@
   * cuda: Triton lowering for an abstract NVIDIA H200 (jax.export; the module must hold the Triton custom call);
   * tpu:  Mosaic, compiled by libtpu for deviceless TPU v5p / v6e topologies (one chip of each).
 
-Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 3584], w2 [3584, 3072]), M = 256 rows;
+Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 3584], w2 [3584, 3072]), M = 256 rows
+(the grouped entry point also through its VJP: the forward kernel, then the transposed one for the rows' gradient);
 KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks). The platform comes from the mesh each test enters
 (``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry point lowered
 for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with K3's bounded
@@ -58,6 +59,15 @@ def _grouped(x, packed, scale, group_sizes):
     return mxfp4_gmm(x, packed, scale, group_sizes)
 
 
+def _grouped_bwd(x, packed, scale, group_sizes):
+    """The rows' gradient through the grouped kernel: the forward, then the transposed kernel (cotangent y)."""
+    y, vjp = jax.vjp(lambda x: mxfp4_gmm(x, packed, scale, group_sizes), x)
+    return vjp(y)[0]
+
+
+ENTRY = {"dense": _dense, "grouped": _grouped, "grouped_bwd": _grouped_bwd}
+
+
 def _kda(lb):
     def f(q, k, v, g, beta, h0):
         return kda_chunk(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb)
@@ -82,13 +92,15 @@ def _lower_cuda(mesh, f, args) -> str:
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("grouped,weight", [
-    (False, "w13"), (True, "w2"), pytest.param(False, "w2", marks=pytest.mark.slow),
-    pytest.param(True, "w13", marks=pytest.mark.slow)], ids=["dense-w13", "grouped-w2", "dense-w2", "grouped-w13"])
-def test_mxfp4_lowers_for_cuda(h200_mesh, grouped, weight):
-    text = _lower_cuda(h200_mesh, _grouped if grouped else _dense, _mxfp4_args(*WEIGHTS[weight], grouped))
+@pytest.mark.parametrize("kind,weight", [
+    ("dense", "w13"), ("grouped", "w2"), ("grouped_bwd", "w13"), pytest.param("dense", "w2", marks=pytest.mark.slow),
+    pytest.param("grouped", "w13", marks=pytest.mark.slow), pytest.param("grouped_bwd", "w2", marks=pytest.mark.slow)],
+    ids=["dense-w13", "grouped-w2", "grouped_bwd-w13", "dense-w2", "grouped-w13", "grouped_bwd-w2"])
+def test_mxfp4_lowers_for_cuda(h200_mesh, kind, weight):
+    text = _lower_cuda(h200_mesh, ENTRY[kind], _mxfp4_args(*WEIGHTS[weight], kind != "dense"))
     assert f"stablehlo.custom_call @{TRITON_CALL}" in text
     assert "mxfp4_gmm_fwd" in text  # the GPU default for both entry points: the loop schedule
+    assert ("mxfp4_gmm_bwd_x" in text) == (kind == "grouped_bwd")  # the rows' gradient: the transposed kernel
 
 
 @pytest.mark.parametrize("lb", [-5.0, pytest.param(None, marks=pytest.mark.slow)], ids=["bounded", "softplus"])
@@ -110,12 +122,14 @@ TPU_CASES = {
     "dense-v5p-w13": ("dense", "v5p", "w13"), "dense-v6e-w2": ("dense", "v6e", "w2"),
     "grouped-v5p-w2": ("grouped", "v5p", "w2"), "grouped-v6e-w13": ("grouped", "v6e", "w13"),
     "kda-v5p-bounded": ("kda", "v5p", -5.0), "kda-v6e-bounded": ("kda", "v6e", -5.0),  # K3's gate (kimi-k3: -5)
+    "grouped_bwd-v5p-w13": ("grouped_bwd", "v5p", "w13"),
     "dense-v5p-w2": ("dense", "v5p", "w2"), "dense-v6e-w13": ("dense", "v6e", "w13"),
     "grouped-v5p-w13": ("grouped", "v5p", "w13"), "grouped-v6e-w2": ("grouped", "v6e", "w2"),
     "kda-v5p-softplus": ("kda", "v5p", None), "kda-v6e-softplus": ("kda", "v6e", None),
+    "grouped_bwd-v6e-w2": ("grouped_bwd", "v6e", "w2"),
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it)
-TPU_TIERS = {"default": list(TPU_CASES)[:6], "slow": list(TPU_CASES)[6:]}
+TPU_TIERS = {"default": list(TPU_CASES)[:7], "slow": list(TPU_CASES)[7:]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
 
@@ -132,8 +146,8 @@ def _tpu_compile(name) -> dict:
         f, args, out_bytes = _kda(arg), _kda_args(sharding), B * T * H * DK * 2 + B * H * DK * DK * 4
     else:
         N, K = WEIGHTS[arg]
-        f, args, out_bytes = ({"dense": _dense, "grouped": _grouped}[kind],
-                              _mxfp4_args(N, K, kind == "grouped", sharding), M * N * 2)
+        f, args = ENTRY[kind], _mxfp4_args(N, K, kind != "dense", sharding)
+        out_bytes = M * (K if kind == "grouped_bwd" else N) * 2
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # also what Mosaic reads the TPU version from
         platform = target_platform()
@@ -142,7 +156,8 @@ def _tpu_compile(name) -> dict:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
     return {"platform": platform, "compile_s": round(time.perf_counter() - t0, 2),
             "input_bytes": sum(a.size * a.dtype.itemsize for a in args), "want_output_bytes": out_bytes,
-            "mosaic": "tpu_custom_call" in compiled.as_text(), **{k: getattr(mem, k) for k in fields}}
+            "mosaic": compiled.as_text().count('custom_call_target="tpu_custom_call"') >= 1 + (kind == "grouped_bwd"),
+            **{k: getattr(mem, k) for k in fields}}
 
 
 def _child_main(names) -> None:
