@@ -12,7 +12,8 @@ import argparse
 import re
 from collections import defaultdict
 
-from k3jax.plan.hlo import instr_flops, multiplicities, parse
+from k3jax.plan.hlo import multiplicities, parse
+from k3jax.plan.hlo_cost import instr_flops
 
 
 def _strip(shape: str) -> str:

@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
     c.add_argument("--capacity-factor", type=float, default=None,
                    help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
+    c.add_argument("--packed-kernel", default=None, help="who runs the packed MXFP4 experts under expert "
+                   "parallelism: auto (default: the Pallas kernel on GPU/TPU), pallas, or tiles (the XLA loop)")
     p.set_defaults(func=_main)
 
 
@@ -135,7 +137,7 @@ def _compile_argv(args) -> list[str]:
     argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mesh", args.mesh[0],
             "--mode", args.mode, "--batch", str(args.batch or 1), "--seq-len", str(args.seq_len)]
     for flag, v in (("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
-                    ("--strategy", args.strategy)):
+                    ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel)):
         if v is not None:
             argv += [flag, str(v)]
     if args.hlo_out:
@@ -169,7 +171,8 @@ def _compile(args, cfg) -> int:
         raise InputError("--hardware is the formula planner's; --compile takes --target")
     target = parse_target(args.target)
     spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=args.seq_len,
-                        remat=args.remat, capacity_factor=args.capacity_factor, strategy=args.strategy)
+                        remat=args.remat, capacity_factor=args.capacity_factor, strategy=args.strategy,
+                        packed_kernel=args.packed_kernel or "auto")
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
@@ -211,6 +214,13 @@ def _print_compiled(p: dict, out) -> None:
         w(f"  capacity {cap / 1e9:,.0f} GB/device; fits: {p.get('fits')}\n")
     for kind, v in p.get("collectives", {}).items():
         w(f"  {kind:<20} {v['count']:>8,} per step {v['bytes'] / 1e9:>12,.3f} GB/device\n")
+    h = p.get("hlo", {})
+    if h.get("hbm_bytes_split"):
+        w("  HBM bytes/device: " + ", ".join(f"{k} {v / 1e9:,.2f} GB" for k, v in h["hbm_bytes_split"].items())
+          + "\n")
+    for name, k in h.get("kernels", {}).items():
+        w(f"  kernel {name}: {k['count']:,} calls, {k['flops']:.4g} FLOPs, {k['bytes'] / 1e9:,.2f} GB"
+          f"{'' if k['estimated'] else ' (no cost estimate: operands + result)'}\n")
     if "flops" in p:
         f = p["flops"]
         w(f"  flops {f['compiled_global']:.4g} compiled (global, loop-corrected) vs {f['expected']:.4g} expected "
@@ -218,8 +228,9 @@ def _print_compiled(p: dict, out) -> None:
           f"{f.get('newton_schulz_split', 0):.4g}); ratio {f['compiled_over_expected']:.3f}\n")
     r = p.get("roofline")
     if r:
-        w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s, HBM {r['memory_s']:.3f} s, collectives "
-          f"{r['collective_s']:.3f} s -> {r['step_s']:.3f} s/step ({r['bound']}-bound)\n")
+        w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s useful, {r['compiled_compute_s']:.3f} s "
+          f"compiled; HBM {r['memory_s']:.3f} s, collectives {r['collective_s']:.3f} s -> {r['step_s']:.3f} s/step "
+          f"({r['bound']}-bound, compute share {r['compute_share'] or 0:.2f})\n")
     if "compile_s" in p:
         w(f"  lower {p['lower_s']:.1f} s, compile {p['compile_s']:.1f} s, wall {p['wall_s']:.1f} s, "
           f"peak RSS {p['peak_rss_bytes'] / 2**30:.2f} GiB\n")
@@ -234,7 +245,8 @@ def _main(args) -> int:
         return _compile(args, cfg)
     for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"),
                         ("--remat", args.remat), ("--strategy", args.strategy),
-                        ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out)):
+                        ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
+                        ("--packed-kernel", args.packed_kernel)):
         if given is not None and given is not False:
             raise InputError(f"{flag} applies to --compile")
     out = sys.stdout

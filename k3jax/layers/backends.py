@@ -7,8 +7,6 @@ unless the "ragged" dispatch asks for the kernel).
 
 from __future__ import annotations
 
-import jax
-
 
 def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound):
     """Chunked KDA forward as a Pallas kernel (custom VJP through the jnp chunked path); see pallas_kernels/kda."""

@@ -16,7 +16,10 @@ shardings × the stated bytes per parameter for the mode — not a sum over the 
 loop-corrected FLOPs of the compiled HLO (``k3jax.plan.hlo``) against the closed form (``model_flops``:
 6 · N_active · tokens and the mode's terms, plus Muon's Newton–Schulz split over the devices — at full size with
 the experts trained that is ~1.5x 6·N·tokens of a 262k-token batch); the roofline step time at the chip's published
-peak. A compile that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
+peaks (``hardware.roofline``: compute from the useful FLOPs and from the compiled program, HBM — split into weights,
+activations, kernels and collectives by ``k3jax.plan.hlo_cost`` —, collectives; the compute share). Under expert
+parallelism the packed experts run the Pallas kernel on a TPU target (``--packed-kernel``, default auto). A compile
+that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
 
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
-    dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor)
+    dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor, packed_kernel=spec.packed_kernel)
                 if mesh_axes_of("experts", strategy, mesh) else None)
     abstract = plan_params(cfg, spec)
     if spec.mode == "forward":
@@ -155,7 +158,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     """Compile ``spec``'s program for ``target`` and report (see the module docstring). Raises HbmOomError (with
     ``.plan`` holding everything known before the compile) when the program does not fit. ``hlo_out``: a path
     to write the compiled HLO text to."""
-    from k3jax.plan.hlo import largest_values, program_stats
+    from k3jax.plan.hlo_cost import largest_values, program_stats
     from k3jax.sharding.placement import format_mesh
 
     log = log or (lambda s: None)
@@ -169,7 +172,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
            "mesh": format_mesh(sizes), "strategy": strategy, "mode": spec.mode, "remat": spec.remat,
            "batch": spec.batch, "seq_len": spec.seq_len, "layer_stack": run.layer_stack, "qat": run.qat,
            "param_dtype": run.param_dtype, "compute_dtype": run.compute_dtype,
-           "capacity_factor": spec.capacity_factor, "defaults": defaults,
+           "capacity_factor": spec.capacity_factor, "packed_kernel": spec.packed_kernel, "defaults": defaults,
            "estimated_argument_bytes_per_device": est["total"], "estimate": est}
     cap = target.chip.hbm_bytes if target.chip else None
     out["capacity_bytes_per_device"] = cap
@@ -227,7 +230,8 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         # devices); loops with routing-dependent trip counts are counted once (hlo.unknown_trip_counts), so the
         # check is only meaningful where there are none
         out["flops"]["within_20pct_of_expected"] = bool(abs(compiled_global / mf["expected"] - 1) <= 0.2)
-    out["roofline"] = roofline(target.chip, stats.flops, stats.bytes_accessed, coll_bytes)
+    out["roofline"] = roofline(target.chip, mf["useful"] / target.devices, stats.flops, stats.bytes_accessed,
+                               coll_bytes)
     out["wall_s"] = time.perf_counter() - t_start
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out

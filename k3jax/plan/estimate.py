@@ -111,7 +111,8 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     mode changes — forward 2·N, frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
     recompute of one forward (+2·N) under a remat policy that saves nothing of the layer; with the mesh
     (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz split over the devices (``newton_schulz_flops``:
-    per device x devices, so a replicated block counts once per device, as the compiled program's total does)."""
+    per device x devices, so a replicated block counts once per device, as the compiled program's total does).
+    ``useful``: the same without the remat recompute (the roofline's compute term)."""
     from k3jax.model import active_params
     from k3jax.train.optim import OptimConfig
 
@@ -125,6 +126,7 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
         expected = (6.0 * (n_active - n_exp) + 4.0 * n_exp) * tokens
     else:
         expected = six
+    useful = expected
     if spec.mode != "forward" and spec.remat in ("full", "nothing_saveable"):
         expected += 2.0 * n_active * tokens
     out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
@@ -133,7 +135,9 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
         out["newton_schulz"] = ns["global"]
         out["newton_schulz_split"] = ns["per_device"] * math.prod(sizes.values())
         expected += out["newton_schulz_split"]
+        useful += out["newton_schulz_split"]
     out["expected"] = expected
+    out["useful"] = useful  # the mode's model FLOPs (+ Newton–Schulz split): no remat recompute, no padding
     return out
 
 

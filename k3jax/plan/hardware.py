@@ -4,7 +4,7 @@ compiled program's costs against a chip's peaks.
 
     n, gpu, cap = parse_hardware("8xB300")        # (8, "B300", bytes per device)
     target = parse_target("tpu:v5p:8x8x8")         # Target(platform="tpu", devices=512, chip=CHIPS["v5p"], ...)
-    roofline(target.chip, flops, hbm_bytes, collective_bytes)
+    roofline(target.chip, useful_flops, compiled_flops, hbm_bytes, collective_bytes)
 """
 
 from __future__ import annotations
@@ -89,17 +89,22 @@ def libtpu_installed() -> bool:
 LIBTPU_HINT = "install the TPU compiler with `pip install -e '.[tpu]'` (libtpu, ~590 MB; the dev extra includes it)"
 
 
-def roofline(chip: Chip | None, flops: float, hbm_bytes: float, coll_bytes: float) -> dict | None:
+def roofline(chip: Chip | None, useful_flops: float, compiled_flops: float, hbm_bytes: float,
+             coll_bytes: float) -> dict | None:
     """Step time bounds at the chip's published peaks (per device): compute, HBM and collective terms; the step
-    cannot be faster than the largest."""
+    cannot be faster than the largest. Two compute terms: ``compute_s`` from the useful FLOPs (the model's, no
+    capacity padding or recompute) and ``compiled_compute_s`` from what the compiled program runs (the one the step
+    bound takes); ``compute_share`` = compute_s / step_s."""
     if chip is None:
         return None
-    terms = {"compute_s": flops / chip.peak_flops, "memory_s": hbm_bytes / chip.hbm_bandwidth,
+    terms = {"compiled_compute_s": compiled_flops / chip.peak_flops, "memory_s": hbm_bytes / chip.hbm_bandwidth,
              "collective_s": coll_bytes / chip.ici_bandwidth}
     bound = max(terms, key=terms.get)
+    compute = useful_flops / chip.peak_flops
     return {"chip": chip.name, "peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
-            "ici_bandwidth": chip.ici_bandwidth, **terms, "step_s": terms[bound], "bound": bound[:-2]}
-
+            "ici_bandwidth": chip.ici_bandwidth, "compute_s": compute, **terms, "step_s": terms[bound],
+            "bound": bound.removesuffix("_s").removeprefix("compiled_"),
+            "compute_share": compute / terms[bound] if terms[bound] else None}
 
 __all__ = ["CHIPS", "DEFAULT_HARDWARE", "GPU_BYTES", "KNOWN_HARDWARE", "LIBTPU_HINT", "Chip", "Target",
            "libtpu_installed", "parse_hardware", "parse_target", "roofline"]

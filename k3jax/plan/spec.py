@@ -33,6 +33,7 @@ class PlanSpec:
     remat: str | None = None  # None: PLAN_REMAT for the train modes, "none" for forward
     capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
+    packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -89,6 +90,10 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
         raise InputError(f"--remat {spec.remat!r}: unknown policy; known: {', '.join(REMAT_POLICIES)}")
     if spec.mode == "forward" and spec.remat != "none":
         raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode forward has none")
+    from k3jax.sharding.expert_parallel import PACKED_KERNELS
+
+    if spec.packed_kernel not in PACKED_KERNELS:
+        raise InputError(f"--packed-kernel {spec.packed_kernel!r}: unknown; known: {', '.join(PACKED_KERNELS)}")
     if spec.batch < 1 or spec.seq_len < 1:
         raise InputError(f"--batch {spec.batch} --seq-len {spec.seq_len}: both must be >= 1")
     if not (spec.capacity_factor == -1 or spec.capacity_factor > 0):

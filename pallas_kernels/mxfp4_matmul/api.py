@@ -6,7 +6,8 @@
 y = x @ dequant(W)ᵀ, fp32 accumulation, output in x.dtype (bfloat16 or float32). The weights are frozen storage:
 the VJP gives dx = g @ dequant(W) and no cotangent for the uint8 arrays — grouped: by the transposed kernel over the
 packed bytes (kernel.py, ``mxfp4_gmm_t_*``); dense: from the jnp reference (one matrix dequantized). Inside
-``jax.shard_map`` the kernels' outputs declare the inputs' varying mesh axes (``ops.grouped_matmul.varying_struct``). ``act_quant="ceil"`` (or another rule) MXFP8-fake-quantizes x along K first (STE).
+``jax.shard_map`` the kernels' outputs declare the inputs' varying mesh axes (``ops.grouped_matmul.varying_struct``).
+``act_quant="ceil"`` (or another rule) MXFP8-fake-quantizes x along K first (STE).
 
 Per platform (``platform=``, default ``pallas_kernels.platform.target_platform()``): block sizes default to
 ``DEFAULT_BLOCKS[platform]``; on TPU both entry points run ``kernel.mxfp4_gmm_tpu`` (see kernel.py for its scale
@@ -29,9 +30,11 @@ from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
 from pallas_kernels.platform import target_platform
 
 # (block_m, block_n, block_k) per platform. GPU / CPU: Triton-sized tiles (the CPU tests interpret them). TPU: bk/2 =
-# 256 lanes and bn = 256 (multiples of 128), MXU-sized row tiles; bk = 512 is the largest power of two dividing
-# K = 3584 (w1 / w3) and K = 3072 (w2).
-DEFAULT_BLOCKS = {"cpu": (16, 128, 256), "gpu": (16, 128, 256), "tpu": (128, 256, 512)}
+# 256 lanes and bn = 256 (multiples of 128); bk = 512 is the largest power of two dividing K = 3584 (w1 / w3) and
+# K = 3072 (w2); bm = 256 rows: each row tile re-reads its expert's weights, so the weights' HBM bytes per call
+# are T·N·K·17/32 for T ≈ M/bm tiles (cost.py) — at bm = 128 the forward plan's kernels read 3.8 GB of weights per
+# call at K3's shapes, above the rows they multiply (experiments/LOG.md); VMEM at 256: ~6.5 MB of 16 MiB scoped.
+DEFAULT_BLOCKS = {"cpu": (16, 128, 256), "gpu": (16, 128, 256), "tpu": (256, 256, 512)}
 
 
 def _check(x, packed, scale, *, grouped: bool) -> None:
@@ -95,12 +98,14 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
 
     Steps (G groups, M = num_rows, bm = block_m):
       1. starts[g] = first row of group g in x; tiles[g] = ceil(size_g / bm); tile_starts = exclusive cumsum.
-      2. T = ceil(M / bm) + G tiles bound sum(tiles) (a static shape); tile t belongs to group
-         tile_group[t] (-1 if t >= sum(tiles): the kernel skips it). Empty groups own no tile.
+      2. T = ceil(M / bm) + G + 1 tiles (a static shape): ceil(M / bm) + G bound sum(tiles), and the last tile is
+         always unused; tile t belongs to group tile_group[t] (-1 if t >= sum(tiles): the kernel skips it and
+         writes zeros). Empty groups own no tile.
       3. padded row p = t*bm + q holds x row starts[g] + (t - tile_starts[g])*bm + q when that is inside group g,
          else the zero row M  ->  src_rows [T*bm].
       4. x row r (r < sum(sizes)) lands at dst_rows[r] = tile_starts[g(r)]*bm + r - starts[g(r)]; rows past the
-         groups get 0 output (valid_rows false).
+         groups (valid_rows false) read the last row, in the unused last tile: their output is 0 by one gather,
+         with no select over the output.
     Invariant: every row of every group appears exactly once in src_rows.
     Returns (tile_group int32 [T], src_rows int32 [T*bm], dst_rows int32 [M], valid_rows bool [M]).
     """
@@ -111,7 +116,7 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     tiles = (sizes + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles)
     tile_starts = tile_ends - tiles
-    T = -(-num_rows // block_m) + G
+    T = -(-num_rows // block_m) + G + 1
     t = jnp.arange(T, dtype=jnp.int32)
     g_of_t = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), G - 1).astype(jnp.int32)
     tile_group = jnp.where(t < tile_ends[-1], g_of_t, -1)
@@ -123,7 +128,7 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     r = jnp.arange(num_rows, dtype=jnp.int32)
     g_of_r = jnp.minimum(jnp.searchsorted(ends, r, side="right"), G - 1)
     valid_rows = r < ends[-1]
-    dst_rows = jnp.where(valid_rows, tile_starts[g_of_r] * block_m + r - starts[g_of_r], 0)
+    dst_rows = jnp.where(valid_rows, tile_starts[g_of_r] * block_m + r - starts[g_of_r], T * block_m - 1)
     return tile_group, src_rows, dst_rows, valid_rows
 
 
@@ -138,8 +143,8 @@ def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret
     x_rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src_rows]
     xe, xo = _split_even_odd(x_rows)
     launch = _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
-    y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret)
-    return jnp.where(valid_rows[:, None], y_pad[dst_rows], 0.0).astype(x.dtype)
+    y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret)  # in x.dtype (fp32 accumulation)
+    return y_pad[dst_rows]  # rows past the groups read the unused last tile's zeros
 
 
 def _gmm_fwd(x, packed, scale, group_sizes, bs, platform, interpret):
@@ -162,9 +167,9 @@ def _gmm_t(g, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpr
     tile_group, src_rows, dst_rows, valid_rows = group_tile_metadata(group_sizes, M, bs.block_m)
     g_rows = jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])[src_rows]
     launch = _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
-    dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret)
-    dx = jnp.stack([dxe, dxo], axis=-1).reshape(dxe.shape[0], 2 * dxe.shape[1])  # columns 2j, 2j+1 interleaved
-    return jnp.where(valid_rows[:, None], dx[dst_rows], 0.0).astype(g.dtype)
+    dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret)  # in g.dtype
+    dx = jnp.stack([dxe[dst_rows], dxo[dst_rows]], axis=-1)  # columns 2j, 2j+1 interleaved; past the groups: 0
+    return dx.reshape(M, 2 * dxe.shape[1])
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

@@ -22,6 +22,9 @@ Two schedules share the tile math:
     (``_expand_scale_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of 128 (a
     dynamic lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that index
     in dimension 1 is a multiple of 128"). The scales stay uint8 in HBM (no wrapper-side relayout of the weights).
+    The row blocks are a tile's whole x halves [bm, K/2] (index (t, 0)), sliced at the same lane offsets: each row
+    tile is fetched once, not once per column tile (at K3's shapes that was 12-14x the rows' bytes, 2 of the
+    forward plan's 3.3 TB of kernel traffic per chip; experiments/LOG.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
 from k3jax.ops.grouped_matmul import varying_struct
+from pallas_kernels.mxfp4_matmul import cost
 
 SCALE_GROUP_BYTES = 16  # 32 elements per scale = 16 packed bytes
 
@@ -56,6 +60,12 @@ class BlockSizes:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.block_k % 32:
             raise ValueError(f"block_k must be a multiple of 32 (whole scale blocks), got {self.block_k}")
+
+
+def _estimate(fn, schedule: str, rows: int, bs: BlockSizes, N: int, K: int, itemsize: int) -> pl.CostEstimate:
+    """The ``pl.CostEstimate`` of one call (cost.py): ``rows`` = T·bm padded rows."""
+    c = fn(schedule, rows // bs.block_m, bs.block_m, bs.block_n, bs.block_k, N, K, itemsize)
+    return pl.CostEstimate(flops=c["flops"], transcendentals=0, bytes_accessed=c["bytes_accessed"])
 
 
 def _expand_scale(scale_u8):
@@ -126,6 +136,7 @@ def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool)
             pl.BlockSpec((bn, bk // 32), lambda i, j, k: (j, k)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
+        cost_estimate=_estimate(cost.gmm_cost, "grid", M, bs, N, 2 * half, xe.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_matmul_fwd",
     )(xe, xo, packed, scale)
@@ -144,7 +155,7 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
             scale = _expand_scale(s_ref[g, rows, ks])
             return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
-        o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
 
     @pl.when(g < 0)
     def _unused():
@@ -158,7 +169,7 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
       tile_group: int32 [T] expert id of each row tile of bm rows (-1 = unused).
       xe, xo: [T*bm, K/2] even / odd columns of the tile-padded rows.
       packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32].
-    Returns: fp32 [T*bm, N].
+    Returns: [T*bm, N] in x's dtype (fp32 accumulation).
     """
     Mp, half = xe.shape
     _, N, _ = packed.shape
@@ -166,7 +177,7 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
     kernel = functools.partial(_loop_kernel, bn=bn, bk=bk, nk=2 * half // bk)
     return pl.pallas_call(
         kernel,
-        out_shape=varying_struct((Mp, N), jnp.float32, tile_group, xe, xo, packed, scale),
+        out_shape=varying_struct((Mp, N), xe.dtype, tile_group, xe, xo, packed, scale),
         grid=(Mp // bm, N // bn),
         in_specs=[
             pl.BlockSpec(tile_group.shape, lambda i, j: (0,)),
@@ -176,6 +187,7 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
             pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        cost_estimate=_estimate(cost.gmm_cost, "loop", Mp, bs, N, 2 * half, xe.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_gmm_fwd",
     )(tile_group, xe, xo, packed, scale)
@@ -188,14 +200,30 @@ def _k_lanes(k, bk: int, nk: int):
     return slice(None) if nk == 1 else pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
 
 
-def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, *, bk: int, nk: int):
+def _unused_tiles(tile_group, n_mid: int, nk: int):
+    """The TPU schedules' way past unused tiles (group -1, after the used ones): (dma_tile [T], steps). An unused
+    tile's index maps name the blocks of the last used tile (``dma_tile``) at its last step (``steps(t, a, k, tg)``
+    -> the (middle, k) grid indices whose blocks tile t names), so the pipeline fetches nothing for it."""
+    used = tile_group >= 0
+    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
+    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
+
+    def steps(t, a, k, tg):
+        on = tg[t] >= 0
+        return jnp.where(on, a, n_mid - 1), jnp.where(on, k, nk - 1)
+
+    return dma_tile, steps
+
+
+def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, acc_ref, *, bk: int,
+                nk: int):
     del dma_tile_ref  # read by the index maps only
     k = pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
 
     @pl.when(k == 0)
     def _init():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
     @pl.when(used & (k == 0))
     def _expand():
@@ -203,7 +231,12 @@ def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_re
 
     @pl.when(used)
     def _compute():
-        o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], scale_ref[:, _k_lanes(k, bk, nk)])
+        kh = _k_lanes(k, bk, nk)
+        acc_ref[...] += _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[...], scale_ref[:, kh])
+
+    @pl.when(k == nk - 1)
+    def _write():  # after the last k step's _compute (the pl.when blocks run in program order)
+        o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
 def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
@@ -212,22 +245,16 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
     Args as ``mxfp4_gmm_loop``; used tiles must come first (as ``api.group_tile_metadata`` lays them out). Needs
     bm % 16 == 0 (bf16 sublane tiling), bn % 32 == 0 (uint8 tiling) and bk/2 % 128 == 0 (``api`` checks). An unused
     tile (group -1) names the blocks of the last used tile's last step, so the pipeline fetches nothing for it, and
-    writes zeros. Returns: fp32 [T*bm, N].
+    writes zeros. Accumulates in an fp32 VMEM scratch; returns [T*bm, N] in x's dtype.
     """
     Mp, half = xe.shape
     _, N, _ = packed.shape
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     nj, nk = N // bn, 2 * half // bk
-    used = tile_group >= 0
-    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
-    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
+    dma_tile, steps = _unused_tiles(tile_group, nj, nk)
 
-    def steps(t, j, k, tg):  # (j, k) of the step whose blocks tile t names
-        on = tg[t] >= 0
-        return jnp.where(on, j, nj - 1), jnp.where(on, k, nk - 1)
-
-    def x_map(t, j, k, tg, dt):
-        return dt[t], steps(t, j, k, tg)[1]
+    def x_map(t, j, k, tg, dt):  # a row tile's whole K/2: resident across j and k, fetched once per tile
+        return dt[t], 0
 
     def w_map(t, j, k, tg, dt):
         return (jnp.maximum(tg[dt[t]], 0), *steps(t, j, k, tg))
@@ -239,19 +266,20 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
         num_scalar_prefetch=2,
         grid=(Mp // bm, nj, nk),
         in_specs=[
-            pl.BlockSpec((bm, bk // 2), x_map),
-            pl.BlockSpec((bm, bk // 2), x_map),
+            pl.BlockSpec((bm, half), x_map),
+            pl.BlockSpec((bm, half), x_map),
             pl.BlockSpec((None, bn, bk // 2), w_map),
             pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32: see the module docstring
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j, k, tg, dt: (t, j)),
-        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, bn), jnp.float32)],
     )
     return pl.pallas_call(
         functools.partial(_tpu_kernel, bk=bk, nk=nk),
-        out_shape=varying_struct((Mp, N), jnp.float32, tile_group, xe, xo, packed, scale),
+        out_shape=varying_struct((Mp, N), xe.dtype, tile_group, xe, xo, packed, scale),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=_estimate(cost.gmm_cost, "tpu", Mp, bs, N, 2 * half, xe.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_gmm_tpu_fwd",
     )(tile_group.astype(jnp.int32), dma_tile, xe, xo, packed, scale)
@@ -285,7 +313,8 @@ def _loop_t_kernel(group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, *, bn: int, b
             return acc[0] + pe, acc[1] + po
 
         zero = jnp.zeros(oe_ref.shape, jnp.float32)
-        oe_ref[...], oo_ref[...] = lax.fori_loop(0, nn, body, (zero, zero))
+        ae, ao = lax.fori_loop(0, nn, body, (zero, zero))
+        oe_ref[...], oo_ref[...] = ae.astype(oe_ref.dtype), ao.astype(oo_ref.dtype)
 
     @pl.when(grp < 0)
     def _unused():
@@ -300,12 +329,13 @@ def mxfp4_gmm_t_loop(tile_group, g, packed, scale, bs: BlockSizes, *, interpret)
       tile_group: int32 [T] expert id of each row tile of bm rows (-1 = unused).
       g: [T*bm, N] the tile-padded cotangent rows.
       packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32].
-    Returns: (dx_even, dx_odd) fp32 [T*bm, K/2] each: dx's even and odd columns (the low / high nibbles' columns).
+    Returns: (dx_even, dx_odd) [T*bm, K/2] each in g's dtype (fp32 accumulation): dx's even and odd columns (the low
+    / high nibbles' columns).
     """
     Mp, N = g.shape
     half = packed.shape[2]
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-    out = varying_struct((Mp, half), jnp.float32, tile_group, g, packed, scale)
+    out = varying_struct((Mp, half), g.dtype, tile_group, g, packed, scale)
     return pl.pallas_call(
         functools.partial(_loop_t_kernel, bn=bn, bk=bk, nn=N // bn),
         out_shape=(out, out),
@@ -317,20 +347,22 @@ def mxfp4_gmm_t_loop(tile_group, g, packed, scale, bs: BlockSizes, *, interpret)
             pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)),
         ],
         out_specs=(pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j)), pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j))),
+        cost_estimate=_estimate(cost.gmm_t_cost, "loop", Mp, bs, N, 2 * half, g.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_gmm_bwd_x",
     )(tile_group, g, packed, scale)
 
 
-def _tpu_t_kernel(tile_group_ref, dma_tile_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, *, bk: int, nk: int):
+def _tpu_t_kernel(tile_group_ref, dma_tile_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, ae_ref, ao_ref, *,
+                  bk: int, nn: int, nk: int):
     del dma_tile_ref  # read by the index maps only
     n, k = pl.program_id(1), pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
 
     @pl.when((n == 0) & (k == 0))
     def _init():
-        oe_ref[...] = jnp.zeros(oe_ref.shape, oe_ref.dtype)
-        oo_ref[...] = jnp.zeros(oo_ref.shape, oo_ref.dtype)
+        ae_ref[...] = jnp.zeros(ae_ref.shape, ae_ref.dtype)
+        ao_ref[...] = jnp.zeros(ao_ref.shape, ao_ref.dtype)
 
     @pl.when(used & (k == 0))
     def _expand():
@@ -340,31 +372,30 @@ def _tpu_t_kernel(tile_group_ref, dma_tile_ref, g_ref, p_ref, s_ref, oe_ref, oo_
     def _compute():
         kh = _k_lanes(k, bk, nk)
         pe, po = _tile_product_t(g_ref[...], p_ref[...], scale_ref[:, kh])
-        oe_ref[:, kh] += pe
-        oo_ref[:, kh] += po
+        ae_ref[:, kh] += pe
+        ao_ref[:, kh] += po
+
+    @pl.when((n == nn - 1) & (k == nk - 1))
+    def _write():  # the tile's last step, after its _compute
+        oe_ref[...] = ae_ref[...].astype(oe_ref.dtype)
+        oo_ref[...] = ao_ref[...].astype(oo_ref.dtype)
 
 
 def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) -> tuple[jax.Array, jax.Array]:
     """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
 
-    The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident in VMEM across n and k,
-    zeroed at the tile's first step, written back once), so each weight block [bn, bk/2] is fetched once per row
-    tile, the cotangent block [bm, bn] once per (tile, n), and the scale block (bn, K/32) once per (tile, n) and
-    spread into the fp32 scratch at k == 0 as in ``mxfp4_gmm_tpu`` (the same Mosaic constraint). Unused tiles name
-    the last used tile's last step's input blocks (nothing fetched) and write zeros. Args and returns as
+    The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
+    fp32 VMEM scratch from the tile's first step and written in g's dtype at its last), so each weight block
+    [bn, bk/2] is fetched once per row tile, the cotangent block [bm, bn] once per (tile, n), and the scale block
+    (bn, K/32) once per (tile, n) and spread into the fp32 scratch at k == 0 as in ``mxfp4_gmm_tpu`` (the same
+    Mosaic constraint). Unused tiles fetch nothing (``_unused_tiles``) and write zeros. Args and returns as
     ``mxfp4_gmm_t_loop``; used tiles must come first.
     """
     Mp, N = g.shape
     half = packed.shape[2]
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     nn, nk = N // bn, 2 * half // bk
-    used = tile_group >= 0
-    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
-    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
-
-    def steps(t, n, k, tg):  # (n, k) of the step whose blocks tile t names
-        on = tg[t] >= 0
-        return jnp.where(on, n, nn - 1), jnp.where(on, k, nk - 1)
+    dma_tile, steps = _unused_tiles(tile_group, nn, nk)
 
     def g_map(t, n, k, tg, dt):
         return dt[t], steps(t, n, k, tg)[0]
@@ -385,14 +416,16 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) 
             pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32, as in mxfp4_gmm_tpu
         ],
         out_specs=(out_block, out_block),
-        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, half), jnp.float32),
+                        pltpu.VMEM((bm, half), jnp.float32)],
     )
-    out = varying_struct((Mp, half), jnp.float32, tile_group, g, packed, scale)
+    out = varying_struct((Mp, half), g.dtype, tile_group, g, packed, scale)
     return pl.pallas_call(
-        functools.partial(_tpu_t_kernel, bk=bk, nk=nk),
+        functools.partial(_tpu_t_kernel, bk=bk, nn=nn, nk=nk),
         out_shape=(out, out),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=_estimate(cost.gmm_t_cost, "tpu", Mp, bs, N, 2 * half, g.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_gmm_tpu_bwd_x",
     )(tile_group.astype(jnp.int32), dma_tile, g, packed, scale)

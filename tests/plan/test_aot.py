@@ -93,7 +93,7 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     import numpy as np
 
     from k3jax.model import abstract_params
-    from k3jax.plan.hlo import program_stats
+    from k3jax.plan.hlo_cost import program_stats
     from k3jax.sharding.placement import parse_mesh
     from k3jax.train.optim import OptimConfig, make_optimizer
 
@@ -108,6 +108,8 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     # experts split 4 ways, everything else replicated: the expert blocks' share falls 4x
     sharded = estimate.newton_schulz_flops(TINY, spec, parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
     assert sharded["global"] == ns["global"] and ns["global"] / 4 < sharded["per_device"] < ns["global"]
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--target", "cpu:8", "--mesh", "expert=4"], "--mesh expert=4: 4 devices, but --target cpu:8 has 8"),
     (["--target", "cpu:3", "--mesh", "expert=3"], "not divisible by mesh axes ('expert',)"),
@@ -121,6 +123,7 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     (["--target", "cpu:8"], "--compile needs one --mesh"),
     (["--mesh", "expert=8"], "--compile needs --target"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--strategy", "zero4"], "--strategy 'zero4': unknown"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--packed-kernel", "fast"], "--packed-kernel 'fast': unknown"),
 ])
 def test_bad_input_exits_2_before_any_compile(capsys, argv, msg):
     assert main(["plan", "--preset", "k3-tiny", "--compile", *argv]) == 2
@@ -183,6 +186,24 @@ def test_tpu_compiler_plans_and_out_of_memory_exits_1():
     assert out["platform"] == "tpu" and out["fits"] is True and "ragged-all-to-all" in out["collectives"]
     assert out["roofline"]["chip"] == "TPU v5p" and out["roofline"]["step_s"] > 0
     assert out["argument_bytes_per_device"] >= out["estimated_argument_bytes_per_device"]  # TPU tiles pad
+    # frozen MXFP4 experts under EP: the Mosaic kernels run the routed experts (forward, and the transposed one for
+    # the rows' gradient), loop-corrected per MoE layer, charged their cost estimates in the roofline's byte split
+    r = _tpu(["--target", "tpu:v5p:2x2x1", "--mesh", "expert=4", "--mode", "frozen-experts", "--batch", "4",
+              "--seq-len", "64"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    tiny = get_preset("k3-tiny")
+    moe_layers = sum(tiny.is_moe(i) for i in range(tiny.num_layers))
+    kernels = out["hlo"]["kernels"]
+    assert kernels["mxfp4_gmm_tpu_fwd"]["count"] >= 3 * moe_layers and kernels["mxfp4_gmm_tpu_fwd"]["estimated"]
+    assert kernels["mxfp4_gmm_tpu_bwd_x"]["count"] >= 3 * moe_layers and kernels["mxfp4_gmm_tpu_bwd_x"]["estimated"]
+    assert out["hlo"]["custom_calls"]["tpu_custom_call"] >= 6 * moe_layers
+    split = out["hlo"]["hbm_bytes_split"]
+    assert split["kernels"] >= sum(k["bytes"] for n, k in kernels.items() if n.startswith("mxfp4"))
+    assert sum(split.values()) == pytest.approx(out["hlo"]["bytes_accessed"])
+    roof = out["roofline"]
+    assert roof["compiled_compute_s"] >= roof["compute_s"] > 0 and roof["compute_share"] == pytest.approx(
+        roof["compute_s"] / roof["step_s"])
     r = _tpu(["--target", "tpu:v5e:2x2", "--mesh", "expert=4", "--batch", "4", "--seq-len", "64"], preset="kimi-k3")
     assert r.returncode == 1, r.stderr[-3000:]
     out = json.loads(r.stdout)

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from k3jax.plan.hlo import arrays, parse, program_stats, shape_bytes, trip_count
+from k3jax.plan.hlo import arrays, parse, shape_bytes, trip_count, tuple_elements
+from k3jax.plan.hlo_cost import program_stats
 
 L, M, D = 5, 16, 64
 
@@ -170,3 +171,58 @@ def test_convolution_flops_count_real_taps_not_padding(padding, taps):
     f = lambda x, w: jax.lax.conv_general_dilated(x, w, (1,), padding)  # noqa: E731
     s = program_stats(_compile(f, x, w).as_text())
     assert s.flops == 2 * b * o * taps * i
+
+
+_KERNEL_LOOP = """HloModule m
+
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,128] get-tuple-element(%p), index=1
+  %kern.7 = f32[8,128] custom-call(%x), custom_call_target="tpu_custom_call", backend_config={CONFIG}
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,128]) tuple(%n, %kern.7)
+}
+
+%cond (q: (s32[], f32[8,128])) -> pred[] {
+  %q = (s32[], f32[8,128]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] constant(5)
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}
+
+ENTRY %main (a: f32[8,128]) -> f32[8,128] {
+  %a = f32[8,128] parameter(0)
+  %b = f32[8,128] add(%a, %a)
+  %c = f32[8,128] multiply(%b, %b)
+  %cs = (f32[8,128], f32[8,128]{1,0:S(1)}, u32[]) copy-start(%c)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,128]) tuple(%zero, %c)
+  %w = (s32[], f32[8,128]) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[8,128] get-tuple-element(%w), index=1
+}
+""".replace("{CONFIG}", '{"custom_call_config":{"body":"AA","cost_estimate":{"flops":"1000","transcendentals":"0",'
+            '"bytes_accessed":"64","remote_bytes_transferred":"0"}}}')
+
+
+def test_custom_calls_are_charged_their_cost_estimate_per_iteration():
+    """A kernel inside a 5-trip loop: its declared FLOPs and bytes count 5 times (custom_calls, kernels, the
+    ``kernels`` share of HBM); reads of the argument are weights, the rest activations; a copy into VMEM (S(1))
+    writes no HBM byte."""
+    s = program_stats(_KERNEL_LOOP)
+    A = 8 * 128 * 4
+    assert s.custom_calls == {"tpu_custom_call": 5}
+    assert s.kernels == {"kern": {"count": 5, "flops": 5000.0, "bytes": 320.0, "estimated": True}}
+    assert s.flops == 5000.0
+    # add: reads a twice (weights), writes b; multiply: reads b twice, writes c; copy-start: reads c, writes VMEM;
+    # the loop counter's add: two s32 reads and a write per trip
+    want = {"weights": 2 * A, "activations": A + 3 * A + A + 5 * 12, "kernels": 320.0, "collectives": 0.0}
+    assert s.hbm_split == want
+    assert s.bytes_accessed == sum(s.hbm_split.values())
+
+
+def test_tuple_elements_and_on_chip_arrays():
+    shape = "((bf16[16,14]{1,0:T(8,128)(2,1)}, s32[32]{0}), bf16[32,14]{1,0}, u32[]{:S(8)})"
+    assert tuple_elements(shape) == ["(bf16[16,14]{1,0:T(8,128)(2,1)}, s32[32]{0})", "bf16[32,14]{1,0}", "u32[]{:S(8)}"]
+    assert shape_bytes("f32[2,4]{1,0:T(8,128)S(1)}") == 32 and shape_bytes("f32[2,4]{1,0:T(8,128)S(1)}", hbm=True) == 0

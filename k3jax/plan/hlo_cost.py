@@ -1,0 +1,425 @@
+"""What a compiled program costs per device per step, from its HLO text (``k3jax.plan.hlo`` gives the computations
+and how often each runs; every cost here is scaled by that multiplicity).
+
+    stats = program_stats(compiled.as_text())
+    stats.flops               # dot / convolution FLOPs, plus each custom call's own cost estimate
+    stats.bytes_accessed      # HBM traffic; stats.hbm_split: weights / activations / kernels / collectives
+    stats.collectives         # {"all-gather": {"count": n, "bytes": b}, ...}
+    stats.custom_calls        # {custom-call target: count}; stats.kernels: per kernel name, count, FLOPs, bytes
+
+FLOPs are those of ``dot`` (2 · output elements · contracted elements), ``ragged-dot`` (the same formula: rows ·
+contraction · output columns, not per group) and ``convolution`` (2 · output batch × features · the (output, tap)
+pairs that read a real input, not padding · input features per group); elementwise work is left out
+(``cost_analysis`` includes it, counted once per body). A custom call (a Mosaic or Triton kernel) is opaque to XLA:
+its FLOPs and HBM bytes are the ``cost_estimate`` its ``pallas_call`` declared (``pallas_kernels/mxfp4_matmul/
+cost.py``: computed from the grid's block traffic), read from the call's backend config; a call without one is
+charged its operands and result. Collective bytes are the bytes of each collective's result buffer per device (for
+an async ``*-start``, its largest array), not link traffic: ring factors depend on the group and the topology and
+are not modelled. ``bytes_accessed`` approximates HBM traffic the way XLA's cost model does for fused code — each
+top-level instruction (a fusion being one kernel) reads its operands and writes its result once (``instr_io``:
+slices and in-place updates count only the bytes they touch, a fusion only the slices of operands its body only
+slices) — skipping tuples, parameters, constants, bitcasts and control flow. The split: ``kernels`` (custom calls),
+``collectives`` (their instructions' reads and writes), ``weights`` (reads of the program's arguments — the
+weights; in a train step also the optimizer state — directly or through views: slices, bitcasts, copies, converts,
+gathers over the mesh, loop carries that pass them unchanged; ``argument_views``) and ``activations`` (the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from k3jax.plan.hlo import (
+    Computation,
+    Instr,
+    arrays,
+    call_graph,
+    callers_first,
+    multiplicities,
+    parse,
+    shape_bytes,
+    tuple_elements,
+)
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+_NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call", "conditional",
+               "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency"}
+_NO_TRAFFIC_TARGETS = {"AllocateBuffer"}  # XLA:TPU's buffer allocation custom call: no data moved
+
+
+def _dims_attr(attrs: str, key: str) -> tuple[int, ...]:
+    m = re.search(rf"\b{key}=\{{([0-9,]*)\}}", attrs)
+    return tuple(int(x) for x in m.group(1).split(",") if x) if m else ()
+
+
+def instr_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    if ins.opcode in ("dot", "ragged-dot"):
+        out = arrays(ins.shape)
+        lhs = arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
+        if not out or not lhs:
+            return 0.0
+        contract = math.prod(lhs[0][1][d] for d in _dims_attr(ins.attrs, "lhs_contracting_dims"))
+        return 2.0 * math.prod(out[0][1]) * contract
+    if ins.opcode == "convolution":
+        return _conv_flops(ins, shapes)
+    return 0.0
+
+
+def _window(attrs: str, key: str, n: int, default: int) -> list[int]:
+    m = re.search(rf"\b{key}=([0-9x_\-]+)", attrs)
+    return [int(v) for v in m.group(1).split("x")] if m else [default] * n
+
+
+def _valid_taps(I: int, K: int, O: int, lo: int, stride: int, lhs_dil: int, rhs_dil: int) -> int:
+    """(output position, kernel tap) pairs of one spatial dimension that read a real input element, not padding
+    or a hole of the input dilation."""
+    o = np.arange(O)[:, None]
+    k = np.arange(K)[None, :]
+    p = o * stride + k * rhs_dil - lo
+    ok = (p >= 0) & (p <= (I - 1) * lhs_dil) & (p % lhs_dil == 0)
+    return int(ok.sum())
+
+
+def _conv_flops(ins: Instr, shapes: dict[str, str]) -> float:
+    """2 · (output batch × features) · Π_d (valid (output, tap) pairs of spatial dim d) · input features per group.
+    Padding taps are not work: XLA:TPU writes some contractions as a convolution whose window covers one real
+    input element and padding elsewhere (``window={size=96 pad=95_95}``), where kernel size × outputs would
+    count 96x too much."""
+    out = arrays(ins.shape)
+    lhs = arrays(shapes.get(ins.operands[0], "")) if ins.operands else []
+    rhs = arrays(shapes.get(ins.operands[1], "")) if len(ins.operands) > 1 else []
+    m = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.attrs)
+    if not out or not lhs or not rhs or not m:
+        return 0.0
+    ll, rl, ol = m.groups()
+    out_d, lhs_d, rhs_d = out[0][1], lhs[0][1], rhs[0][1]
+    spatial = sorted(c for c in ol if c.isdigit())
+    n = len(spatial)
+    pads = re.search(r"\bpad=([0-9x_\-]+)", ins.attrs)
+    lo = [int(v.split("_")[0]) for v in pads.group(1).split("x")] if pads else [0] * n
+    stride, ld, rd = (_window(ins.attrs, k, n, 1) for k in ("stride", "lhs_dilate", "rhs_dilate"))
+    taps = 1
+    for j, d in enumerate(spatial):
+        taps *= _valid_taps(lhs_d[ll.index(d)], rhs_d[rl.index(d)], out_d[ol.index(d)], lo[j], stride[j], ld[j],
+                            rd[j])
+    rows = math.prod(out_d) / math.prod(out_d[ol.index(d)] for d in spatial)
+    return 2.0 * rows * taps * rhs_d[rl.index("i")]
+
+
+def _collective_kind(opcode: str) -> str | None:
+    base = opcode[:-len("-start")] if opcode.endswith("-start") else opcode
+    return base if base in COLLECTIVES else None
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# custom calls
+
+
+def custom_call_target(ins: Instr) -> str | None:
+    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs) if ins.opcode == "custom-call" else None
+    return m.group(1) if m else None
+
+
+def kernel_name(ins: Instr) -> str:
+    """A custom call's kernel: a pallas_call's ``name=`` as its op_name states it (``.../transpose(jvp(NAME))/
+    pallas_call``, autodiff's wrappers removed), else the instruction name without XLA's ``.N`` suffix."""
+    m = re.search(r'op_name="(?:[^"]*/)?([^/"]+)/pallas_call"', ins.attrs)
+    if m is None:
+        return re.sub(r"(\.\d+)+$", "", ins.name)
+    name = m.group(1)
+    while (w := re.fullmatch(r"[\w\-]+\((.*)\)", name)) is not None:
+        name = w.group(1)
+    return name
+
+
+def custom_call_cost(ins: Instr) -> dict | None:
+    """{"flops", "bytes"} a custom call declared (``"cost_estimate"`` in its backend config), else None."""
+    m = re.search(r'"cost_estimate":(\{[^{}]*\})', ins.attrs)
+    if not m:
+        return None
+    try:
+        est = json.loads(m.group(1))
+        return {"flops": float(est.get("flops", 0)), "bytes": float(est.get("bytes_accessed", 0))}
+    except (json.JSONDecodeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# which values are (views of) the program's arguments
+
+_VIEWS = {"bitcast", "copy", "reshape", "transpose", "slice", "dynamic-slice", "gather", "convert", "all-gather",
+          "all-gather-start", "all-gather-done", "copy-start", "copy-done", "optimization-barrier"}
+
+
+def _any(info) -> bool:
+    return any(_any(i) for i in info) if isinstance(info, tuple) else bool(info)
+
+
+def _param_index(ins: Instr) -> int | None:
+    return int(ins.args) if ins.opcode == "parameter" and ins.args.strip().isdigit() else None
+
+
+def _invariant(body: Computation) -> set[int]:
+    """Tuple elements a while body passes through unchanged: ROOT tuple element k is (a view chain of) gte(param, k)."""
+    by_name = {i.name: i for i in body.instrs}
+    root = body.instrs[-1] if body.instrs else None
+    if root is None or root.opcode != "tuple":
+        return set()
+    out = set()
+    for k, o in enumerate(root.operands):
+        ins = by_name.get(o)
+        while ins is not None and ins.opcode in ("bitcast", "copy") and ins.operands:
+            ins = by_name.get(ins.operands[0])
+        if ins is not None and ins.opcode == "get-tuple-element" and re.search(rf"\bindex={k}\b", ins.attrs) \
+                and _param_index(by_name.get(ins.operands[0], ins)) == 0:
+            out.add(k)
+    return out
+
+
+def _merge(a, b):
+    """Both callers' views (a value is an argument view only if it is one from every call site)."""
+    if a is None:
+        return b
+    if isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+        return tuple(_merge(x, y) for x, y in zip(a, b, strict=True))
+    return _any(a) and _any(b) if isinstance(a, tuple) or isinstance(b, tuple) else a and b
+
+
+def argument_views(comps: dict[str, Computation], entry: str) -> dict[str, dict[str, object]]:
+    """{computation: {value: info}}: info True when the value is (a view of) a program argument, a tuple of infos
+    for a tuple value, False otherwise (see the module docstring)."""
+    edges, _, _, _ = call_graph(comps)
+    params: dict[str, dict[int, object]] = defaultdict(dict)  # callee -> {parameter index: info}
+    out: dict[str, dict[str, object]] = {}
+    for cname in callers_first(edges, entry):
+        c = comps[cname]
+        info: dict[str, object] = {}
+        get = info.get
+        for ins in c.instrs:
+            op = ins.opcode
+            if op == "parameter":
+                v = True if cname == entry else params[cname].get(_param_index(ins), False)
+            elif op == "get-tuple-element":
+                src = get(ins.operands[0], False) if ins.operands else False
+                k = re.search(r"\bindex=(\d+)", ins.attrs)
+                v = src[int(k.group(1))] if isinstance(src, tuple) and k and int(k.group(1)) < len(src) else src
+            elif op == "tuple":
+                v = tuple(get(o, False) for o in ins.operands)
+            elif op in _VIEWS and ins.operands:
+                v = get(ins.operands[0], False)
+            elif op == "while" and ins.operands:
+                body = re.search(r"\bbody=%?([\w.\-]+)", ins.attrs)
+                src = get(ins.operands[0], False)
+                keep = _invariant(comps[body.group(1)]) if body and body.group(1) in comps else set()
+                v = tuple(x if k in keep else False for k, x in enumerate(src)) if isinstance(src, tuple) else False
+                for attr in ("body", "condition"):
+                    m = re.search(rf"\b{attr}=%?([\w.\-]+)", ins.attrs)
+                    if m:
+                        params[m.group(1)][0] = _merge(params[m.group(1)].get(0), v)
+            elif op == "fusion":
+                m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+                v = _fusion_view(comps.get(m.group(1)) if m else None, [get(o, False) for o in ins.operands])
+            else:
+                v = False
+            for callee, index, val in _calls(ins, [get(o, False) for o in ins.operands]):
+                params[callee][index] = _merge(params[callee].get(index), val)
+            info[ins.name] = v
+        out[cname] = info
+    return out
+
+
+def _calls(ins: Instr, operand_infos: list) -> list[tuple[str, int, object]]:
+    """(callee, parameter index, info) for each parameter of a computation ``ins`` calls: a call or async
+    wrapper's parameters are its operands; a while's body and condition take its (invariant-masked) tuple; a
+    conditional's branch i takes operand i + 1. Fusion bodies hold no top-level instruction: not followed."""
+    if ins.opcode == "while":
+        return []  # handled with the loop's invariant mask in argument_views
+    if ins.opcode == "conditional":
+        m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+        names = re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
+        return [(b, 0, operand_infos[i + 1]) for i, b in enumerate(names) if i + 1 < len(operand_infos)]
+    m = re.search(r"\b(?:calls|to_apply)=%?([\w.\-]+)", ins.attrs)
+    if m is None or ins.opcode == "fusion" or ins.opcode in ("reduce", "reduce-window", "scatter", "sort", "map",
+                                                             "select-and-scatter", "all-reduce", "reduce-scatter"):
+        return []
+    return [(m.group(1), i, v) for i, v in enumerate(operand_infos)]
+
+
+def _fusion_view(body: Computation | None, operand_infos: list) -> bool:
+    """A fusion's result is an argument view when its body's ROOT is a chain of view ops of one parameter whose
+    operand is one (a slice of a stacked weight, converted to the compute dtype)."""
+    if body is None or not body.instrs:
+        return False
+    by_name = {i.name: i for i in body.instrs}
+    ins = body.instrs[-1]
+    while ins is not None and ins.opcode in _VIEWS and ins.operands:
+        ins = by_name.get(ins.operands[0])
+    k = _param_index(ins) if ins is not None else None
+    return k is not None and k < len(operand_infos) and _any(operand_infos[k])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HBM traffic
+
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def _read_bytes(body: Computation, index: int, full: float) -> float:
+    """Bytes a fusion reads of its parameter ``index``: only the slices when every use of it is a (dynamic) slice
+    or gather of it (a loop body's view of one layer of a stacked weight), else all of it."""
+    pname = next((i.name for i in body.instrs if i.opcode == "parameter" and i.args.strip() == str(index)), None)
+    users = [i for i in body.instrs if pname in i.operands]
+    if not users or any(u.opcode not in _SLICING or u.operands[0] != pname for u in users):
+        return full
+    return sum(shape_bytes(u.shape) for u in users)
+
+
+def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple[str, float]]]:
+    """(HBM bytes written, [(operand, HBM bytes read)]) of one top-level instruction: its result written and its
+    operands read once, where a (dynamic) slice reads only its slice, a dynamic-update-slice writes (and reads) only
+    its update in place, a fusion reads only the slices of the operands its body only slices, an async ``*-start``
+    / ``*-update`` (shape ``((operands), result, context)``) writes only its result (an update's operand 0 is its
+    start's context), and arrays in an on-chip memory space (``S(1)``: VMEM) cost nothing."""
+    ops = ins.operands
+
+    def hbm(shape: str) -> float:
+        return shape_bytes(shape, hbm=True)
+
+    if ins.opcode.endswith(("-start", "-update")):
+        parts = tuple_elements(ins.shape)
+        ins_ops = ops[1:] if ins.opcode.endswith("-update") else ops
+        return (hbm(parts[1]) if len(parts) > 1 else 0.0), [(o, hbm(c.shapes.get(o, ""))) for o in ins_ops]
+    if ins.opcode in _SLICING:
+        return hbm(ins.shape), [(ops[0], hbm(ins.shape))] if ops else []
+    if ins.opcode == "dynamic-update-slice" and len(ops) > 1:
+        upd = hbm(c.shapes.get(ops[1], ""))
+        return upd, [(ops[1], upd)]
+    reads = [hbm(c.shapes.get(o, "")) for o in ops]
+    if ins.opcode == "fusion":
+        m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
+        body = comps.get(m.group(1)) if m else None
+        if body is not None:
+            reads = [min(_read_bytes(body, i, r), r) for i, r in enumerate(reads)]
+            root = body.instrs[-1] if body.instrs else None
+            if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
+                # an in-place update of a loop-carried buffer: the buffer operand is neither read nor rewritten
+                upd = shape_bytes(body.shapes.get(root.operands[1], ""))
+                buf = body.shapes.get(root.operands[0], "")
+                return upd, [(o, r) for r, o in zip(reads, ops, strict=True) if c.shapes.get(o, "") != buf] \
+                    + [("", upd)]
+    return hbm(ins.shape), list(zip(ops, reads, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the program
+
+
+@dataclass
+class ProgramStats:
+    flops: float
+    flops_once: float  # the same FLOPs with every computation counted once (what cost_analysis does for loops)
+    bytes_accessed: float
+    bytes_accessed_once: float
+    collectives: dict
+    collectives_once: dict
+    trip_counts: list[int]
+    unknown_trip_counts: int
+    computations: int
+    hbm_split: dict  # bytes_accessed by kind: weights, activations, kernels, collectives
+    custom_calls: dict  # {custom-call target: count}
+    kernels: dict  # {kernel name: {"count", "flops", "bytes", "estimated"}}
+
+    def as_dict(self) -> dict:
+        return {"flops": self.flops, "flops_counted_once": self.flops_once,
+                "bytes_accessed": self.bytes_accessed, "bytes_accessed_counted_once": self.bytes_accessed_once,
+                "hbm_bytes_split": self.hbm_split, "collectives": self.collectives,
+                "collectives_counted_once": self.collectives_once, "custom_calls": self.custom_calls,
+                "kernels": self.kernels, "while_trip_counts": self.trip_counts,
+                "unknown_trip_counts": self.unknown_trip_counts}
+
+
+def largest_values(text: str, n: int = 10) -> list[dict]:
+    """The ``n`` largest instruction results of the program outside fusion bodies (bytes per device, opcode, the
+    JAX op that made it): where a memory plan's temporaries go."""
+    comps, entry = parse(text)
+    mult, fused, _, _ = multiplicities(comps, entry)
+    rows = []
+    for c in comps.values():
+        if c.name in fused or not mult.get(c.name):
+            continue
+        for ins in c.instrs:
+            if ins.opcode in ("parameter", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional"):
+                continue
+            m = re.search(r'op_name="([^"]*)"', ins.attrs)
+            rows.append({"bytes": shape_bytes(ins.shape), "opcode": ins.opcode, "shape": ins.shape.split("{")[0],
+                         "op_name": m.group(1)[-160:] if m else ""})
+    rows.sort(key=lambda r: -r["bytes"])
+    return rows[:n]
+
+
+def program_stats(text: str) -> ProgramStats:
+    comps, entry = parse(text)
+    mult, fused, trips, unknown = multiplicities(comps, entry)
+    views = argument_views(comps, entry)
+    flops = flops1 = traffic1 = 0.0
+    split = dict.fromkeys(("weights", "activations", "kernels", "collectives"), 0.0)
+    coll: dict = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    coll1: dict = defaultdict(lambda: {"count": 0, "bytes": 0.0})
+    calls: dict = defaultdict(int)
+    kernels: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "estimated": True})
+    for c in comps.values():
+        m = mult.get(c.name, 0)
+        if m == 0:
+            continue
+        info = views.get(c.name, {})
+        for ins in c.instrs:
+            target = custom_call_target(ins)
+            est = custom_call_cost(ins) if target else None
+            f = est["flops"] if est else instr_flops(ins, c.shapes)
+            flops += m * f
+            flops1 += f
+            kind = _collective_kind(ins.opcode)
+            if kind is not None:
+                b = shape_bytes(ins.shape, largest=ins.opcode.endswith("-start"))
+                coll[kind]["count"] += m
+                coll[kind]["bytes"] += m * b
+                coll1[kind]["count"] += 1
+                coll1[kind]["bytes"] += b
+            if c.name in fused:
+                continue
+            if target:
+                calls[target] += m
+            if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done") or target in _NO_TRAFFIC_TARGETS:
+                continue
+            written, reads = instr_io(ins, c, comps)
+            t = written + sum(r for _, r in reads)
+            if target:
+                t = est["bytes"] if est else t
+                k = kernels[kernel_name(ins)]
+                k["count"] += m
+                k["flops"] += m * f
+                k["bytes"] += m * t
+                k["estimated"] = k["estimated"] and est is not None
+                split["kernels"] += m * t
+            elif kind is not None:
+                split["collectives"] += m * t
+            else:
+                w = sum(r for o, r in reads if _any(info.get(o, False)))
+                split["weights"] += m * w
+                split["activations"] += m * (t - w)
+            traffic1 += t
+    return ProgramStats(flops, flops1, sum(split.values()), traffic1, {k: dict(v) for k, v in sorted(coll.items())},
+                        {k: dict(v) for k, v in sorted(coll1.items())}, sorted(trips), unknown, len(comps), split,
+                        dict(sorted(calls.items())), {k: dict(v) for k, v in sorted(kernels.items())})
+
+
+__all__ = ["COLLECTIVES", "ProgramStats", "argument_views", "custom_call_cost", "custom_call_target", "instr_flops",
+           "instr_io", "kernel_name", "largest_values", "program_stats"]
