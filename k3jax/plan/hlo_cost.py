@@ -5,7 +5,8 @@ and how often each runs; every cost here is scaled by that multiplicity).
     stats.flops               # dot / convolution FLOPs, plus each custom call's own cost estimate
     stats.bytes_accessed      # HBM traffic; stats.hbm_split: weights / activations / kernels / collectives
     stats.collectives         # {"all-gather": {"count": n, "bytes": b}, ...}
-    stats.custom_calls        # {custom-call target: count}; stats.kernels: per kernel name, count, FLOPs, bytes
+    stats.custom_calls        # {custom-call target: count}; stats.kernels: per kernel (Mosaic / Triton) name,
+                              # its count, FLOPs and bytes
 
 FLOPs are those of ``dot`` (2 · output elements · contracted elements), ``ragged-dot`` (the same formula: rows ·
 contraction · output columns, not per group) and ``convolution`` (2 · output batch × features · the (output, tap)
@@ -18,10 +19,11 @@ an async ``*-start``, its largest array), not link traffic: ring factors depend 
 are not modelled. ``bytes_accessed`` approximates HBM traffic the way XLA's cost model does for fused code — each
 top-level instruction (a fusion being one kernel) reads its operands and writes its result once (``instr_io``:
 slices and in-place updates count only the bytes they touch, a fusion only the slices of operands its body only
-slices) — skipping tuples, parameters, constants, bitcasts and control flow. The split: ``kernels`` (custom calls),
-``collectives`` (their instructions' reads and writes), ``weights`` (reads of the program's arguments — the
-weights; in a train step also the optimizer state — directly or through views: slices, bitcasts, copies, converts,
-gathers over the mesh, loop carries that pass them unchanged; ``argument_views``) and ``activations`` (the rest).
+slices) — skipping tuples, parameters, constants, bitcasts and control flow. The split: ``kernels`` (Mosaic /
+Triton custom calls), ``collectives`` (their instructions' reads and writes), ``weights`` (reads of the program's
+arguments — the weights; in a train step also the optimizer state — directly or through views: slices, bitcasts,
+copies, converts, gathers over the mesh, loop carries that pass them unchanged; ``argument_views``) and
+``activations`` (the rest, other custom calls included).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragg
 _NO_TRAFFIC = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call", "conditional",
                "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "add-dependency"}
 _NO_TRAFFIC_TARGETS = {"AllocateBuffer"}  # XLA:TPU's buffer allocation custom call: no data moved
+# custom calls that are kernels (Mosaic TPU, Triton, Mosaic GPU); other custom calls (host callbacks, XLA:CPU's
+# library calls) are listed under custom_calls and their operands and results count as activations
+KERNEL_TARGETS = {"tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2"}
 
 
 def _dims_attr(attrs: str, key: str) -> tuple[int, ...]:
@@ -401,7 +406,7 @@ def program_stats(text: str) -> ProgramStats:
                 continue
             written, reads = instr_io(ins, c, comps)
             t = written + sum(r for _, r in reads)
-            if target:
+            if target in KERNEL_TARGETS or est is not None:
                 t = est["bytes"] if est else t
                 k = kernels[kernel_name(ins)]
                 k["count"] += m
@@ -421,5 +426,5 @@ def program_stats(text: str) -> ProgramStats:
                         dict(sorted(calls.items())), {k: dict(v) for k, v in sorted(kernels.items())})
 
 
-__all__ = ["COLLECTIVES", "ProgramStats", "argument_views", "custom_call_cost", "custom_call_target", "instr_flops",
-           "instr_io", "kernel_name", "largest_values", "program_stats"]
+__all__ = ["COLLECTIVES", "KERNEL_TARGETS", "ProgramStats", "argument_views", "custom_call_cost", "custom_call_target",
+           "instr_flops", "instr_io", "kernel_name", "largest_values", "program_stats"]
