@@ -28,9 +28,9 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
     """Grouped MXFP4 matmul y [M, N] = x [M, K] @ W_gᵀ per expert group (packed uint8 [G, N, K/2], scale uint8
     [G, N, K/32]; rows sorted by group; output in x.dtype), with pallas_kernels/mxfp4_matmul's block sizes; its VJP
     with respect to x is the kernel's transposed form. ``platform``: whose schedule and tiles (None: the platform
-    being compiled for). Compiled for a GPU/TPU target; for a CPU target the Pallas TPU interpreter runs it, so
-    ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too (``ExpertParallel(packed_kernel=
-    "pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it takes the XLA loop of
+    being compiled for). Compiled for a GPU/TPU target; for a CPU target a Pallas interpreter runs it (inside
+    ``shard_map`` the TPU one), so ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too
+    (``ExpertParallel(packed_kernel="pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it takes the XLA loop of
     k3jax/ops/packed_experts.py."""
     from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm
 

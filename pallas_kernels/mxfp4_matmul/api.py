@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
-from k3jax.ops.grouped_matmul import match_varying
+from k3jax.ops.grouped_matmul import match_varying, varying_axes
 from pallas_kernels.mxfp4_matmul import kernel as _k
 from pallas_kernels.mxfp4_matmul import reference as _ref
 from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
@@ -80,11 +80,16 @@ def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) ->
     return bs
 
 
-def _interpret(interpret):
-    """``interpret=True`` -> the TPU interpreter (``pltpu.InterpretParams()``), which runs both schedules and, unlike
-    the generic ``interpret=True`` interpreter (whose loop carry loses the varying mesh axes), also runs them inside
-    ``jax.shard_map``; False or an ``InterpretParams`` pass through."""
-    return pltpu.InterpretParams() if interpret is True else interpret
+def _interpret(interpret, *inputs):
+    """``interpret=True``: the generic Pallas interpreter, or inside ``jax.shard_map`` (an input varies over a mesh
+    axis) the TPU interpreter (``pltpu.InterpretParams()``): the generic one fails there ("dynamic_slice requires
+    varying manual axes to match": its loop carry loses the varying axes), and the TPU one's ordered-IO callbacks
+    cannot sit in a ``lax.platform_dependent`` branch beside one without them (the packed experts' "auto" path
+    outside shard_map: "Lowering rule for `cond` returns incorrect set of output tokens"). False or an
+    ``InterpretParams`` pass through."""
+    if interpret is not True:
+        return interpret
+    return pltpu.InterpretParams() if any(varying_axes(a) for a in inputs) else True
 
 
 def _split_even_odd(x):
@@ -188,8 +193,8 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
         platform's ``DEFAULT_BLOCKS`` (on TPU block_m is capped near M).
       act_quant: None, or the MXFP8 scale rule to fake-quantize x with (blocks of 32 along K).
       platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
-      interpret: run the chosen platform's kernel in the Pallas TPU interpreter on CPU (True, or your own
-        ``pltpu.InterpretParams(...)``): both schedules, also inside ``shard_map`` (``_interpret``).
+      interpret: run the chosen platform's kernel in a Pallas interpreter on CPU: True (the one that runs where the
+        call is, ``_interpret``: inside ``shard_map`` the TPU interpreter), or your own ``pltpu.InterpretParams()``.
     Returns: y [M, N] in x.dtype. Its VJP with respect to x is the transposed kernel (``_gmm_t``): no weight is
     dequantized outside a tile.
     """
@@ -200,7 +205,7 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
     platform = target_platform(platform)
     bs = _blocks(platform, x.shape[0], packed.shape[1], x.shape[1], block_m, block_n, block_k)
-    return _gmm(x, packed, scale, group_sizes, bs, platform, _interpret(interpret))
+    return _gmm(x, packed, scale, group_sizes, bs, platform, _interpret(interpret, x, packed, scale))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -257,4 +262,5 @@ def mxfp4_matmul(x, packed, scale, *, block_m: int | None = None, block_n: int |
         x2 = mx.fake_quant_mxfp8(x2, axis=-1, rule=act_quant)
     N, K = packed.shape[0], x2.shape[1]
     bs = _blocks(platform, x2.shape[0], N, K, block_m, block_n, block_k)
-    return _matmul(x2, packed, scale, bs, schedule, platform, _interpret(interpret)).reshape(*lead, N)
+    y = _matmul(x2, packed, scale, bs, schedule, platform, _interpret(interpret, x2, packed, scale))
+    return y.reshape(*lead, N)
