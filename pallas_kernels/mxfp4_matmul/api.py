@@ -144,7 +144,7 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret: bool):
     M = x.shape[0]
-    tile_group, src_rows, dst_rows, valid_rows = group_tile_metadata(group_sizes, M, bs.block_m)
+    tile_group, src_rows, dst_rows, _ = group_tile_metadata(group_sizes, M, bs.block_m)  # rows past: zeros
     x_rows = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src_rows]
     xe, xo = _split_even_odd(x_rows)
     launch = _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
@@ -169,7 +169,7 @@ def _gmm_t(g, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpr
     """dx [M, K] = g [M, N] @ W_g [N, K] per group, by the transposed kernel over the packed bytes (the tile layout
     of the forward: the same row tiles, the weights re-read once per row tile); output in g.dtype."""
     M = g.shape[0]
-    tile_group, src_rows, dst_rows, valid_rows = group_tile_metadata(group_sizes, M, bs.block_m)
+    tile_group, src_rows, dst_rows, _ = group_tile_metadata(group_sizes, M, bs.block_m)  # rows past: zeros
     g_rows = jnp.concatenate([g, jnp.zeros((1, g.shape[1]), g.dtype)])[src_rows]
     launch = _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
     dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret)  # in g.dtype
