@@ -10,9 +10,10 @@ classes:
   and the value. A missing key takes the default of transformers' ``KimiLinearConfig`` (the class that reads these
   files), or is an error where that class has no usable default.
 - **known, irrelevant to the math** — serialized ``PretrainedConfig`` boilerplate and metadata
-  (``BOILERPLATE``: what the release's own files carry, accepted without comment) and runtime / tokenizer / RoPE
-  settings other writers add (``IRRELEVANT``: accepted, listed in the report as ``ignored_keys``). RoPE settings
-  are irrelevant because only NoPE MLA (``mla_use_nope: true``) is accepted: nothing is ever rotated.
+  (``BOILERPLATE``: what the release's own files carry, accepted without comment; ``EXTRA_READ`` of them kept in
+  ``K3Config.extra``, e.g. ``max_position_embeddings``) and runtime / tokenizer / RoPE settings other writers add
+  (``IRRELEVANT``: accepted, listed in the report as ``ignored_keys``). RoPE settings are irrelevant because only
+  NoPE MLA (``mla_use_nope: true``) is accepted: nothing is ever rotated.
 - **derived** — what transformers' ``KimiLinearConfig`` derives from the used keys and serializes beside them
   (``DERIVED``: ``layer_types``, ``mlp_layer_types``, ``linear_{num_heads,head_dim,conv_kernel_dim}``,
   ``qk_head_dim``). transformers builds its model from some of them *instead of* the used keys (``layer_types``
@@ -59,6 +60,7 @@ tie_encoder_decoder tokenizer_class top_k top_p torchscript transformers_version
 initializer_range max_position_embeddings model_type ignore_index media_placeholder_token_id image_placeholder
 head_dim attention_dropout attention_bias mlp_bias use_return_dict vision_config
 """.split())
+EXTRA_READ = ("max_position_embeddings",)  # read into K3Config.extra, never compared or written
 # Keys other writers add that change nothing k3jax computes (generation/runtime defaults, tokenizer ids, RoPE
 # settings of a NoPE model, training-only switches of other frameworks). Accepted and reported.
 # pretraining_tp: transformers' KimiLinear never reads it (modeling_kimi_linear.py in 5.23 has no use; Llama's old
@@ -410,6 +412,7 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
     qc = tc["quantization_config"] if "quantization_config" in tc else raw.get("quantization_config")
     kw["expert_format"] = _expert_format(qc, err)
     kw["name"] = overrides.pop("name", f"hf-{top_type}")
+    kw["extra"] = {k: tc[k] for k in EXTRA_READ if type(tc.get(k)) is int}
     file_kw = dict(kw)  # the derived keys restate the file's own values, whatever the overrides
     kw.update(overrides)
     try:
@@ -446,5 +449,5 @@ def to_hf_dict(cfg: K3Config, quantization_config: dict | None = None) -> dict:
     return tc
 
 
-__all__ = ["BOILERPLATE", "DERIVED", "IRRELEVANT", "KEYS", "Derived", "Key", "MXFP4_FORMAT", "UnknownConfigKeysWarning",
-           "check_derived", "classify_keys", "from_hf", "to_hf_dict"]
+__all__ = ["BOILERPLATE", "DERIVED", "EXTRA_READ", "IRRELEVANT", "KEYS", "Derived", "Key", "MXFP4_FORMAT",
+           "UnknownConfigKeysWarning", "check_derived", "classify_keys", "from_hf", "to_hf_dict"]

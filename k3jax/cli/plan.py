@@ -49,16 +49,19 @@ def add_parser(sub) -> None:
                         f"; known GPUs: {', '.join(GPU_BYTES)}")
     p.add_argument("--mesh", action="append", default=None, metavar="AXES",
                    help="mesh axes of --compile, e.g. fsdp=8,expert=64 (the product = the target's devices)")
-    p.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per sequence for the caches")
+    p.add_argument("--context", type=int, default=None, help="tokens per sequence for the caches (formula planner: "
+                   f"default {DEFAULT_CONTEXT:,}); --compile --mode decode: the keys each row attends to (the cache "
+                   "holds context - 1), --mode prefill: the cache's length (default --seq-len)")
     p.add_argument("--batch", type=int, default=None, help="sequences: for the caches (default 1), or the "
                    "global batch of --compile (default 1)")
     c = p.add_argument_group("--compile (ahead-of-time plan on a real compiler)")
     c.add_argument("--compile", action="store_true", help="lower and compile the full-size program")
     c.add_argument("--target", default=None, help="tpu:v5p:8x8x8, tpu:v6e:16x16, tpu:v5e:16x16 or cpu:<devices>")
-    c.add_argument("--mode", default="forward", help="forward (default), train or frozen-experts")
+    c.add_argument("--mode", default="forward", help="forward (default), train, frozen-experts, prefill (the forward "
+                   "with the cache written) or decode (one step at --context)")
     c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, dots_saveable, ...; "
                    "default full per scanned group; forward: none)")
-    c.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1)")
     c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
                    "expert axes, otherwise the mesh axes' default)")
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
@@ -135,9 +138,10 @@ _CHILD_ENV = "K3_PLAN_CPU_DEVICES"
 
 def _compile_argv(args) -> list[str]:
     argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mesh", args.mesh[0],
-            "--mode", args.mode, "--batch", str(args.batch or 1), "--seq-len", str(args.seq_len)]
-    for flag, v in (("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
-                    ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel)):
+            "--mode", args.mode, "--batch", str(args.batch or 1)]
+    for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
+                    ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel),
+                    ("--context", args.context)):
         if v is not None:
             argv += [flag, str(v)]
     if args.hlo_out:
@@ -170,9 +174,10 @@ def _compile(args, cfg) -> int:
     if args.hardware:
         raise InputError("--hardware is the formula planner's; --compile takes --target")
     target = parse_target(args.target)
-    spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=args.seq_len,
-                        remat=args.remat, capacity_factor=args.capacity_factor, strategy=args.strategy,
-                        packed_kernel=args.packed_kernel or "auto")
+    seq_len = args.seq_len if args.seq_len is not None else 1 if args.mode == "decode" else 4096
+    spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=seq_len, remat=args.remat,
+                    capacity_factor=args.capacity_factor, strategy=args.strategy,
+                    packed_kernel=args.packed_kernel or "auto", context=args.context)
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
@@ -196,6 +201,11 @@ def _print_compiled(p: dict, out) -> None:
     w = out.write
     w(f"{p['preset']} {p['mode']} on {p['target']} ({p['devices']} devices), mesh {p['mesh']} ({p['strategy']}), "
       f"B={p['batch']} T={p['seq_len']}, remat {p['remat']}, QAT {p['qat']}, {p['layer_stack']} stack\n")
+    if "cache" in p:
+        c = p["cache"]
+        w(f"  cache at context {p['context']:,}{' (small-batch rule: replicated)' if p['small_batch'] else ''}: "
+          f"{c['per_device'] / 1e9:,.2f} GB/device (KDA {c['kda_per_device'] / 1e9:,.2f}, MLA latent "
+          f"{c['mla_per_device'] / 1e9:,.2f}), {c['global'] / 1e9:,.2f} GB in all\n")
     cap = p.get("capacity_bytes_per_device")
     if "hbm_oom" in p:
         f = p["hbm_oom"]
@@ -231,6 +241,10 @@ def _print_compiled(p: dict, out) -> None:
         w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s useful, {r['compiled_compute_s']:.3f} s "
           f"compiled; HBM {r['memory_s']:.3f} s, collectives {r['collective_s']:.3f} s -> {r['step_s']:.3f} s/step "
           f"({r['bound']}-bound, compute share {r['compute_share'] or 0:.2f})\n")
+        if "tokens_per_s_per_chip" in r:
+            lat = r.get("per_token_latency_s", r.get("time_to_first_token_s"))
+            w(f"  {'per-token latency' if 'per_token_latency_s' in r else 'time to first token'} {lat * 1e3:,.2f} ms; "
+              f"{r['tokens_per_s']:,.1f} tokens/s, {r['tokens_per_s_per_chip']:,.2f} tokens/s per chip\n")
     if "compile_s" in p:
         w(f"  lower {p['lower_s']:.1f} s, compile {p['compile_s']:.1f} s, wall {p['wall_s']:.1f} s, "
           f"peak RSS {p['peak_rss_bytes'] / 2**30:.2f} GiB\n")
@@ -243,7 +257,7 @@ def _main(args) -> int:
     cfg = get_preset(args.preset)
     if args.compile:
         return _compile(args, cfg)
-    for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"),
+    for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"), ("--seq-len", args.seq_len),
                         ("--remat", args.remat), ("--strategy", args.strategy),
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
                         ("--packed-kernel", args.packed_kernel)):
@@ -269,7 +283,8 @@ def _main(args) -> int:
             out.writelines(f"{r['file']}\t{r['bytes']}\t{r['header_len']}\t{r['header_sha256']}\t{r['tensors']}\n"
                            for r in rows)
         return 0
-    plan = build_plan(cfg, _hardware(args), args.context, 1 if args.batch is None else args.batch)
+    context = DEFAULT_CONTEXT if args.context is None else args.context
+    plan = build_plan(cfg, _hardware(args), context, 1 if args.batch is None else args.batch)
     if args.json:
         json.dump(plan, out, indent=1)
         out.write("\n")

@@ -29,6 +29,12 @@ from k3jax.ops.norms import acc_dtype, rms_norm
 _QKV = ("embed", "heads", "head_dim")
 
 
+def big_key_block(T: int, block_size: int) -> int | None:
+    """The large key block ``extend`` reads a cache in for a piece of T tokens: about ``DECODE_BLOCK`` for one token
+    (decode), None (blocks of ``block_size`` only) otherwise."""
+    return max(DECODE_BLOCK // block_size, 1) * block_size if T == 1 else None
+
+
 class MLADims(NamedTuple):
     num_heads: int  # N
     nope: int  # Hn
@@ -108,7 +114,8 @@ class MLA(nnx.Module):
                                         scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
         return self._output(x, o), max_logit
 
-    def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool):
+    def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
+               layer=None):
         """Append a right-padded piece to the latent cache and attend over it (prefill pieces and decode steps).
 
         x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R] (x.dtype), "k_rope": [B, S, Hr]
@@ -116,25 +123,28 @@ class MLA(nnx.Module):
         row (the rest is right padding, written nowhere). Token t of row b sits at position start[b] + t. Keys are
         read in blocks of ``block_size``; for one token, first in blocks of about ``DECODE_BLOCK``.
         absorbed: the absorbed form (decode) or the materialized one (the reference; ``ops.latent_attention``).
+        layer: None, or an index into a cache stacked over the scanned groups ([G, B, S, ...]: the new tokens are
+        scattered into the stack in place and the keys read from it block by block).
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
         q, c_kv, k_rope = self._project(x, norm_eps)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
-        S = cache["c_kv"].shape[1]
+        S = cache["c_kv"].shape[-2]
         t = jnp.arange(T, dtype=jnp.int32)[None, :]
         pos = start[:, None] + t                                                       # [B, T]
         dest = jnp.where(t < lengths[:, None], pos, S)                                # padding → out of range: dropped
         rows = jnp.arange(B)[:, None]
-        new = {"c_kv": cache["c_kv"].at[rows, dest].set(c_kv.astype(cache["c_kv"].dtype), mode="drop"),
-               "k_rope": cache["k_rope"].at[rows, dest].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
+        at = (rows, dest) if layer is None else (layer, rows, dest)
+        new = {"c_kv": cache["c_kv"].at[at].set(c_kv.astype(cache["c_kv"].dtype), mode="drop"),
+               "k_rope": cache["k_rope"].at[at].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
         kv_b = self.kv_b[...]
-        big = max(DECODE_BLOCK // block_size, 1) * block_size if T == 1 else None   # decode: large key blocks
+        big = big_key_block(T, block_size)
         o = latent_attention(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
                              q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,
-                             big_block=big, absorbed=absorbed)
+                             big_block=big, absorbed=absorbed, layer=layer)
         return self._output(x, o), new
 
 
-__all__ = ["MLA", "MLADims"]
+__all__ = ["MLA", "MLADims", "big_key_block"]

@@ -8,13 +8,23 @@ Layout: one entry per layer (layer order), plus the per-row lengths:
 
     {"layers": {l: layer cache}, "lengths": [B] int32}
     KDA layer: {"state": [B, N, K, V] float32 (K-first), "conv_q" / "conv_k" / "conv_v": [B, Wc-1, N K]}
-    MLA layer: {"c_kv": [B, S, R] (compute dtype; the latent after kv_a_layernorm), "k_rope": [B, S, Hr]}
+    MLA layer: {"c_kv": [B, S, R] (the latent after kv_a_layernorm), "k_rope": [B, S, Hr]}, both in the compute
+               dtype: kv_lora_rank + qk_rope_head_dim values per token, as ``k3 plan``'s formula and serving stacks
+               count them (bf16 runs round the shared key slice to bf16 here, where the forward keeps fp32; the
+               TPU's default-precision product rounds it so anyway)
 
-Not stacked over the repeating group like the parameters: the layer stack runs as an unrolled Python loop
-(K3Model.layers), and with a stacked cache every step's slice-update-restack became a copy of the whole stacked
-cache (measured: 10 cache-sized copies per decode step in the HLO at batch 1, a whole-cache ``concatenate`` with
-two groups; a 64K cache then decoded 4.9x slower than a 1K one at the same context). Flat, each layer's buffers
-are donated and updated in place. A scanned stack would carry the stacked form through its loop instead.
+By default not stacked over the repeating group like the parameters: the layer stack runs as an unrolled Python
+loop (K3Model.layers), and with a stacked cache every step's slice-update-restack became a copy of the whole
+stacked cache (measured: 10 cache-sized copies per decode step in the HLO at batch 1, a whole-cache
+``concatenate`` with two groups; a 64K cache then decoded 4.9x slower than a 1K one at the same context). Flat,
+each layer's buffers are donated and updated in place.
+
+The scanned layout (``stacked=True``): the unstacked layers as above, and the repeating group's caches stacked per
+position j of the period, ``"groups": [{leaf: [G, ...]}, ...]`` (``stack_cache`` / ``unstack_cache`` convert). The
+group then runs as one ``lax.scan`` that carries them — MLA scatters its new latents into the stack and reads key
+blocks straight from it, KDA's state is sliced out and written back — so the compiled program holds one group
+instead of every layer: at full size the unrolled decode step did not compile in 24 GB of host memory
+(``k3 plan --mode decode`` uses this layout). Values are the same in both layouts (tests/model/test_cache.py).
 
 S is ``max_len`` rounded up to the attention key block (``run.mla_block_size``). AttnRes mixes over depth within one
 token (SPEC §3.1), so it carries nothing across tokens. Rows are independent: each has its own length, a piece
@@ -29,8 +39,6 @@ relies on, and what the tests check), so the state at the mark is the exact chun
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,11 +46,32 @@ import numpy as np
 from k3jax.config import K3Config, RunConfig, default_run
 from k3jax.errors import InputError
 from k3jax.model.functional import merge
+from k3jax.model.layout import layout
 from k3jax.ops.norms import acc_dtype
 
 
 class CacheError(InputError):
     """A cache request that cannot be met (too long, wrong batch, unknown mark); the message names the value."""
+
+
+# The logical axes of each cache leaf (one table; the sharding rules map them to mesh axes, as for the parameters:
+# ``k3jax.sharding.placement.cache_shardings``). Conv tails run over the KDA channels head-major, like the conv
+# weights ("heads"); the latent and the shared key slice have no head axis: one copy serves every head.
+CACHE_AXES = {
+    "state": ("batch", "heads", "head_dim", "head_dim"),
+    "conv_q": ("batch", "conv_tap", "heads"), "conv_k": ("batch", "conv_tap", "heads"),
+    "conv_v": ("batch", "conv_tap", "heads"),
+    "c_kv": ("batch", "seq", "kv_lora"),
+    "k_rope": ("batch", "seq", "head_dim"),
+    "lengths": ("batch",),
+}
+
+
+def cache_leaf_axes(names: tuple, ndim: int) -> tuple:
+    """The logical axes of the cache leaf at key path ``names`` with ``ndim`` dims (a leaf stacked over the groups
+    leads with "layers")."""
+    axes = CACHE_AXES[names[-1]]
+    return ("layers", *axes) if ndim == len(axes) + 1 and names[0] == "groups" else axes
 
 
 def _run(cfg: K3Config, run: RunConfig | None) -> RunConfig:
@@ -63,24 +92,58 @@ def layer_cache_shapes(cfg: K3Config, l: int, batch: int, max_len: int, run: Run
     if cfg.is_mla(l):
         S = capacity(cfg, max_len, run)
         return {"c_kv": jax.ShapeDtypeStruct((batch, S, cfg.kv_lora_rank), cdt),
-                "k_rope": jax.ShapeDtypeStruct((batch, S, cfg.qk_rope_head_dim), acc)}
+                "k_rope": jax.ShapeDtypeStruct((batch, S, cfg.qk_rope_head_dim), cdt)}
     N, K = cfg.kda_num_heads, cfg.kda_head_dim
     tail = jax.ShapeDtypeStruct((batch, cfg.kda_conv_size - 1, N * K), acc)
     return {"state": jax.ShapeDtypeStruct((batch, N, K, K), acc),                  # fp32 (or wider)
             "conv_q": tail, "conv_k": tail, "conv_v": tail}
 
 
-def cache_shapes(cfg: K3Config, batch: int, max_len: int, run: RunConfig | None = None) -> dict:
-    """ShapeDtypeStructs of the whole cache (allocates nothing: usable at K3's full size)."""
-    return {"layers": {l: layer_cache_shapes(cfg, l, batch, max_len, run) for l in range(cfg.num_layers)},
+def cache_shapes(cfg: K3Config, batch: int, max_len: int, run: RunConfig | None = None, *,
+                 stacked: bool = False) -> dict:
+    """ShapeDtypeStructs of the whole cache (allocates nothing: usable at K3's full size); ``stacked``: the scanned
+    layout (module docstring)."""
+    flat = {"layers": {l: layer_cache_shapes(cfg, l, batch, max_len, run) for l in range(cfg.num_layers)},
             "lengths": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+    if not stacked:
+        return flat
+    return jax.eval_shape(lambda c: stack_cache(c, cfg), flat)
 
 
-def init_cache(cfg: K3Config, batch: int, max_len: int, run: RunConfig | None = None) -> dict:
-    """A zero cache for ``batch`` rows of up to ``max_len`` tokens each."""
+def init_cache(cfg: K3Config, batch: int, max_len: int, run: RunConfig | None = None, *,
+               stacked: bool = False) -> dict:
+    """A zero cache for ``batch`` rows of up to ``max_len`` tokens each (``stacked``: the scanned layout)."""
     if batch < 1 or max_len < 1:
         raise CacheError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, max_len, run))
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                        cache_shapes(cfg, batch, max_len, run, stacked=stacked))
+
+
+def stack_cache(cache: dict, cfg: K3Config) -> dict:
+    """A flat cache in the scanned layout: the repeating group's layers stacked per position of the period (the
+    unstacked layers, lengths and marks as they are). A stacked cache is returned unchanged."""
+    lay = layout(cfg)
+    if "groups" in cache or not lay.groups:
+        return cache
+    layers = cache["layers"]
+    at = lambda g, j: lay.start + g * lay.period + j  # noqa: E731
+    groups = [jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[at(g, j)] for g in range(lay.groups)))
+              for j in range(lay.period)]
+    rest = {l: v for l, v in layers.items() if not lay.start <= l < at(lay.groups, 0)}
+    return {**cache, "layers": rest, "groups": groups}
+
+
+def unstack_cache(cache: dict, cfg: K3Config) -> dict:
+    """The flat layout of a cache (a flat one is returned unchanged)."""
+    if "groups" not in cache:
+        return cache
+    lay = layout(cfg)
+    layers = dict(cache["layers"])
+    for j, stack in enumerate(cache["groups"]):
+        for g in range(lay.groups):
+            layers[lay.start + g * lay.period + j] = jax.tree.map(lambda x, g=g: x[g], stack)
+    out = {k: v for k, v in cache.items() if k != "groups"}
+    return {**out, "layers": dict(sorted(layers.items()))}
 
 
 def cache_bytes(cache) -> int:
@@ -90,21 +153,30 @@ def cache_bytes(cache) -> int:
 
 def max_len_of(cache) -> int | None:
     """Positions each row can hold (None for a cache without MLA layers: KDA state has no length limit)."""
-    found = [v["c_kv"].shape[-2] for v in cache["layers"].values() if "c_kv" in v]
+    found = [v["c_kv"].shape[-2] for v in (*cache["layers"].values(), *cache.get("groups", ())) if "c_kv" in v]
     return found[0] if found else None
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "run", "absorbed", "last_only"))
-def _extend(params, tokens, lengths, cache, *, cfg, run, absorbed, last_only):
+def advance(params, tokens, lengths, cache, *, cfg: K3Config, run: RunConfig, absorbed: bool, last_only: bool,
+            dispatch=None):
+    """The pure step under ``extend`` (no checks, not jitted): tokens [B, T] int32 with every padding id already
+    0, lengths [B] int32 → (logits, the new cache), in either layout (a stacked cache runs the scanned group).
+    ``k3 plan --mode prefill | decode`` compiles it with the cache's shardings (``CACHE_AXES``) and an
+    expert-parallel ``dispatch``."""
     start = cache["lengths"]
+    model = merge(params, cfg, run)
+    kw = dict(start=start, lengths=lengths, absorbed=absorbed, last_only=last_only, dispatch=dispatch)
+    if "groups" in cache:
+        logits, new, groups = model.extend(tokens, dict(cache["layers"]), group_caches=cache["groups"], **kw)
+        return logits, {**cache, "layers": new, "groups": list(groups), "lengths": start + lengths}
     view = [cache["layers"][l] for l in range(cfg.num_layers)]
-    logits, new = merge(params, cfg, run).extend(tokens, view, start=start, lengths=lengths, absorbed=absorbed,
-                                                 last_only=last_only)
+    logits, new = model.extend(tokens, view, **kw)
     return logits, {**cache, "layers": dict(enumerate(new)), "lengths": start + lengths}
 
 
-_extend_donated = jax.jit(_extend.__wrapped__, static_argnames=("cfg", "run", "absorbed", "last_only"),
-                          donate_argnames=("cache",))
+_STATIC = ("cfg", "run", "absorbed", "last_only")
+_extend = jax.jit(advance, static_argnames=_STATIC)
+_extend_donated = jax.jit(advance, static_argnames=_STATIC, donate_argnames=("cache",))
 
 
 def _check_piece(tokens, lengths, cache, cfg: K3Config):
@@ -161,6 +233,8 @@ def prefill(params, tokens, lengths, cache, cfg: K3Config, run: RunConfig | None
     ``extend``; with marks the cache carries ``"marks": {"position": [B], "kda": {...}}``."""
     if marks is None:
         return extend(params, tokens, lengths, cache, cfg, run, absorbed=absorbed, last_only=last_only)
+    if "groups" in cache:
+        raise CacheError("marks (snapshots) need the flat cache layout: unstack_cache(cache, cfg) first")
     tokens = np.asarray(tokens)
     B, T = tokens.shape
     lengths = np.full((B,), T, np.int64) if lengths is None else np.asarray(lengths, np.int64)
@@ -216,5 +290,5 @@ def decode_step(params, token_ids, cache, cfg: K3Config, run: RunConfig | None =
     return extend(params, ids, n, cache, cfg, run, absorbed=absorbed, last_only=True, donate=donate)
 
 
-__all__ = ["CacheError", "cache_bytes", "cache_shapes", "capacity", "decode_step", "extend", "init_cache",
-           "layer_cache_shapes", "max_len_of", "prefill"]
+__all__ = ["CACHE_AXES", "CacheError", "advance", "cache_bytes", "cache_leaf_axes", "cache_shapes", "capacity", "decode_step", "extend",
+           "init_cache", "layer_cache_shapes", "max_len_of", "prefill", "stack_cache", "unstack_cache"]

@@ -9,6 +9,7 @@ model's business, so the same class is vmapped into the stack.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -68,15 +69,24 @@ class DecoderLayer(nnx.Module):
         y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size)
         return y, {}
 
-    def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool):
+    def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool,
+                     layer=None):
         """Token mixer on a right-padded piece that continues the layer's cache → (y, the updated layer cache).
 
-        start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row."""
+        start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row. layer: None,
+        or the index of this layer's slice in a cache stacked over the scanned groups (``model.cache``): MLA
+        writes and reads its latent in the stack in place; KDA's state and tails are small and are sliced out and
+        written back."""
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
-                                   block_size=run.mla_block_size, absorbed=absorbed)
-        return self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=cache,
-                        lengths=lengths, start=start)
+                                   block_size=run.mla_block_size, absorbed=absorbed, layer=layer)
+        mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
+        y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
+                          lengths=lengths, start=start)
+        if layer is not None:
+            new = jax.tree.map(lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), layer, 0),
+                               cache, new)
+        return y, new
 
     def ffn(self, h, cfg: K3Config, run: RunConfig, dispatch):
         """FFN on the normed input h → (y, aux)."""

@@ -98,7 +98,7 @@ class K3Model(nnx.Module):
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
 
-    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none"):
+    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None):
         """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer (with
         ``scan``, l is traced inside the repeating group: the mixer must not index by it).
 
@@ -113,6 +113,11 @@ class K3Model(nnx.Module):
         FFN — runs under ``jax.checkpoint`` with that policy (``_checkpointed``); in the scanned stack the unit is
         one scan iteration, the group of ``period`` layers (see ``_scan_groups``). The mixer must then be free of
         side effects (the cached ``extend`` path passes the default "none").
+
+        ``side`` (with ``scan``): {"groups": per position j of the period, a pytree stacked over the groups} carried
+        through the scan — the inference cache of the stacked layers (``extend``). The mixer of a stacked layer is
+        then called as ``mixer(l, layer, h, side_j, g)`` and returns ``(y, aux, new side_j)``; after the scan
+        ``side["groups"]`` holds the final value.
 
         A ``dispatch`` object with a ``constrain_tokens(x, batch_dim)`` method (``ExpertParallel``) pins the
         residual stream [B, T, D] and the AttnRes block sums to its token sharding at every layer boundary.
@@ -135,8 +140,8 @@ class K3Model(nnx.Module):
         def ffn(layer, h):
             return layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
 
-        def mix(l, layer, h):
-            return mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt))
+        def mix(l, layer, h, *slot):
+            return mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), *slot)
 
         S = cfg.attn_res_block_size
 
@@ -180,7 +185,7 @@ class K3Model(nnx.Module):
             state = unrolled(self.layers(), state)
         else:
             state = unrolled(zip(lay.pre, self.pre, strict=True), state)
-            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat, pin)(collect)
+            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat, pin, side)(collect)
             state = unrolled(zip(lay.post, self.post, strict=True), state)
         if not cfg.uses_attn_res:
             return state, aux
@@ -211,9 +216,11 @@ class K3Model(nnx.Module):
 
         return wrapped
 
-    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none", pin=lambda x, batch_dim=0: x):
+    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none", pin=lambda x, batch_dim=0: x,
+                     side: dict | None = None):
         """The repeating group as one lax.scan (see ``_walk``). Returns a function of ``collect`` that hands the
-        per-layer aux to it in layer order and returns (the new state, the committed blocks as a list)."""
+        per-layer aux to it in layer order and returns (the new state, the committed blocks as a list); with
+        ``side``, the scan carries ``side["groups"]`` and leaves its final value there."""
         cfg = self.cfg
         lay = layout(cfg)
         acc = state.dtype
@@ -229,33 +236,47 @@ class K3Model(nnx.Module):
                 buf = buf.at[i].set(b)
             buf = pin(buf, batch_dim=1)
         carry0 = (state, buf) if attn_res else (state,)
+        if side is not None:
+            carry0 = (*carry0, tuple(side["groups"]))
 
-        def one_layer(layer, carry, l):
+        def one_layer(layer, carry, l, mixer):
             """Layer l (traced) of the group on the carry → (the new carry, (mixer aux, FFN aux))."""
             if attn_res:
                 part, buf = carry
                 nb = (l + S - 1) // S                     # blocks committed before layer l
                 h = layer.attn_res.masked(buf, nb, part, eps)
                 commit = l % S == 0
-                buf = pin(jnp.where(commit, jax.lax.dynamic_update_index_in_dim(buf, part, nb, 0), buf), batch_dim=1)
+                # a commit writes slot nb; otherwise slot nb gets its own value back: one slot of traffic, where a
+                # select between the updated and the old buffer read and wrote all NB of them at every layer (the
+                # frozen-experts v5p-512 plan's ~3.2 TB of f32 [8, B, T, D] selects, experiments/LOG.md)
+                slot = jax.lax.dynamic_index_in_dim(buf, nb, 0, keepdims=False)
+                buf = pin(jax.lax.dynamic_update_index_in_dim(buf, jnp.where(commit, part, slot), nb, 0), batch_dim=1)
                 part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
-                a, ax = mix(l, layer, h)
+                a, ax = mixer(l, layer, h)
                 part = pin(part + a.astype(acc))
                 f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
                 return (pin(part + f.astype(acc)), buf), (ax, fx)
             (h,) = carry
-            a, ax = mix(l, layer, h)
+            a, ax = mixer(l, layer, h)
             h = pin(h + a.astype(acc))
             f, fx = ffn(layer, h)
             return (pin(h + f.astype(acc)),), (ax, fx)
 
         def group(p, carry, g):
             grp = nnx.merge(gdef, p, grest)
+            core, sides = (carry[:-1], list(carry[-1])) if side is not None else (carry, None)
             outs = []
+            def carried(j):                               # the mixer of position j on the carried cache, at g
+                def mixer(l, layer, h):
+                    y, ax, sides[j] = mix(l, layer, h, sides[j], g)
+                    return y, ax
+                return mixer
+
             for j, layer in enumerate(grp.layers):
-                carry, ax_fx = one_layer(layer, carry, lay.start + g * lay.period + j)
+                mixer = mix if sides is None else carried(j)
+                core, ax_fx = one_layer(layer, core, lay.start + g * lay.period + j, mixer)
                 outs.append(ax_fx)
-            return carry, outs
+            return ((*core, tuple(sides)) if sides is not None else core), outs
 
         # The remat unit of the scanned stack is one scan iteration (a group of ``period`` layers), not one layer:
         # the carry holds the AttnRes block sums [NB, B, T, D], which a per-layer checkpoint saves at every layer
@@ -271,6 +292,9 @@ class K3Model(nnx.Module):
         carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
         last = lay.start + lay.groups * lay.period          # first layer after the group
         n_end = sum(1 for l in commits if l < last)
+
+        if side is not None:
+            side["groups"], carry = carry[-1], carry[:-1]
 
         def finish(collect):
             for g in range(lay.groups):
@@ -289,30 +313,41 @@ class K3Model(nnx.Module):
         head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return jnp.einsum("...d,dw->...w", hn, head.astype(cdt), preferred_element_type=h.dtype)
 
-    def extend(self, tokens, layer_caches: list, *, start, lengths, absorbed: bool = True, last_only: bool = False,
-               dispatch=None):
+    def extend(self, tokens, layer_caches, *, start, lengths, absorbed: bool = True, last_only: bool = False,
+               dispatch=None, group_caches=None):
         """Run a right-padded piece of tokens [B, T] on top of per-layer caches (``k3jax.model.cache``).
 
-        layer_caches: one cache dict per layer (layer order); start [B]: tokens already cached per row; lengths
-        [B]: real tokens of this piece per row. Returns (logits [B, T, W] — or [B, W] at each row's last real
-        token with ``last_only`` — and the updated per-layer caches). AttnRes mixes over depth within a token,
-        so nothing but the token mixers' caches carries over between pieces."""
+        layer_caches: one cache dict per layer (layer order: a list, or a {layer: cache} dict); start [B]: tokens
+        already cached per row; lengths [B]: real tokens of this piece per row. Returns (logits [B, T, W] — or
+        [B, W] at each row's last real token with ``last_only`` — and the updated per-layer caches, in the form
+        given). AttnRes mixes over depth within a token, so nothing but the token mixers' caches carries over.
+
+        ``group_caches`` (the scanned layout): the caches of the stacked layers, per position j of the period a
+        dict stacked over the groups [G, ...]; ``layer_caches`` then holds the unstacked layers only, and the
+        repeating group runs as one ``lax.scan`` carrying them (MLA writes and reads its latent in the stack in
+        place). Returns (logits, per-layer caches, group caches)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
         T = tokens.shape[1]
         real = jnp.arange(T)[None, :] < lengths[:, None]
         tokens = jnp.where(real, tokens, 0)                                 # padding ids are never looked up
-        new = list(layer_caches)
+        new = dict(layer_caches) if isinstance(layer_caches, dict) else list(layer_caches)
+        kw = dict(start=start, lengths=lengths, absorbed=absorbed)
 
-        def mixer(l, layer, h):
-            y, new[l] = layer.mixer_cached(h, self.cfg, self.run, layer_caches[l], start=start, lengths=lengths,
-                                           absorbed=absorbed)
+        def mixer(l, layer, h, cache=None, g=None):
+            if g is not None:                                   # a stacked layer: its slice of the carried cache
+                y, cache = layer.mixer_cached(h, self.cfg, self.run, cache, layer=g, **kw)
+                return y, {}, cache
+            y, new[l] = layer.mixer_cached(h, self.cfg, self.run, layer_caches[l], **kw)
             return y, {}
 
-        h, _ = self._walk(tokens, mixer, dispatch)
+        side = None if group_caches is None else {"groups": tuple(group_caches)}
+        h, _ = self._walk(tokens, mixer, dispatch, scan=side is not None, side=side)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-        return self._logits(h), new
+        if side is None:
+            return self._logits(h), new
+        return self._logits(h), new, side["groups"]
 
     def __call__(self, tokens, *, return_aux: bool = False, dispatch=None):
         """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""

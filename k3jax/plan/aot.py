@@ -33,9 +33,9 @@ import numpy as np
 
 from k3jax.checkpoint.host import peak_rss_bytes
 from k3jax.config import K3Config
-from k3jax.plan.estimate import estimate_arguments, model_flops
+from k3jax.plan.estimate import cache_bytes, estimate_arguments, model_flops
 from k3jax.plan.hardware import Target, roofline
-from k3jax.plan.spec import PlanSpec, check, plan_params, run_settings, with_defaults
+from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, with_defaults
 
 
 def target_devices(target: Target) -> list:
@@ -81,9 +81,13 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
 
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
-    dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor, packed_kernel=spec.packed_kernel)
+    small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
+    dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor, packed_kernel=spec.packed_kernel,
+                               replicate_tokens=small)
                 if mesh_axes_of("experts", strategy, mesh) else None)
     abstract = plan_params(cfg, spec)
+    if spec.mode in ("prefill", "decode"):
+        return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small)
     if spec.mode == "forward":
         p_sh = param_shardings(cfg, strategy, mesh, abstract)
         tok_sh = place.batch_sharding(strategy, mesh, 2)
@@ -103,6 +107,49 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     return fn, (_sds(shapes, st_sh), jax.ShapeDtypeStruct((1, spec.batch, spec.seq_len + 1), jnp.int32,
                                                           sharding=tok_sh),
                 jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool):
+    """Prefill (tokens [B, T] into an empty cache of --context positions) or one decode step ([B, 1] at --context
+    keys): ``model.cache.advance`` on the scanned cache layout (the repeating group compiled once) placed by
+    ``CACHE_AXES`` under the rules (replicated by the small-batch rule ``small``) and donated, the last token's logits out → (jitted fn(params, tokens, cache),
+    abstract arguments). ``params``: the parameter tree (arrays or ShapeDtypeStructs), for its shardings."""
+    from k3jax.model.cache import advance, cache_shapes
+    from k3jax.sharding import placement as place
+    from k3jax.sharding.rules import param_shardings
+
+    T = spec.seq_len
+    p_sh = param_shardings(cfg, strategy, mesh, params)
+    shapes = cache_shapes(cfg, spec.batch, spec.context, run, stacked=True)  # the scanned group: one group compiled
+    c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small)
+    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small)
+    decode = spec.mode == "decode"
+
+    def step(p, tokens, cache):
+        lengths = jnp.full((spec.batch,), T, jnp.int32)
+        return advance(p, tokens, lengths, cache, cfg=cfg, run=run, absorbed=decode, last_only=True,
+                       dispatch=dispatch)
+
+    fn = jax.jit(step, in_shardings=(p_sh, tok_sh, c_sh), out_shardings=(None, c_sh), donate_argnums=2)
+    return fn, (_sds(params, p_sh), jax.ShapeDtypeStruct((spec.batch, T), jnp.int32, sharding=tok_sh),
+                _sds(shapes, c_sh))
+
+
+def loop_hints(cfg: K3Config, spec: PlanSpec) -> dict[str, int]:
+    """Trip counts of the data-dependent loops of a prefill / decode plan (``hlo.hinted_trip_count``): the MLA key
+    blocks of a cache filled to what the plan asks — decode: --context keys, read in large blocks; prefill: T keys
+    from an empty cache. Other modes: none."""
+    if spec.mode not in ("prefill", "decode"):
+        return {}
+    from k3jax.layers.mla import big_key_block
+    from k3jax.model.cache import capacity
+    from k3jax.ops.latent_attention import key_loop_trips
+
+    spec = with_defaults(spec)[0]
+    block = run_settings(cfg, spec).mla_block_size
+    keys = spec.context if spec.mode == "decode" else spec.seq_len
+    return key_loop_trips(keys, block, big_key_block(spec.seq_len, block), capacity(cfg, spec.context,
+                                                                                   run_settings(cfg, spec)))
 
 
 class HbmOomError(RuntimeError):
@@ -159,6 +206,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     ``.plan`` holding everything known before the compile) when the program does not fit. ``hlo_out``: a path
     to write the compiled HLO text to."""
     from k3jax.plan.hlo_cost import largest_values, program_stats
+    from k3jax.sharding import placement as place
     from k3jax.sharding.placement import format_mesh
 
     log = log or (lambda s: None)
@@ -174,9 +222,13 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
            "param_dtype": run.param_dtype, "compute_dtype": run.compute_dtype,
            "capacity_factor": spec.capacity_factor, "packed_kernel": spec.packed_kernel, "defaults": defaults,
            "estimated_argument_bytes_per_device": est["total"], "estimate": est}
+    if spec.mode in ("prefill", "decode"):
+        out["context"] = spec.context
+        out["small_batch"] = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+        out["cache"] = cache_bytes(cfg, spec, sizes, strategy)
     cap = target.chip.hbm_bytes if target.chip else None
     out["capacity_bytes_per_device"] = cap
-    if spec.mode != "forward":
+    if spec.mode not in SERVING:
         # the train-state lower bound: master + optimizer state + gradients (activations come on top)
         out["lower_bound_bytes_per_device"] = est["total"] + est["gradient_bytes"]
     log(f"{cfg.name} {spec.mode} on {target.spec}, mesh {out['mesh']} ({strategy}), B={spec.batch} "
@@ -214,7 +266,10 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     if hlo_out:
         with open(hlo_out, "w") as f:
             f.write(text)
-    stats = program_stats(text)
+    hints = loop_hints(cfg, spec)
+    stats = program_stats(text, hints)
+    if hints:
+        out["loop_hints"] = hints
     out["hlo"] = {**stats.as_dict(), "largest_values": largest_values(text)}
     coll_bytes = sum(v["bytes"] for v in stats.collectives.values())
     out["collectives"] = stats.collectives
@@ -232,9 +287,16 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         out["flops"]["within_20pct_of_expected"] = bool(abs(compiled_global / mf["expected"] - 1) <= 0.2)
     out["roofline"] = roofline(target.chip, mf["useful"] / target.devices, stats.flops, stats.bytes_accessed,
                                coll_bytes)
+    if out["roofline"] and spec.mode in ("prefill", "decode"):
+        r, new = out["roofline"], spec.batch * spec.seq_len
+        # one step: a decode step emits one token per row (its latency is the step); prefill's is the first token's
+        r["per_token_latency_s" if spec.mode == "decode" else "time_to_first_token_s"] = r["step_s"]
+        r["tokens_per_s"] = new / r["step_s"]
+        r["tokens_per_s_per_chip"] = new / r["step_s"] / target.devices
     out["wall_s"] = time.perf_counter() - t_start
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out
 
 
-__all__ = ["HbmOomError", "build_program", "compile_plan", "compile_program", "oom_figures", "target_devices"]
+__all__ = ["HbmOomError", "build_program", "compile_plan", "compile_program", "loop_hints", "oom_figures",
+           "serving_program", "target_devices"]

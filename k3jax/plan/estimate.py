@@ -11,7 +11,7 @@ import math
 import jax
 
 from k3jax.config import K3Config
-from k3jax.plan.spec import PlanSpec, plan_params, with_defaults
+from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
 from k3jax.pytree import key_names
 
 # (block, leaf) the official checkpoint stores as F32 (../shared/k3/tensors.tsv.gz: e_score_correction_bias, and
@@ -55,7 +55,7 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
         n = _per_device(leaf.shape, pspec, sizes)
         if parse_packed_name(key_names(path)[-1]):
             out["packed_experts"] += n
-        elif spec.mode == "forward":
+        elif spec.mode in SERVING:
             names = key_names(path)
             out["weights"] += (4 if tuple(names[-2:]) in F32_STORED else 2) * n
         else:
@@ -63,9 +63,36 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
             out["weights"] += 4 * n
             out["optimizer"] += state_per_label[label] * n
             out["gradient_bytes"] += 0 if label == "frozen" else 4 * n
-    ways = place.token_parallel(strategy, sizes)
-    out["tokens"] = 4 * spec.batch * (spec.seq_len + (spec.mode != "forward")) / ways
-    out["total"] = out["weights"] + out["optimizer"] + out["packed_experts"] + out["tokens"]
+    small = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    ways = 1 if small else place.token_parallel(strategy, sizes)
+    out["tokens"] = 4 * spec.batch * (spec.seq_len + (spec.mode not in SERVING)) / ways
+    out["cache"] = cache_bytes(cfg, spec, sizes, strategy)["per_device"] if spec.mode in ("prefill", "decode") else 0.0
+    out["total"] = out["weights"] + out["optimizer"] + out["packed_experts"] + out["tokens"] + out["cache"]
+    return out
+
+
+def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
+    """Bytes of a prefill / decode plan's hybrid cache (``model.cache.cache_shapes`` for --batch rows of --context
+    positions, the scanned layout): ``global``, ``per_device`` under the cache's shardings (``placement.cache_shardings``: the small-batch
+    rule replicates it), and the per-device split into the KDA state + conv tails and the MLA latent."""
+    from k3jax.model.cache import cache_leaf_axes, cache_shapes
+    from k3jax.sharding import placement as place
+    from k3jax.sharding.rules import logical_to_spec
+
+    spec = with_defaults(spec)[0]
+    small = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    shapes = cache_shapes(cfg, spec.batch, spec.context, run_settings(cfg, spec), stacked=True)
+    out = {"global": 0.0, "per_device": 0.0, "kda_per_device": 0.0, "mla_per_device": 0.0}
+    for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = key_names(path)[-1]
+        logical = tuple(None if small and a == "batch" else a for a in cache_leaf_axes(key_names(path), x.ndim))
+        n = _per_device(x.shape, logical_to_spec(logical, x.shape, strategy, sizes), sizes) * x.dtype.itemsize
+        out["global"] += math.prod(x.shape) * x.dtype.itemsize
+        out["per_device"] += n
+        if name in ("c_kv", "k_rope"):
+            out["mla_per_device"] += n
+        elif name != "lengths":
+            out["kda_per_device"] += n
     return out
 
 
@@ -84,7 +111,7 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     from k3jax.train.optim import leaf_rule
 
     out = {"global": 0.0, "per_device": 0.0}
-    if spec.mode == "forward":  # no optimizer step
+    if spec.mode in SERVING:  # no optimizer step
         return out
     abstract = split_packed(plan_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
     specs = param_specs(cfg, strategy, sizes, abstract)
@@ -106,9 +133,26 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     return out
 
 
+def attention_flops(cfg: K3Config, spec: PlanSpec) -> float:
+    """Per sequence, the FLOPs of a prefill / decode step that no parameter count holds: MLA's scores and weighted
+    sums over the cached keys, and KDA's state read and update (~4·K·V per head per token, as train/flops.py).
+    Decode (absorbed): each head scores the latent and the shared key slice and sums latents, 2·(2·R + Hr) per key,
+    over --context keys. Prefill (materialized, causal from an empty cache): 2·(Hn + Hr + V) per (query, key) pair,
+    T(T+1)/2 pairs. The up-projections of the latent are ``kv_b`` products, counted in N_active."""
+    spec = with_defaults(spec)[0]
+    T, N = spec.seq_len, cfg.mla_num_heads
+    if spec.mode == "decode":
+        mla = 2.0 * N * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * spec.context
+    else:
+        mla = 2.0 * N * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * T * (T + 1) / 2
+    kda = 4.0 * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * T
+    return cfg.num_mla_layers * mla + cfg.num_kda_layers * kda
+
+
 def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strategy: str | None = None) -> dict:
     """FLOPs of one step from the config: ``6 · N_active · tokens`` (train; the issue's check), with the terms a
-    mode changes — forward 2·N, frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
+    mode changes — forward 2·N, prefill and decode 2·N plus the attention over the cache (``attention_flops``),
+    frozen experts 6·N_other + 4·N_experts (no expert weight gradients), and the
     recompute of one forward (+2·N) under a remat policy that saves nothing of the layer; with the mesh
     (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz split over the devices (``newton_schulz_flops``:
     per device x devices, so a replicated block counts once per device, as the compiled program's total does).
@@ -122,6 +166,8 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     six = 6.0 * n_active * tokens
     if spec.mode == "forward":
         expected = 2.0 * n_active * tokens
+    elif spec.mode in ("prefill", "decode"):
+        expected = 2.0 * n_active * tokens + spec.batch * attention_flops(cfg, spec)
     elif spec.mode == "frozen-experts":
         expected = (6.0 * (n_active - n_exp) + 4.0 * n_exp) * tokens
     else:
@@ -141,4 +187,5 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     return out
 
 
-__all__ = ["F32_STORED", "estimate_arguments", "model_flops", "newton_schulz_flops"]
+__all__ = ["F32_STORED", "attention_flops", "cache_bytes", "estimate_arguments", "model_flops",
+           "newton_schulz_flops"]

@@ -9,7 +9,9 @@ every computation gets a multiplicity — ENTRY 1; a while body its trip count t
 call, async wrapper or conditional branch its caller's (every branch is counted, an upper bound). Reducer
 computations (``to_apply``) are scalar and not followed. Trip counts come from XLA's ``known_trip_count`` or, where
 the backend does not print it (XLA:TPU), from the loop's condition and initial value (``infer_trip_count``). A while
-whose trip count is neither counts once and is listed as unknown. What each instruction costs (FLOPs, HBM bytes,
+whose trip count is neither counts once and is listed as unknown, unless the caller gives its trip count by the
+named scope that made it (``hints``: a data-dependent loop whose count the plan knows, such as the key blocks of a
+cache filled to the planned context). What each instruction costs (FLOPs, HBM bytes,
 collectives, custom calls) is ``k3jax.plan.hlo_cost``'s.
 """
 
@@ -243,14 +245,35 @@ def infer_trip_count(comps: dict, caller: Computation, ins: Instr) -> int | None
     return None if start is None else max(bound - start, 0)
 
 
-def call_graph(comps: dict[str, Computation]) -> tuple[dict[str, list[tuple[str, int]]], set[str], list, int]:
-    """({caller: [(callee, repeat factor)]}, fusion-body computations, known trip counts, loops of unknown count)."""
+def _op_name(ins: Instr) -> str:
+    m = re.search(r'op_name="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def hinted_trip_count(ins: Instr, hints: dict[str, int] | None) -> int | None:
+    """The trip count ``hints`` give a while loop the program cannot state: {named scope: trip count}, matched
+    against the scopes of the loop's ``op_name`` (the scope that makes the loop, e.g.
+    ``ops.latent_attention.LOOP_SCOPES``: how many key blocks a cache of the planned length holds)."""
+    if not hints:
+        return None
+    scopes = _op_name(ins).split("/")
+    found = [n for scope, n in hints.items() if scope in scopes]
+    return found[-1] if found else None
+
+
+def call_graph(comps: dict[str, Computation], hints: dict[str, int] | None = None
+               ) -> tuple[dict[str, list[tuple[str, int]]], set[str], list, int]:
+    """({caller: [(callee, repeat factor)]}, fusion-body computations, trip counts, loops of unknown count). A loop
+    whose count the program does not state takes its ``hints`` entry (``hinted_trip_count``) when it has one."""
     edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
     fused: set[str] = set()
     trips, unknown = [], 0
     for c in comps.values():
         for ins in c.instrs:
-            t = infer_trip_count(comps, c, ins) if ins.opcode == "while" else None
+            t = None
+            if ins.opcode == "while":
+                t = infer_trip_count(comps, c, ins)
+                t = hinted_trip_count(ins, hints) if t is None else t
             for callee, n, is_fusion in _callees(ins, t):
                 if callee in comps:
                     edges[c.name].append((callee, n))
@@ -280,9 +303,11 @@ def callers_first(edges: dict[str, list[tuple[str, int]]], entry: str) -> list[s
     return order[::-1]
 
 
-def multiplicities(comps: dict[str, Computation], entry: str) -> tuple[dict[str, int], set[str], list, int]:
-    """({computation: times it runs per call of ENTRY}, fusion-body computations, trip counts, unknown loops)."""
-    edges, fused, trips, unknown = call_graph(comps)
+def multiplicities(comps: dict[str, Computation], entry: str, hints: dict[str, int] | None = None
+                   ) -> tuple[dict[str, int], set[str], list, int]:
+    """({computation: times it runs per call of ENTRY}, fusion-body computations, trip counts, unknown loops);
+    ``hints``: trip counts of data-dependent loops by named scope (``call_graph``)."""
+    edges, fused, trips, unknown = call_graph(comps, hints)
     mult: dict[str, int] = defaultdict(int)
     mult[entry] = 1
     for name in callers_first(edges, entry):
@@ -291,4 +316,4 @@ def multiplicities(comps: dict[str, Computation], entry: str) -> tuple[dict[str,
     return dict(mult), fused, trips, unknown
 
 __all__ = ["Computation", "Instr", "arrays", "call_graph", "callers_first", "infer_trip_count", "multiplicities",
-           "parse", "shape_bytes", "trip_count", "tuple_elements"]
+           "hinted_trip_count", "parse", "shape_bytes", "trip_count", "tuple_elements"]

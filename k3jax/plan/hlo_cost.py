@@ -277,20 +277,89 @@ def _fusion_view(body: Computation | None, operand_infos: list) -> bool:
 _SLICING = ("dynamic-slice", "slice", "gather")
 
 
-def _read_bytes(body: Computation, index: int, full: float) -> float:
+# Elementwise ops of one operand inside a fusion body: the body computes each output element from the same element of
+# the operand, on demand, so a slice of their result reads only that slice of the operand.
+_ELEMENTWISE_VIEWS = ("bitcast", "copy", "convert", "reshape", "transpose")
+
+
+def _demanded(body: Computation, name: str, per_elem: float, comps: dict | None) -> float | None:
+    """Bytes of value ``name`` that a fusion body reads when every use of it is a (dynamic) slice or gather, also
+    through elementwise views of it and through fusions nested in the body (a nested fusion that only views its
+    operand is such a view; XLA:TPU nests a layout copy of a stacked weight before the slice of one layer); None
+    when some use reads it all. ``per_elem``: HBM bytes per element of the original operand."""
+    users = [i for i in body.instrs if name in i.operands]
+    if not users:
+        return None
+    total = 0.0
+    for u in users:
+        if u.operands.count(name) != 1:
+            return None
+        if u.opcode in _SLICING and u.operands[0] == name:
+            total += per_elem * sum(math.prod(d) for _, d in arrays(u.shape))
+            continue
+        if u.opcode in _ELEMENTWISE_VIEWS and len(u.operands) == 1:
+            got = _demanded(body, u.name, per_elem, comps)
+        elif u.opcode == "fusion" and comps:
+            m = re.search(r"calls=%?([\w.\-]+)", u.attrs)
+            nested = comps.get(m.group(1)) if m else None
+            if nested is None:
+                return None
+            k = u.operands.index(name)
+            if _views_param(nested, k):                       # the nested fusion is a view: follow its users here
+                got = _demanded(body, u.name, per_elem, comps)
+            else:
+                pname = _param_name(nested, k)
+                got = _demanded(nested, pname, per_elem, comps) if pname else None
+        else:
+            return None
+        if got is None:
+            return None
+        total += got
+    return total
+
+
+def _param_name(body: Computation, index: int) -> str | None:
+    return next((i.name for i in body.instrs if i.opcode == "parameter" and i.args.strip() == str(index)), None)
+
+
+def _views_param(body: Computation, index: int) -> bool:
+    """Whether a fusion body's ROOT is a chain of elementwise views of its parameter ``index`` alone."""
+    by_name = {i.name: i for i in body.instrs}
+    ins = body.instrs[-1] if body.instrs else None
+    while ins is not None and ins.opcode in _ELEMENTWISE_VIEWS and len(ins.operands) == 1:
+        ins = by_name.get(ins.operands[0])
+    return ins is not None and ins.opcode == "parameter" and ins.args.strip() == str(index)
+
+
+def _read_bytes(body: Computation, index: int, full: float, comps: dict | None = None) -> float:
     """Bytes a fusion reads of its parameter ``index``: only the slices when every use of it is a (dynamic) slice
-    or gather of it (a loop body's view of one layer of a stacked weight), else all of it."""
-    pname = next((i.name for i in body.instrs if i.opcode == "parameter" and i.args.strip() == str(index)), None)
-    users = [i for i in body.instrs if pname in i.operands]
-    if not users or any(u.opcode not in _SLICING or u.operands[0] != pname for u in users):
-        return full
-    return sum(shape_bytes(u.shape) for u in users)
+    or gather of it (a loop body's view of one layer of a stacked weight, a key block of a stacked cache), also
+    through elementwise views and nested fusions (``_demanded``), else all of it."""
+    pname = _param_name(body, index)
+    elems = sum(math.prod(d) for _, d in arrays(body.shapes.get(pname, ""))) if pname else 0
+    got = _demanded(body, pname, full / elems, comps) if pname and elems else None
+    return full if got is None else min(got, full)
+
+
+def _in_place(root: Instr | None, shapes: dict) -> tuple[str, str] | None:
+    """(buffer operand, update operand) of an instruction that updates its operand 0 in place: a
+    dynamic-update-slice, or a scatter whose result has its operand's shape (XLA aliases them: the TPU compiler
+    states it as the fusion's ``aliasing_operands``), else None."""
+    if root is None or len(root.operands) < 2:
+        return None
+    if root.opcode == "dynamic-update-slice":
+        return root.operands[0], root.operands[1]
+    if root.opcode == "scatter" and len(root.operands) == 3 and \
+            arrays(shapes.get(root.operands[0], "")) == arrays(root.shape):
+        return root.operands[0], root.operands[2]
+    return None
 
 
 def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple[str, float]]]:
     """(HBM bytes written, [(operand, HBM bytes read)]) of one top-level instruction: its result written and its
-    operands read once, where a (dynamic) slice reads only its slice, a dynamic-update-slice writes (and reads) only
-    its update in place, a fusion reads only the slices of the operands its body only slices, an async ``*-start``
+    operands read once, where a (dynamic) slice reads only its slice, a dynamic-update-slice or a scatter into an
+    operand of its result's shape writes (and reads) only its update in place (the scatter's indices are read), a
+    fusion reads only the slices of the operands its body only slices (nested fusions included), an async ``*-start``
     / ``*-update`` (shape ``((operands), result, context)``) writes only its result (an update's operand 0 is its
     start's context), and arrays in an on-chip memory space (``S(1)``: VMEM) cost nothing."""
     ops = ins.operands
@@ -304,23 +373,60 @@ def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple
         return (hbm(parts[1]) if len(parts) > 1 else 0.0), [(o, hbm(c.shapes.get(o, ""))) for o in ins_ops]
     if ins.opcode in _SLICING:
         return hbm(ins.shape), [(ops[0], hbm(ins.shape))] if ops else []
-    if ins.opcode == "dynamic-update-slice" and len(ops) > 1:
-        upd = hbm(c.shapes.get(ops[1], ""))
-        return upd, [(ops[1], upd)]
+    place = _in_place(ins, c.shapes)
+    if place is not None:
+        upd = hbm(c.shapes.get(place[1], ""))
+        return upd, [(o, hbm(c.shapes.get(o, ""))) for o in ops if o != place[0]]
     reads = [hbm(c.shapes.get(o, "")) for o in ops]
     if ins.opcode == "fusion":
         m = re.search(r"calls=%?([\w.\-]+)", ins.attrs)
         body = comps.get(m.group(1)) if m else None
         if body is not None:
-            reads = [min(_read_bytes(body, i, r), r) for i, r in enumerate(reads)]
-            root = body.instrs[-1] if body.instrs else None
-            if root is not None and root.opcode == "dynamic-update-slice" and len(root.operands) > 1:
-                # an in-place update of a loop-carried buffer: the buffer operand is neither read nor rewritten
-                upd = shape_bytes(body.shapes.get(root.operands[1], ""))
-                buf = body.shapes.get(root.operands[0], "")
-                return upd, [(o, r) for r, o in zip(reads, ops, strict=True) if c.shapes.get(o, "") != buf] \
+            reads = [min(_read_bytes(body, i, r, comps), r) for i, r in enumerate(reads)]
+            updated = _fusion_updates(body)
+            if updated:
+                # in-place updates of loop-carried buffers (the ROOT, or elements of a multi-output ROOT tuple): a
+                # buffer parameter is neither read nor rewritten, its update is read and written; the other
+                # outputs are written whole
+                upd = sum(updated.values())
+                written = upd + sum(hbm(e) for i, e in enumerate(tuple_elements(ins.shape)) if i not in
+                                    _updated_outputs(body))
+                return written, [(o, r) for k, (o, r) in enumerate(zip(ops, reads, strict=True)) if k not in updated] \
                     + [("", upd)]
     return hbm(ins.shape), list(zip(ops, reads, strict=True))
+
+
+def _root_outputs(body: Computation) -> list[Instr]:
+    """A fusion body's outputs: its ROOT, or the elements of a ROOT tuple."""
+    by_name = {i.name: i for i in body.instrs}
+    root = body.instrs[-1] if body.instrs else None
+    if root is None:
+        return []
+    return [by_name.get(o) for o in root.operands] if root.opcode == "tuple" else [root]
+
+
+def _updated_outputs(body: Computation) -> set[int]:
+    """Positions of a fusion's outputs that update one of its parameters in place (``_in_place``)."""
+    return {i for i, o in enumerate(_root_outputs(body)) if o is not None and _in_place_param(o, body) is not None}
+
+
+def _in_place_param(o: Instr, body: Computation) -> tuple[int, float] | None:
+    place = _in_place(o, body.shapes)
+    if place is None:
+        return None
+    p = next((i for i in body.instrs if i.name == place[0] and i.opcode == "parameter"), None)
+    return None if p is None or not p.args.strip().isdigit() else (int(p.args), shape_bytes(body.shapes.get(place[1],
+                                                                                                          "")))
+
+
+def _fusion_updates(body: Computation) -> dict[int, float]:
+    """{parameter index: update bytes} of the parameters a fusion updates in place."""
+    out = {}
+    for o in _root_outputs(body):
+        got = _in_place_param(o, body) if o is not None else None
+        if got is not None:
+            out[got[0]] = out.get(got[0], 0.0) + got[1]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,9 +476,11 @@ def largest_values(text: str, n: int = 10) -> list[dict]:
     return rows[:n]
 
 
-def program_stats(text: str) -> ProgramStats:
+def program_stats(text: str, hints: dict[str, int] | None = None) -> ProgramStats:
+    """The costs of a compiled program's HLO text; ``hints``: trip counts of data-dependent loops by named scope
+    (``hlo.hinted_trip_count``)."""
     comps, entry = parse(text)
-    mult, fused, trips, unknown = multiplicities(comps, entry)
+    mult, fused, trips, unknown = multiplicities(comps, entry, hints)
     views = argument_views(comps, entry)
     flops = flops1 = traffic1 = 0.0
     split = dict.fromkeys(("weights", "activations", "kernels", "collectives"), 0.0)

@@ -11,6 +11,18 @@ rules shard the experts; the layer stack scanned):
     frozen-experts  the same step with the routed experts frozen as packed MXFP4 bytes (``k3 train
                     --frozen-experts``): no expert master weights, gradients or optimizer state; QAT of the expert
                     inputs (``qat="weights+acts"`` over packed experts quantizes the activations only)
+    prefill         serving, the forward with the cache written (``model.cache.advance``): tokens [B, T] into an
+                    empty hybrid cache of ``context`` positions (default T) → the last token's logits [B, V] and the
+                    cache (fp32 KDA state + conv tails, the MLA latent), cache donated
+    decode          serving, one decode step of B sequences at context C (``--context``): the cache holds C - 1
+                    tokens, the step appends one per row and attends over C keys (absorbed MLA, reading only filled
+                    key blocks) → logits [B, V] and the cache, donated
+
+The serving modes (forward, prefill, decode) hold BF16 weights and the routed experts as packed MXFP4 bytes, run
+through the Pallas kernel under expert parallelism on a TPU target. Prefill and decode place the cache by the
+rules (``model.cache.CACHE_AXES``: rows over the token axes, KDA heads over the heads' axes); a batch smaller than
+the token axes' ways takes the small-batch rule (``sharding.placement.small_batch``: rows and cache replicated, each
+device runs its local experts on every row, one psum), in decode only.
 """
 
 from __future__ import annotations
@@ -21,7 +33,8 @@ from k3jax.config import REMAT_POLICIES, K3Config, default_run
 from k3jax.errors import InputError
 from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
 
-MODES = ("forward", "train", "frozen-experts")
+MODES = ("forward", "train", "frozen-experts", "prefill", "decode")
+SERVING = ("forward", "prefill", "decode")  # BF16 weights + packed MXFP4 experts, no backward
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class PlanSpec:
     capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
     packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
+    context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -43,6 +57,9 @@ class PlanSpec:
 # used is reported under ``defaults`` in its JSON; the flags override them (``--capacity-factor -1`` is dropless).
 PLAN_CAPACITY = 1.25
 PLAN_REMAT = "full"
+# Decode runs dropless (-1): its worst-case buffer is small (B = 64 over expert = 16: 4 rows per chip, a 1,024-row
+# receive buffer per MoE layer), and a dropped assignment changes the token a server emits.
+PLAN_DECODE_CAPACITY = -1.0
 
 
 def plan_strategy(sizes: dict) -> str:
@@ -62,9 +79,11 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
 
     d = {}
     if spec.remat is None:
-        d["remat"] = "none" if spec.mode == "forward" else PLAN_REMAT
+        d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT
     if spec.capacity_factor is None:
-        d["capacity_factor"] = PLAN_CAPACITY
+        d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode == "decode" else PLAN_CAPACITY
+    if spec.context is None and spec.mode == "prefill":
+        d["context"] = spec.seq_len
     if spec.strategy is None:
         d["strategy"] = plan_strategy(place.parse_mesh(spec.mesh))
     return replace(spec, **d), d
@@ -72,7 +91,7 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
 
 def run_settings(cfg: K3Config, spec: PlanSpec):
     spec = with_defaults(spec)[0]
-    if spec.mode == "forward":
+    if spec.mode in SERVING:  # prefill / decode: the scanned cache layout (model.cache) runs the group as a scan
         return default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
     return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16", param_dtype="float32",
                        qat="weights+acts")
@@ -88,14 +107,33 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     spec, _ = with_defaults(spec)
     if spec.remat not in REMAT_POLICIES:
         raise InputError(f"--remat {spec.remat!r}: unknown policy; known: {', '.join(REMAT_POLICIES)}")
-    if spec.mode == "forward" and spec.remat != "none":
-        raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode forward has none")
+    if spec.mode in SERVING and spec.remat != "none":
+        raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode {spec.mode} has "
+                         "none")
     from k3jax.sharding.expert_parallel import PACKED_KERNELS
 
     if spec.packed_kernel not in PACKED_KERNELS:
         raise InputError(f"--packed-kernel {spec.packed_kernel!r}: unknown; known: {', '.join(PACKED_KERNELS)}")
     if spec.batch < 1 or spec.seq_len < 1:
         raise InputError(f"--batch {spec.batch} --seq-len {spec.seq_len}: both must be >= 1")
+    limit = cfg.extra.get("max_position_embeddings") or float("inf")  # the release's (config.json), if it states one
+    if spec.seq_len > limit:
+        raise InputError(f"--seq-len {spec.seq_len}: above {cfg.name}'s max_position_embeddings {limit}")
+    if spec.mode == "decode" and spec.context is None:
+        raise InputError("--mode decode needs --context (the keys each row attends to: the cache holds context - 1)")
+    if spec.context is not None:
+        if spec.mode not in ("prefill", "decode"):
+            raise InputError(f"--context {spec.context}: the cache's length; --mode {spec.mode} has no cache")
+        low = spec.seq_len if spec.mode == "prefill" else 1
+        if not low <= spec.context <= limit:
+            raise InputError(f"--context {spec.context}: must lie in [{low}, {limit}] (--mode {spec.mode}: "
+                             f"{'at least --seq-len, ' if spec.mode == 'prefill' else ''}at most {cfg.name}'s "
+                             "max_position_embeddings)")
+    if spec.mode == "decode" and spec.seq_len != 1:
+        raise InputError(f"--seq-len {spec.seq_len}: a decode step is one token per row (its context is --context)")
+    if target.platform == "cpu" and spec.packed_kernel == "pallas":
+        raise InputError(f"--packed-kernel pallas --target {target.spec}: the Pallas kernel compiles for TPU targets "
+                         "(Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")
     if not (spec.capacity_factor == -1 or spec.capacity_factor > 0):
         raise InputError(f"--capacity-factor {spec.capacity_factor}: must be > 0 or -1 (worst case, dropless)")
     if spec.mode == "frozen-experts" and cfg.expert_format != "mxfp4":
@@ -103,10 +141,13 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
                          "not MXFP4 bytes")
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
-    ways = place.token_parallel(strategy, sizes)
-    if spec.batch % ways:
-        raise InputError(f"--batch {spec.batch}: not divisible by the {ways} ways the batch is split (mesh axes "
-                         f"{', '.join(place.token_axes(strategy, sizes))})")
+    if spec.mode == "decode":
+        place.small_batch(strategy, sizes, spec.batch)       # divides, or the small-batch rule, or InputError
+    else:
+        ways = place.token_parallel(strategy, sizes)
+        if spec.batch % ways:
+            raise InputError(f"--batch {spec.batch}: not divisible by the {ways} ways the batch is split (mesh axes "
+                             f"{', '.join(place.token_axes(strategy, sizes))})")
     if target.platform == "tpu" and not libtpu_installed():
         raise InputError(f"--target {target.spec}: libtpu is not installed; {LIBTPU_HINT}")
     return sizes, strategy
@@ -117,8 +158,8 @@ def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
     from k3jax.model import abstract_params
 
     p = abstract_params(cfg, run_settings(cfg, spec))
-    return packed_form(p) if spec.mode in ("forward", "frozen-experts") else p
+    return packed_form(p) if spec.mode in (*SERVING, "frozen-experts") else p
 
 
-__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_REMAT", "PlanSpec", "check", "plan_params", "plan_strategy", "run_settings",
-           "with_defaults"]
+__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_REMAT", "SERVING", "PlanSpec", "check",
+           "plan_params", "plan_strategy", "run_settings", "with_defaults"]

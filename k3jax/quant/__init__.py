@@ -7,6 +7,7 @@ driven by the config's ``qat`` fields, SPEC §10.7); this package re-exports the
     packed, scale = mxfp4_pack(w)            # w [..., n] -> uint8 [..., n/2], uint8 [..., n/32]
     w_q = mxfp4_unpack(packed, scale)        # exact
     packed, scale = pack_experts(w_eio)      # [E, in, out] -> [E, out, in/2], [E, out, in/32] (checkpoint)
+    packed_params = pack_params(params)      # every routed-expert stack of a model's params, packed
     w_eio = unpack_experts(packed, scale)    # exact inverse on quantized values
 """
 
@@ -33,6 +34,7 @@ from k3jax.quant.packing import (
     mxfp8_pack,
     mxfp8_unpack,
     pack_experts,
+    pack_params,
     unpack_experts,
 )
 
@@ -40,5 +42,5 @@ __all__ = [
     "BLOCK_SIZE", "SCALE_RULES", "check_packed", "count_scale_bytes", "e8m0_to_float", "fake_quant_mxfp4",
     "fake_quant_mxfp8", "mxfp4_dequantize", "mxfp4_dequantize_T_into", "mxfp4_dequantize_np", "mxfp4_pack",
     "mxfp4_quantize", "mxfp4_unpack", "mxfp8_dequantize", "mxfp8_pack", "mxfp8_quantize", "mxfp8_unpack",
-    "pack_codes", "pack_experts", "qdq", "unpack_codes", "unpack_experts",
+    "pack_codes", "pack_experts", "pack_params", "qdq", "unpack_codes", "unpack_experts",
 ]

@@ -92,3 +92,24 @@ def unpack_experts(packed_eon: jax.Array, scale_eog: jax.Array, dtype=jnp.float3
     if packed_eon.ndim != 3:
         raise ValueError(f"{name}: expected packed [E, out, in/2], got shape {packed_eon.shape}")
     return jnp.swapaxes(mxfp4_unpack(packed_eon, scale_eog, dtype), 1, 2)
+
+
+def pack_params(params, *, rule: str = "even"):
+    """A params tree with every routed-expert dict {w1, w3, w2} (float stacks [..., E, in, out], the scanned groups'
+    leading [G] included) replaced by its packed leaves ``w*_packed`` / ``w*_scale`` — the form
+    ``load(..., keep_experts_packed=True)`` returns and the packed experts run from."""
+    def convert(node):
+        if not isinstance(node, dict):
+            return node
+        if set(node) == {"w1", "w3", "w2"}:
+            out = {}
+            for name, w in node.items():
+                pack = lambda x, name=name: pack_experts(x, rule=rule, name=name)  # noqa: E731
+                for _ in range(w.ndim - 3):  # a stacked group's leading [G] axis
+                    pack = jax.vmap(pack)
+                out[f"{name}_packed"], out[f"{name}_scale"] = jax.jit(pack)(w)
+            return out
+        return {k: convert(v) for k, v in node.items()}
+
+    return convert(params)
+

@@ -16,6 +16,11 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
        declare their varying mesh axes), the XLA loop for CPU (``packed_kernel``)
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
+Small batches (``replicate_tokens=True``, the small-batch rule of ``placement.small_batch``: fewer rows than the
+token axes' ways, e.g. one sequence decoded on 64 chips): every device holds every row, runs the slots routed to its
+own experts (the others take the pad id) and one psum over the expert and tensor axes combines them (``_replicated``:
+no exchange, no capacity, nothing dropped).
+
 The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
 ``impl="bucketed" | "ragged"``. XLA:CPU cannot run ragged_all_to_all: on CPU the bucketed path is tested for real and
 the ragged path's offset bookkeeping against an all_to_all emulation of the primitive's documented semantics.
@@ -84,17 +89,31 @@ def _sort_rows(ids_ma, local_experts: int, n_shards: int):
     return flat, order, inverse, dest, counts
 
 
-def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm):
-    """Run the local experts on received rows x [R, P] with local ids [R] (pad id = El → zero output). The stacks
-    are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts: k3jax/ops/packed_experts.py), run by the grouped
-    MXFP4 kernel ``gmm`` (forward and the activation gradient) or, when it is None, the XLA loop."""
-    ones = jnp.ones((x.shape[0], 1), acc_dtype(x.dtype))
+def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm, weights=None):
+    """Run the local experts on rows x [R, P] with local ids [R] (or [R, A] slots combined by ``weights`` [R, A];
+    pad id = El → zero output). The stacks are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts:
+    k3jax/ops/packed_experts.py), run by the grouped MXFP4 kernel ``gmm`` (forward and the activation gradient) or,
+    when it is None, the XLA loop."""
+    ids = local_ids[:, None] if local_ids.ndim == 1 else local_ids
+    if weights is None:
+        weights = jnp.ones(ids.shape, acc_dtype(x.dtype))
     if isinstance(w1, PackedWeight):
-        out = experts_packed(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
+        out = experts_packed(x, ids, weights, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
                              impl="tiles" if gmm is None else "gmm")
     else:
-        out = experts_sorted(x, local_ids[:, None], ones, w1, w3, w2, act, act_quant=act_quant)
+        out = experts_sorted(x, ids, weights, w1, w3, w2, act, act_quant=act_quant)
     return lax.psum(out, tensor_axes) if tensor_axes else out
+
+
+def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, gmm):
+    """The small-batch rule (``placement.small_batch``): every device holds every token row; it runs the slots
+    routed to its own experts (the others take the pad id: zero) and the shards' partial sums meet in one psum over
+    the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Returns (y [m, P] acc, 0)."""
+    El = num_experts(w1)
+    mine = ids // El == lax.axis_index(axis)
+    local = jnp.where(mine, ids % El, El).astype(jnp.int32)
+    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), gmm, weights=wts)
+    return lax.psum(y, (axis, *tensor_axes)), jnp.int32(0)
 
 
 def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, gmm):
@@ -176,12 +195,13 @@ class ExpertParallel:
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
-                 packed_kernel: str = "auto"):
+                 packed_kernel: str = "auto", replicate_tokens: bool = False):
         if impl not in ("auto", "bucketed", "ragged"):
             raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
         if packed_kernel not in PACKED_KERNELS:
             raise ValueError(f"packed_kernel must be one of {PACKED_KERNELS}, got {packed_kernel!r}")
         self.mesh, self.impl, self.packed_kernel = mesh, impl, packed_kernel
+        self.replicate_tokens = replicate_tokens
         self.capacity_factor = capacity_factor
         ex = mesh_axes_of("experts", rules, mesh)
         if len(ex) > 1:
@@ -200,7 +220,7 @@ class ExpertParallel:
     def constrain_tokens(self, x, batch_dim: int = 0):
         """``x`` with its batch dimension pinned to the token axes (the rest replicated), when it divides; the
         model calls this on its residual stream (``K3Model._walk``)."""
-        if not self.token_axes or x.shape[batch_dim] % self.n_token_shards:
+        if self.replicate_tokens or not self.token_axes or x.shape[batch_dim] % self.n_token_shards:
             return x
         spec = P(*([None] * batch_dim), self.token_axes if len(self.token_axes) > 1 else self.token_axes[0])
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
@@ -224,6 +244,8 @@ class ExpertParallel:
         if E % X:
             raise InputError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
                              f"(size {X})")
+        if self.replicate_tokens:
+            return self._dispatch_replicated(z, ids, weights, w1, w3, w2, act, act_quant)
         if M % T:
             raise InputError(f"{M} token rows are not divisible by the token mesh axes {self.token_axes} "
                              f"(product {T})")
@@ -247,16 +269,32 @@ class ExpertParallel:
             return y, (lax.psum(d, reduce_axes) if reduce_axes else d)
 
         tok = P(self.token_axes or None, None)
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, *self._weight_specs(w1)),
+                           out_specs=(tok, P()))
+        return fn(z, ids, weights, w1, w3, w2)
+
+    def _weight_specs(self, w1):
         t = self.tensor_axes or None
         wspec_in, wspec_out = P(self.expert_axis, None, t), P(self.expert_axis, t, None)
         if isinstance(w1, PackedWeight):  # torch orientation [E, out, in/2 | in/32]: F is w1/w3's dim 1, w2's dim 2
             wspec_in, wspec_out = wspec_out, wspec_in
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
-                           out_specs=(tok, P()))
+        return wspec_in, wspec_in, wspec_out
+
+    def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
+        def local(z, ids, wts, w1, w3, w2):
+            gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
+                               tensor_axes=self.tensor_axes, gmm=gmm)
+
+        rep = P()
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rep, rep, rep, *self._weight_specs(w1)),
+                           out_specs=(rep, P()))
         return fn(z, ids, weights, w1, w3, w2)
 
     def __call__(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
         y, dropped = self.dispatch(z, ids, weights, w1, w3, w2, act, act_quant=act_quant)
+        if self.replicate_tokens:
+            return y
         M, A = ids.shape
         El = num_experts(w1) // self.n_shards
         m = M // self.n_token_shards

@@ -112,9 +112,26 @@ def token_parallel(strategy: str, mesh) -> int:
     return math.prod(sizes[a] for a in token_axes(strategy, mesh))
 
 
-def batch_sharding(strategy: str, mesh, ndim: int, batch_dim: int = 0) -> NamedSharding:
-    """The sharding of an [..., b, ...] token array whose dimension ``batch_dim`` is the batch."""
-    axes = token_axes(strategy, mesh)
+def small_batch(strategy: str, mesh, batch: int, flag: str = "--batch") -> bool:
+    """The small-batch rule: a batch smaller than the ways the token axes split it (one sequence decoded on 64
+    chips) is replicated over them instead of split — every device holds every row and its cache, and the MoE runs
+    each device's local experts on all rows, then sums over the expert axis (``ExpertParallel(replicate_tokens=
+    True)``). True when the rule applies, False when the batch divides; InputError naming ``flag`` when it neither
+    divides nor is smaller."""
+    ways = token_parallel(strategy, mesh)
+    if batch % ways == 0:
+        return False
+    if batch < ways:
+        return True
+    raise InputError(f"{flag} {batch}: not divisible by the {ways} ways the batch is split (mesh axes "
+                     f"{', '.join(token_axes(strategy, mesh))}), and not smaller than them (the small-batch rule "
+                     "replicates a batch of fewer rows than that)")
+
+
+def batch_sharding(strategy: str, mesh, ndim: int, batch_dim: int = 0, replicated: bool = False) -> NamedSharding:
+    """The sharding of an [..., b, ...] token array whose dimension ``batch_dim`` is the batch (``replicated``: the
+    small-batch rule's, every row on every device)."""
+    axes = () if replicated else token_axes(strategy, mesh)
     spec = [None] * ndim
     spec[batch_dim] = axes[0] if len(axes) == 1 else (axes or None)
     return NamedSharding(mesh, PartitionSpec(*spec))
@@ -128,6 +145,21 @@ def expert_dispatch(strategy: str, mesh):
     from k3jax.sharding.expert_parallel import ExpertParallel
 
     return ExpertParallel(mesh, strategy)
+
+
+def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False):
+    """NamedSharding per leaf of an inference cache (``k3jax.model.cache.cache_shapes``, either layout) from the
+    cache's logical axes (``cache.CACHE_AXES``) under the rules: rows over the token axes (``replicated``: the small-batch rule, on every
+    device), the KDA state and conv tails over the heads' axes; a mesh axis the rows already took is not reused."""
+    from k3jax.model.cache import cache_leaf_axes
+
+    def one(path, x):
+        logical = cache_leaf_axes(key_names(path), x.ndim)
+        if replicated:
+            logical = tuple(None if a == "batch" else a for a in logical)
+        return NamedSharding(mesh, logical_to_spec(logical, x.shape, strategy, mesh, name=path_str(path)))
+
+    return jax.tree_util.tree_map_with_path(one, shapes)
 
 
 def _slice_table(cfg, params) -> dict:
@@ -213,6 +245,6 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
-__all__ = ["batch_sharding", "bytes_per_device", "check_strategy", "default_strategy", "expert_dispatch",
-           "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh", "state_shardings",
-           "token_axes", "token_parallel"]
+__all__ = ["batch_sharding", "bytes_per_device", "cache_shardings", "check_strategy", "default_strategy",
+           "expert_dispatch", "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh", "small_batch",
+           "state_shardings", "token_axes", "token_parallel"]

@@ -62,7 +62,7 @@ def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) ->
     """Platform defaults for the unset sizes; n and k shrink to divide N and K; on TPU, Mosaic's tiling rules."""
     dm, dn, dk = DEFAULT_BLOCKS[platform]
     bm = block_m or dm
-    if platform == "tpu" and block_m is None:  # small M (decode): the next power of two >= M, at least 16 (bf16 tile)
+    if platform == "tpu" and block_m is None:  # small M: the next power of two >= M, at least 16 (bf16 tile)
         bm = min(bm, max(16, 1 << (max(M, 1) - 1).bit_length()))
     bn, bk = _fit(block_n or dn, N), _fit(block_k or dk, K)
     if platform == "tpu":  # a default that meets no Mosaic tiling (N = 160: bn = 32) takes the whole dim
@@ -190,7 +190,7 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
       packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32] (per-expert torch orientation, blocks along K).
       group_sizes: int [G], sum <= M; rows past the sum give zeros.
       block_m, block_n, block_k: tile sizes (powers of two; n and k shrink to divide N and K); None: the
-        platform's ``DEFAULT_BLOCKS`` (on TPU block_m is capped near M).
+        platform's ``DEFAULT_BLOCKS`` (on TPU block_m is capped near the rows per group, M / G).
       act_quant: None, or the MXFP8 scale rule to fake-quantize x with (blocks of 32 along K).
       platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
       interpret: run the chosen platform's kernel in a Pallas interpreter on CPU: True (the one that runs where the
@@ -204,7 +204,10 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
     if act_quant is not None:
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
     platform = target_platform(platform)
-    bs = _blocks(platform, x.shape[0], packed.shape[1], x.shape[1], block_m, block_n, block_k)
+    # block_m on TPU follows the rows per group, ceil(M / G): every group's rows are padded to whole tiles and the
+    # grid has ceil(M/bm) + G + 1 of them, so decode's few rows per expert (B = 64 over expert = 16: 1,024 rows on
+    # 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
+    bs = _blocks(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n, block_k)
     return _gmm(x, packed, scale, group_sizes, bs, platform, _interpret(interpret, x, packed, scale))
 
 

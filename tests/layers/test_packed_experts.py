@@ -22,7 +22,7 @@ from k3jax.ops import packed_experts as pe
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS, experts_dense, experts_sorted
 from k3jax.pytree import key_names, path_str
-from k3jax.quant import pack_experts
+from k3jax.quant import pack_experts, pack_params
 from k3jax.quant.host import mxfp4_dequantize_np
 from k3jax.testing import TOL, assert_close, random_params, rel_rms
 
@@ -129,26 +129,20 @@ def test_packed_input_checks():
 
 
 def _pack_params(params):
-    """(packed params, the same experts dequantized to float32): every experts dict {w1, w3, w2} [..., in, out] →
-    {w*_packed, w*_scale} (the load(..., keep_experts_packed=True) form), stacked groups included."""
+    """(packed params, the same experts dequantized to float32) (``quant.pack_params``; the dequantized stacks by
+    the host decoder)."""
+    packed = pack_params(params)
 
-    def convert(node):
+    def deq(node):
         if not isinstance(node, dict):
-            return node, node
-        if "w1" in node and "w2" in node and "w3" in node and len(node) == 3:
-            packed, deq = {}, {}
-            for name, w in node.items():
-                pack = pack_experts
-                for _ in range(w.ndim - 3):  # a stacked group's leading [G] axis
-                    pack = jax.vmap(pack)
-                p, s = jax.jit(pack)(w)
-                packed[f"{name}_packed"], packed[f"{name}_scale"] = p, s
-                deq[name] = jnp.asarray(np.swapaxes(mxfp4_dequantize_np(np.asarray(p), np.asarray(s)), -1, -2))
-            return packed, deq
-        pairs = {k: convert(v) for k, v in node.items()}
-        return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
+            return node
+        if "w1_packed" in node:
+            return {k: jnp.asarray(np.swapaxes(mxfp4_dequantize_np(np.asarray(node[f"{k}_packed"]),
+                                                                   np.asarray(node[f"{k}_scale"])), -1, -2))
+                    for k in ("w1", "w3", "w2")}
+        return {k: deq(v) for k, v in node.items()}
 
-    return convert(params)
+    return packed, deq(packed)
 
 
 def _is_expert(path) -> bool:

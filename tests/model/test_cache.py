@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.config import default_run, get_preset
+from k3jax.config import default_run, get_preset, k3_full_attn_layers
 from k3jax.model import cache as C  # noqa: N812
 from k3jax.model.functional import forward, init_params
+from k3jax.model.layout import layout
 from k3jax.testing import TOL, assert_close, rel_rms
 
 LENGTHS = (1, 2, 63, 64, 65, 130)
@@ -112,6 +113,33 @@ def test_recurrent_pieces_match_one_shot_at_1e6():
     got, one = _pieces_vs_one_shot(cfg, run, params, toks, PIECES[1:] + (1,), 64)
     print(f"pieces vs one-shot (fp32, recurrent KDA): rel-RMS {rel_rms(got, one):.2e}")
     assert_close(got, one, TOL["fp32_shallow"], name="pieces vs one-shot (recurrent)")
+
+
+def test_scanned_layout_equals_the_flat_one():
+    """The scanned cache layout (the repeating group's caches stacked and carried through one lax.scan: MLA scatters
+    into and reads key blocks from the stack, KDA slices its state out and back) gives the flat layout's logits and
+    cache (fp32, two groups), through a ragged prefill and decode steps; stack / unstack are inverses."""
+    cfg = get_preset("k3-tiny", num_layers=13, full_attn_layers=k3_full_attn_layers(13))
+    run = default_run(cfg, kda_chunk_size=64)
+    params = init_params(cfg, jax.random.key(0), run)
+    assert layout(cfg).groups == 2
+    toks = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 70)).astype(np.int32)
+    lengths = np.array([70, 33])
+    flat = C.init_cache(cfg, 2, 80, run)
+    stacked = C.init_cache(cfg, 2, 80, run, stacked=True)
+    assert jax.tree.structure(C.stack_cache(flat, cfg)) == jax.tree.structure(stacked)
+    ref, flat = C.prefill(params, toks, lengths, flat, cfg, run)
+    got, stacked = C.prefill(params, toks, lengths, stacked, cfg, run)
+    assert_close(got, ref, TOL["fp32_shallow"], name="prefill logits")
+    for s in range(3):
+        ids = np.array([7 + s, 11 + s])
+        ref, flat = C.decode_step(params, ids, flat, cfg, run)
+        got, stacked = C.decode_step(params, ids, stacked, cfg, run)
+        assert_close(got, ref, TOL["fp32_shallow"], name=f"decode {s}")
+    back = C.unstack_cache(stacked, cfg)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(flat), strict=True):
+        assert_close(a, b, TOL["fp32_shallow"], atol_floor=1e-30, name="cache")
+    assert jax.tree.structure(C.unstack_cache(C.stack_cache(flat, cfg), cfg)) == jax.tree.structure(flat)
 
 
 def test_idle_rows_are_untouched_and_bytes_reported():

@@ -26,7 +26,7 @@ LIBTPU_LOCK = "/tmp/k3jax_libtpu_tests.lock"  # the lock tests/pallas/test_targe
 # 109 s, experiments/LOG.md)
 @pytest.mark.parametrize("mode", [m if m == "forward" else pytest.param(m, marks=pytest.mark.slow if m == "train"
                                                                          else pytest.mark.manual)
-                                  for m in plan_spec.MODES])
+                                  for m in ("forward", "train", "frozen-experts")])  # serving: test_serving.py
 def test_compiled_arguments_match_the_closed_form(mode):
     """XLA:CPU over the test's 8 devices, data=2 x expert=4: the compiler's argument bytes per device are the
     config's parameters x the rules' shardings x the mode's bytes per parameter (within 0.1%: the estimate leaves
@@ -115,7 +115,19 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     (["--target", "cpu:3", "--mesh", "expert=3"], "not divisible by mesh axes ('expert',)"),
     (["--target", "gpu:h200", "--mesh", "expert=8"], "--target 'gpu:h200': unknown target"),
     (["--target", "tpu:v9:2x2", "--mesh", "expert=4"], "--target 'tpu:v9:2x2': unknown target"),
-    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode"], "--mode 'decode': unknown"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "serve"], "--mode 'serve': unknown"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode"], "--mode decode needs --context"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode", "--context", "64", "--batch", "12"],
+     "--batch 12: not divisible by the 8 ways the batch is split (mesh axes expert), and not smaller than them"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "prefill", "--batch", "1"], "--batch 1: not divisible"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode", "--context", "64", "--seq-len", "8"],
+     "--seq-len 8: a decode step is one token per row"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--context", "64"],
+     "--context 64: the cache's length; --mode forward has no cache"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "prefill", "--batch", "8", "--seq-len", "64",
+      "--context", "32"], "--context 32: must lie in [64,"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--packed-kernel", "pallas"],
+     "--packed-kernel pallas --target cpu:8: the Pallas kernel compiles for TPU targets"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "train", "--remat", "most"], "--remat 'most'"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--remat", "full"], "--mode forward has none"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "4"], "--batch 4: not divisible by the 8 ways"),
@@ -127,6 +139,18 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
 ])
 def test_bad_input_exits_2_before_any_compile(capsys, argv, msg):
     assert main(["plan", "--preset", "k3-tiny", "--compile", *argv]) == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--mode", "decode", "--batch", "64", "--context", "2097152"], "--context 2097152: must lie in [1, 1048576]"),
+    (["--mode", "prefill", "--batch", "64", "--seq-len", "2097152"],
+     "--seq-len 2097152: above kimi-k3's max_position_embeddings 1048576"),
+])
+def test_context_above_the_release_limit_exits_2(capsys, argv, msg):
+    """The release's max_position_embeddings (config.json; K3 is NoPE, k3jax keeps it as read metadata)."""
+    assert main(["plan", "--preset", "kimi-k3", "--compile", "--target", "cpu:64", "--mesh", "tensor=4,expert=16",
+                 *argv]) == 2
     assert msg in capsys.readouterr().err
 
 

@@ -226,3 +226,118 @@ def test_tuple_elements_and_on_chip_arrays():
     shape = "((bf16[16,14]{1,0:T(8,128)(2,1)}, s32[32]{0}), bf16[32,14]{1,0}, u32[]{:S(8)})"
     assert tuple_elements(shape) == ["(bf16[16,14]{1,0:T(8,128)(2,1)}, s32[32]{0})", "bf16[32,14]{1,0}", "u32[]{:S(8)}"]
     assert shape_bytes("f32[2,4]{1,0:T(8,128)S(1)}") == 32 and shape_bytes("f32[2,4]{1,0:T(8,128)S(1)}", hbm=True) == 0
+
+
+# A stacked cache [4, 8, 128] read one [1, 8, 128] layer at a time the way XLA:TPU fuses it (the slice inside a loop
+# fusion nested in the output fusion, after a nested layout copy of the whole operand), and one token scattered into
+# the stack in place; the loop over key blocks has a data-dependent trip count, named by its scope.
+_STACK_READ = """HloModule m
+
+%relayout (r0: f32[4,8,128]) -> f32[4,8,128] {
+  %r0 = f32[4,8,128]{2,1,0:T(8,128)} parameter(0)
+  ROOT %rc = f32[4,8,128]{2,1,0:T(4,128)} copy(%r0)
+}
+
+%one_layer (n0: f32[4,8,128], n1: s32[]) -> f32[8,128] {
+  %n0 = f32[4,8,128] parameter(0)
+  %n1 = s32[] parameter(1)
+  %view = f32[4,8,128]{2,1,0:T(4,128)} fusion(%n0), kind=kLoop, calls=%relayout
+  %z = s32[] constant(0)
+  %ds = f32[1,8,128] dynamic-slice(%view, %n1, %z, %z), dynamic_slice_sizes={1,8,128}
+  ROOT %bc = f32[8,128] bitcast(%ds)
+}
+
+%scores (f0: f32[4,8,128], f1: s32[], f2: f32[128,16]) -> f32[8,16] {
+  %f0 = f32[4,8,128] parameter(0)
+  %f1 = s32[] parameter(1)
+  %f2 = f32[128,16] parameter(2)
+  %blk = f32[8,128] fusion(%f0, %f1), kind=kLoop, calls=%one_layer
+  ROOT %dot = f32[8,16] dot(%blk, %f2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[4,8,128], f32[128,16])) -> (s32[], f32[4,8,128], f32[128,16]) {
+  %p = (s32[], f32[4,8,128], f32[128,16]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = f32[4,8,128] get-tuple-element(%p), index=1
+  %w = f32[128,16] get-tuple-element(%p), index=2
+  %sc = f32[8,16] fusion(%c, %i, %w), kind=kOutput, calls=%scores
+  %idx = s32[1,3] constant({{0, 1, 2}})
+  %upd = f32[1,128] slice(%sc), slice={[0:1], [0:8]}
+  %new = f32[4,8,128] scatter(%c, %idx, %upd), update_window_dims={1}, inserted_window_dims={0,1}, scatter_dims_to_operand_dims={0,1,2}, index_vector_dim=1, to_apply=%add
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,8,128], f32[128,16]) tuple(%n, %new, %w)
+}
+
+%cond (q: (s32[], f32[4,8,128], f32[128,16])) -> pred[] {
+  %q = (s32[], f32[4,8,128], f32[128,16]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %lim = s32[] get-tuple-element(%q), index=0
+  ROOT %lt = pred[] compare(%j, %lim), direction=LT
+}
+
+ENTRY %main (a: f32[4,8,128], b: f32[128,16], k: s32[]) -> f32[4,8,128] {
+  %a = f32[4,8,128] parameter(0)
+  %b = f32[128,16] parameter(1)
+  %k = s32[] parameter(2)
+  %init = (s32[], f32[4,8,128], f32[128,16]) tuple(%k, %a, %b)
+  %w = (s32[], f32[4,8,128], f32[128,16]) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/latent_keys/while"}
+  ROOT %out = f32[4,8,128] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_slices_through_nested_fusions_and_in_place_scatters_read_only_what_they_touch():
+    """A fusion charged for a stacked operand it only slices (through a nested layout-copy fusion and a nested
+    slicing fusion, XLA:TPU's shape of a key-block read): one layer, not the stack; a scatter into an operand of its
+    result's shape (XLA aliases them) writes and reads only its update. A loop whose trip count depends on the data
+    counts once, unless a hint names its scope."""
+    layer, stack = 8 * 128 * 4, 4 * 8 * 128 * 4
+    once = program_stats(_STACK_READ)
+    assert once.unknown_trip_counts == 1 and once.trip_counts == []
+    # per trip: the fusion reads one layer of the cache, the layer index and the weight and writes [8, 16]; the
+    # slice reads and writes 128 floats; the scatter reads its [1, 128] update and 12 index bytes and writes the
+    # update; the counter's add
+    per_trip = (layer + 4 + 128 * 16 * 4 + 8 * 16 * 4) + 2 * 128 * 4 + (128 * 4 + 12 + 128 * 4) + 3 * 4
+    assert once.bytes_accessed == per_trip < stack
+    hinted = program_stats(_STACK_READ, {"latent_keys": 6})
+    assert hinted.unknown_trip_counts == 0 and hinted.trip_counts == [6]
+    assert hinted.bytes_accessed == 6 * per_trip
+    assert program_stats(_STACK_READ, {"other_scope": 6}).unknown_trip_counts == 1
+
+
+_MULTI_OUTPUT = """HloModule m
+
+%upd (b: f32[8,64,128], x: f32[1,64,128], i: s32[]) -> (f32[8,64,128], f32[1,64,128]) {
+  %b = f32[8,64,128] parameter(0)
+  %x = f32[1,64,128] parameter(1)
+  %i = s32[] parameter(2)
+  %y = f32[1,64,128] add(%x, %x)
+  %z = s32[] constant(0)
+  %d = f32[8,64,128] dynamic-update-slice(%b, %y, %i, %z, %z)
+  ROOT %t = (f32[8,64,128], f32[1,64,128]) tuple(%d, %y)
+}
+
+ENTRY %main (buf: f32[8,64,128], x: f32[1,64,128], i: s32[]) -> (f32[8,64,128], f32[1,64,128]) {
+  %buf = f32[8,64,128] parameter(0)
+  %x = f32[1,64,128] parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %f = (f32[8,64,128], f32[1,64,128]) fusion(%buf, %x, %i), kind=kLoop, calls=%upd
+}
+"""
+
+
+def test_multi_output_fusion_updating_a_buffer_in_place():
+    """A fusion whose ROOT tuple holds a dynamic-update-slice of its buffer parameter (an AttnRes block-sum commit,
+    as XLA:TPU fuses it beside the layer's output): the buffer is neither read nor rewritten — its slot is — and
+    the other output is written whole."""
+    one = 64 * 128 * 4
+    s = program_stats(_MULTI_OUTPUT)
+    # reads: x and the index; the update read and written once; the second output written
+    assert s.bytes_accessed == (one + 4) + 2 * one + one
