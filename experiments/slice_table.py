@@ -95,7 +95,7 @@ def row(doc: dict) -> str:
                 f"of {f.get('available_bytes', 0) / 1e9:,.1f} GB | | | |")
     roof = r["roofline"]
     peak = r["peak_bytes_per_device"] / 1e9
-    extra = ""
+    extra = f"compute share {roof['compute_share']:.3f}"
     if "tokens_per_s_per_chip" in roof:
         lat = roof.get("per_token_latency_s", roof.get("time_to_first_token_s"))
         extra = f"{lat * 1e3:,.1f} ms; {roof['tokens_per_s_per_chip']:,.1f} tok/s/chip"
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
             doc = run_one(plan, slice_name, args.timeout)
             _write(path, doc)
             print(row(doc), file=sys.stderr, flush=True)
-    print("| plan | slice | mesh | fits (peak per chip) | cache GB/chip | roofline step (bound) | serving |")
+    print("| plan | slice | mesh | fits (peak per chip) | cache GB/chip | roofline step (bound) | serving / share |")
     print("|---|---|---|---|---|---|---|")
     for plan in PLANS:
         for s in SLICES:

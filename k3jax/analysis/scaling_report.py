@@ -261,8 +261,11 @@ def plot_scaling(r: dict, path: str) -> None:
 
 
 def write_all(results: dict, out: str) -> None:
-    """results.json, results.md and scaling.png in ``out``, each written atomically."""
-    write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1, sort_keys=True) + "\n")
+    """results.json, results.md and scaling.png in ``out``, each written atomically; the table and the plot are made
+    from the JSON as written (its keys sorted), so results.md is ``markdown(results.json)`` row for row."""
+    text = json.dumps(results, indent=1, sort_keys=True) + "\n"
+    results = json.loads(text)
+    write_text(os.path.join(out, "results.json"), text)
     write_text(os.path.join(out, "results.md"), markdown(results))
     plot_scaling(results, os.path.join(out, "scaling.png"))
 

@@ -290,5 +290,6 @@ def decode_step(params, token_ids, cache, cfg: K3Config, run: RunConfig | None =
     return extend(params, ids, n, cache, cfg, run, absorbed=absorbed, last_only=True, donate=donate)
 
 
-__all__ = ["CACHE_AXES", "CacheError", "advance", "cache_bytes", "cache_leaf_axes", "cache_shapes", "capacity", "decode_step", "extend",
-           "init_cache", "layer_cache_shapes", "max_len_of", "prefill", "stack_cache", "unstack_cache"]
+__all__ = ["CACHE_AXES", "CacheError", "advance", "cache_bytes", "cache_leaf_axes", "cache_shapes", "capacity",
+           "decode_step", "extend", "init_cache", "layer_cache_shapes", "max_len_of", "prefill", "stack_cache",
+           "unstack_cache"]

@@ -112,8 +112,9 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
 def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool):
     """Prefill (tokens [B, T] into an empty cache of --context positions) or one decode step ([B, 1] at --context
     keys): ``model.cache.advance`` on the scanned cache layout (the repeating group compiled once) placed by
-    ``CACHE_AXES`` under the rules (replicated by the small-batch rule ``small``) and donated, the last token's logits out → (jitted fn(params, tokens, cache),
-    abstract arguments). ``params``: the parameter tree (arrays or ShapeDtypeStructs), for its shardings."""
+    ``CACHE_AXES`` under the rules (replicated by the small-batch rule ``small``) and donated, the last token's
+    logits out → (jitted fn(params, tokens, cache), abstract arguments). ``params``: the parameter tree (arrays or
+    ShapeDtypeStructs), for its shardings."""
     from k3jax.model.cache import advance, cache_shapes
     from k3jax.sharding import placement as place
     from k3jax.sharding.rules import param_shardings

@@ -73,8 +73,9 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
 
 def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
     """Bytes of a prefill / decode plan's hybrid cache (``model.cache.cache_shapes`` for --batch rows of --context
-    positions, the scanned layout): ``global``, ``per_device`` under the cache's shardings (``placement.cache_shardings``: the small-batch
-    rule replicates it), and the per-device split into the KDA state + conv tails and the MLA latent."""
+    positions, the scanned layout): ``global``, ``per_device`` under the cache's shardings
+    (``placement.cache_shardings``: the small-batch rule replicates it), and the per-device split into the KDA
+    state + conv tails and the MLA latent."""
     from k3jax.model.cache import cache_leaf_axes, cache_shapes
     from k3jax.sharding import placement as place
     from k3jax.sharding.rules import logical_to_spec

@@ -149,8 +149,9 @@ def expert_dispatch(strategy: str, mesh):
 
 def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False):
     """NamedSharding per leaf of an inference cache (``k3jax.model.cache.cache_shapes``, either layout) from the
-    cache's logical axes (``cache.CACHE_AXES``) under the rules: rows over the token axes (``replicated``: the small-batch rule, on every
-    device), the KDA state and conv tails over the heads' axes; a mesh axis the rows already took is not reused."""
+    cache's logical axes (``cache.CACHE_AXES``) under the rules: rows over the token axes (``replicated``: the
+    small-batch rule, on every device), the KDA state and conv tails over the heads' axes; a mesh axis the rows
+    already took is not reused."""
     from k3jax.model.cache import cache_leaf_axes
 
     def one(path, x):

@@ -17,10 +17,10 @@ from k3jax.model.layout import layout
 from k3jax.plan import aot, estimate, hardware
 from k3jax.plan import spec as plan_spec
 from k3jax.pytree import key_names
+from k3jax.quant import pack_params
 from k3jax.sharding import placement as place
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import make_mesh
-from k3jax.quant import pack_params
 from k3jax.testing import TOL, assert_close, random_params
 
 # k3-tiny widths, 13 layers: unrolled head 0-3, two scanned groups 4-7 and 8-11 (the plans' cache layout carries

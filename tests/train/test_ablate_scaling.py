@@ -322,3 +322,24 @@ def test_recorded_smoke_study_tables_come_from_its_results_json():
     assert cal["true"] == 1.5 and cal["ci95"][0] <= 1.5 <= cal["ci95"][1] and cal["ci95"][0] > 1.0
     lo, hi = r["scaling"]["aa"]["ci95"]
     assert lo <= 1.0 <= hi
+
+
+def test_shipped_study_tables_come_from_its_runs():
+    """The shipped study (experiments/runs/scaling, 144 runs): results.md is ``markdown(results.json)``, and every
+    point's per-seed losses are the final held-out losses of that run's own records (budgets/<b>/runs/<run>/seed-<s>:
+    seeds 0-2, the A/A series the base at its seeds 1000-1002, experiments/ablations/scaling.toml)."""
+    from k3jax.analysis.scaling_report import markdown
+
+    d = os.path.join(REPO, "experiments", "runs", "scaling")
+    r = json.load(open(os.path.join(d, "results.json")))
+    assert markdown(r) == open(os.path.join(d, "results.md")).read()
+    assert r["timing"]["runs"] == 144
+    checked = 0
+    for key, series in r["series"].items():
+        seeds = [s + (1000 if key == "base~aa" else 0) for s in r["spec"]["seeds"]]
+        for p in series["points"]:
+            runs = os.path.join(d, "budgets", p["budget"], "runs", p["run"])
+            got = [json.load(open(os.path.join(runs, f"seed-{s}", "result.json")))["final_eval_loss"] for s in seeds]
+            assert p["loss"]["per_seed"] == pytest.approx(got, rel=1e-12), (key, p["budget"])
+            checked += 1
+    assert checked == len(r["series"]) * len(r["spec"]["budgets"]) == 40
