@@ -7,11 +7,12 @@ level's effective compute multiplier with bootstrap intervals, the tuning curves
 
 results.json (wall-clock figures sit under ``timing`` keys only, as in ``k3jax.analysis.ablate_report``)::
 
-    schema     "k3jax.scaling/1"
+    schema     "k3jax.scaling/2"
     spec       {name, description, file, fingerprint, seeds, budgets: [{name, tokens, width, flops}], bootstrap}
     series     {key: {points: [{budget, run, tokens, flops, reported_flops, settings, loss: {per_seed, n, mean, std}}],
-                      fit: {form, E, A, alpha, c0, weights (normalized, 1 / bootstrap variance), ci95: {E, alpha}}}}
-    scaling    {form, why,
+                      fit: {form, E, A, alpha, c0, weights (normalized, 1 / bootstrap variance), ci95: {E, alpha}},
+                      fit_top: {form, budgets, alpha, A, ci95: {alpha}}}}    # the largest budgets' local fit
+    scaling    {form, why, window, local_form,
                 multipliers: {factor: {level: {estimate, ci95, reference, at_flops, curve: {flops, estimate, ci95}}}},
                 aa: {estimate, ci95} | null}      # the calibration level's entry also has "true": k
     tuning     {factor: {level: {budget: {candidates: [{values, loss}], chosen}}}}
@@ -20,7 +21,10 @@ results.json (wall-clock figures sit under ``timing`` keys only, as in ``k3jax.a
 
 A multiplier is the compute the reference series' fitted curve needs to reach the level's fitted held-out loss at
 the largest common budget, divided by the compute the level spent there (the calibration level: the base's compute,
-by construction). Curve against curve, not a measured point against a curve: a point against a curve adds the
+by construction). Both curves there are local fits: the power law on the ``window`` budgets nearest the compared
+compute (``LOCAL_WINDOW``; the curve form takes at each compute the window nearest it), since a loss curve over an
+8x range of early training is not one power law (the first budgets sit in the warmup); the fit over every budget is
+reported beside them. Curve against curve, not a measured point against a curve: a point against a curve adds the
 reference fit's residual at that budget, which moved the A/A arm off 1 in the smoke study (LOG, session 14). Above 1
 it reads the reference curve beyond its largest point (an extrapolation of the fitted
 form); inf (JSON null, "unbounded") means the reference curve never reaches that loss. The curve form uses both
@@ -49,9 +53,14 @@ from k3jax.analysis.scaling_fit import (
     percentile_ci,
 )
 
-SCHEMA = "k3jax.scaling/1"
+SCHEMA = "k3jax.scaling/2"
 CURVE_POINTS = 9
 SATURATING_MIN_BUDGETS = 5
+# Budgets per local power-law fit of the multipliers: the fewest it fits with a degree of freedom left. In the shipped
+# study the base's log-log slope per doubling was 0.16 over its first (16-step, warmup-dominated) budget and 0.29,
+# 0.29 after; a fit over all four budgets (α 0.244) read the calibration arm (true 1.5) as 1.74 [1.66, 1.84], the
+# budgets nearest the compared compute as 1.53 [1.46, 1.61] (experiments/LOG.md, session 16)
+LOCAL_WINDOW = 3
 
 
 def _col(fit: dict) -> dict:
@@ -95,22 +104,37 @@ def choose_form(asked: str, comp: dict, point_loss: dict, weights: dict) -> tupl
     return "saturating", "auto: every series identifies E: L = E + A·C^(−α)"
 
 
-def _multiplier_entry(ref_fit, ref_boot, arm_fit, arm_boot, comp_arm, comp_ref) -> dict:
+def _nearest_window(comp: np.ndarray, c: float, w: int) -> int:
+    """The start of the ``w`` consecutive budgets whose log-compute centre is nearest ``c``."""
+    centres = [np.log(comp[s:s + w]).mean() for s in range(comp.size - w + 1)]
+    return int(np.argmin(np.abs(np.asarray(centres) - np.log(c))))
+
+
+def _multiplier_entry(ref, arm, comp_arm, comp_ref, w: int) -> dict:
+    """ref / arm: (fits, bootstrap fits), one per window of ``w`` consecutive budgets (``assemble``)."""
     grid = np.geomspace(comp_ref[0], comp_ref[-1], CURVE_POINTS)
     top = comp_arm[-1]
+    (ref_fit, ref_boot), (arm_fit, arm_boot) = ref[-1], arm[-1]            # the largest budgets' window
     est = float(multiplier(ref_fit, loss_at(arm_fit, top), top)[0])
     boot = multiplier(ref_boot, loss_at(arm_boot, top), top)
-    curve = compute_for(ref_fit, loss_at(arm_fit, grid)) / grid
-    curve_boot = compute_for(_col(ref_boot), loss_at(_col(arm_boot), grid[None])) / grid  # [B, K]
+    curve, curve_boot = [], []
+    for g in grid:
+        s = _nearest_window(comp_ref, g, w)
+        (rf, rb), (af, ab) = ref[s], arm[s]
+        curve.append(float((compute_for(rf, loss_at(af, g)) / g)[0]))
+        curve_boot.append(compute_for(rb, loss_at(ab, g)) / g)                            # [B]
     return {"estimate": finite_or_none(est), "ci95": finite_or_none(percentile_ci(boot)),
             "at_flops": float(comp_arm[-1]),
-            "curve": {"flops": [float(c) for c in grid], "estimate": finite_or_none(list(curve)),
-                      "ci95": [finite_or_none(percentile_ci(curve_boot[:, k])) for k in range(grid.size)]}}
+            "curve": {"flops": [float(c) for c in grid], "estimate": finite_or_none(curve),
+                      "ci95": [finite_or_none(percentile_ci(b)) for b in curve_boot]}}
 
 
-def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed: int = 0) -> dict:
+def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed: int = 0,
+             window: int | None = None) -> dict:
     """results.json's content (less ``timing``). ``meta``: {name, description, file, fingerprint, seeds, budgets};
-    ``pts``: ``ablate_scaling.points``; ``tuning``: {budget: ``ablate_scaling.pick``'s table}."""
+    ``pts``: ``ablate_scaling.points``; ``tuning``: {budget: ``ablate_scaling.pick``'s table}; ``window``: budgets
+    per local fit of the multipliers, in the study's form (None: ``LOCAL_WINDOW`` for the power law; every budget
+    for the saturating form, whose E already bends the curve)."""
     wl, comp = _arrays(pts)
     _, S, W = next(iter(wl.values())).shape
     ws, ww = bootstrap_weights(S, W, reps, seed)
@@ -122,6 +146,16 @@ def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed:
     form, why = choose_form(form, comp, point, weights)
     fits = {k: fit_many(comp[k], point[k][None], form, weights[k]) for k in wl}
     boots = {k: fit_many(comp[k], boot[k], form, weights[k]) for k in wl}
+    J = next(iter(comp.values())).size
+    w = min(J if window is None and form == "saturating" else window or LOCAL_WINDOW, J)
+    if w < 3:
+        raise ValueError(f"scaling report: a local fit needs >= 3 budgets, window = {window}")
+    lform = form
+    local = {k: [(fits[k], boots[k])] if w == J else
+             [(fit_many(comp[k][s:s + w], point[k][None, s:s + w], lform, weights[k][s:s + w]),
+               fit_many(comp[k][s:s + w], boot[k][:, s:s + w], lform, weights[k][s:s + w])) for s in range(J - w + 1)]
+             for k in wl}
+    top = [b["name"] for b in meta["budgets"][J - w:]] if meta.get("budgets") else None
 
     series = {}
     for key, ps in pts["series"].items():
@@ -132,10 +166,13 @@ def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed:
             "fit": {"form": form, "E": float(f["E"][0]), "A": float(f["A"][0]), "alpha": float(f["alpha"][0]),
                     "c0": f["c0"], "weights": [float(x) for x in weights[key] / weights[key].sum()],
                     "ci95": {"E": percentile_ci(boots[key]["E"]),
-                             "alpha": percentile_ci(boots[key]["alpha"])}}}
+                             "alpha": percentile_ci(boots[key]["alpha"])}},
+            "fit_top": {"form": lform, "budgets": top, "alpha": float(local[key][-1][0]["alpha"][0]),
+                        "A": float(local[key][-1][0]["A"][0]),
+                        "ci95": {"alpha": percentile_ci(local[key][-1][1]["alpha"])}}}
 
     def entry(ref, key):
-        return _multiplier_entry(fits[ref], boots[ref], fits[key], boots[key], comp[key], comp[ref])
+        return _multiplier_entry(local[ref], local[key], comp[key], comp[ref], w)
 
     mult = {}
     for fname, fx in pts["factors"].items():
@@ -154,7 +191,8 @@ def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed:
             for level, t in levels.items():
                 by_factor.setdefault(fname, {}).setdefault(level, {})[budget] = t
     return {"schema": SCHEMA, "spec": meta | {"bootstrap": reps}, "series": series,
-            "scaling": {"form": form, "why": why, "multipliers": mult, "aa": aa}, "tuning": by_factor}
+            "scaling": {"form": form, "why": why, "window": w, "local_form": lform, "multipliers": mult, "aa": aa},
+            "tuning": by_factor}
 
 
 # ---------------------------------------------------------------------------------------------------- writing
@@ -181,18 +219,24 @@ def markdown(r: dict) -> str:
            "| budget | tokens | width | base FLOPs |", "|---|---:|---:|---:|"]
     out += [f"| {b['name']} | {b['tokens']:,} | {b['width']:g} | {b['flops']:.3g} |" for b in s["budgets"]]
     out += ["", "Held-out loss (nats/token), mean ± std over seeds:", "",
-            "| series | " + " | ".join(names) + " | fit: E | A | α [95%] |",
-            "|---|" + "---:|" * (len(names) + 3)]
+            "| series | " + " | ".join(names) + " | fit: E | A | α [95%] | α, largest budgets [95%] |",
+            "|---|" + "---:|" * (len(names) + 4)]
     for key, x in r["series"].items():
-        f = x["fit"]
+        f, t = x["fit"], x["fit_top"]
         cells = [f"{p['loss']['mean']:.4f}" + (f" ± {p['loss']['std']:.4f}" if p["loss"]["std"] is not None else "")
                  for p in x["points"]]
         out.append(f"| {key} | " + " | ".join(cells) + f" | {f['E']:.3f} | {f['A']:.3g} | {f['alpha']:.3f} "
-                   f"[{f['ci95']['alpha'][0]:.3f}, {f['ci95']['alpha'][1]:.3f}] |")
+                   f"[{f['ci95']['alpha'][0]:.3f}, {f['ci95']['alpha'][1]:.3f}] | {t['alpha']:.3f} "
+                   f"[{t['ci95']['alpha'][0]:.3f}, {t['ci95']['alpha'][1]:.3f}] |")
     sc = r["scaling"]
+    w = sc["window"]
+    local = (f"both curves fitted on the {w} budgets nearest the compared compute ({sc['local_form']} law; at the "
+             f"largest budget: {', '.join(next(iter(r['series'].values()))['fit_top']['budgets'] or [])})"
+             if w < len(names) else "both curves fitted on every budget")
     out += ["", f"Fitted form: {sc['form']} ({sc['why']}).", "",
-            "Effective compute multipliers (the compute the reference's fitted curve needs for the level's fitted loss "
-            "at the largest budget / the level's compute; > 1: the level is worth more compute than it spends):", "",
+            "Effective compute multipliers (the compute the reference's curve needs for the level's fitted loss at the "
+            f"largest budget / the level's compute; > 1: the level is worth more compute than it spends; {local}):",
+            "",
             "| factor | level | reference | multiplier | 95% CI | over the range (smallest → largest budget) | true |",
             "|---|---|---|---:|---:|---|---:|"]
     for fname, levels in sc["multipliers"].items():

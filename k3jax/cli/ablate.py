@@ -87,7 +87,8 @@ def study(st, out: str, *, progress: bool | None = None, log=None) -> dict | Non
             "budgets": [{"name": d["budget"].name, "tokens": d["spec"].base.derived["tokens"],
                          "width": d["budget"].width, "flops": run_flops(d["spec"].base)} for d in done]}
     results = scaling_report.assemble(meta, points(done), {d["budget"].name: d["tuning"] for d in done if d["tuning"]},
-                                      form=st.fit, reps=st.bootstrap)
+                                      form=st.fit, reps=st.bootstrap,
+                                      **({} if st.window is None else {"window": st.window}))
     wall = [x["timing"]["wall_s"] for d in done for x in d["records"].values()]
     if any(d["budget"].tuning is not None for d in done):
         from k3jax.train.ablate import _read_json

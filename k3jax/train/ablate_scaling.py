@@ -14,6 +14,7 @@ A scaling file is an ablation file (``k3jax.train.ablate_spec``) whose [budget] 
     fit = "auto"                  # "saturating" L = E + A·C^(−α), "power" (E = 0), or "auto": saturating where every
                                   # arm's points identify E (k3jax.analysis.scaling_fit)
     bootstrap = 1000              # resamples of seeds and held-out windows behind every interval
+    window = 3                    # budgets per local fit behind the multipliers (default 3; >= 3, at most all)
 
 and whose factors may add::
 
@@ -74,8 +75,9 @@ HEAD_FIELDS = ("kda_num_heads", "mla_num_heads")
 # ---------------------------------------------------------------------------------------------------- parsing
 
 def parse_scaling(table, where: str) -> dict:
-    """[scaling] as {"budgets": [{name, kind, amount, width}], "fit", "bootstrap"}."""
-    t = _strict(table, ("budgets", "fit", "bootstrap"), where)
+    """[scaling] as {"budgets": [{name, kind, amount, width}], "fit", "bootstrap", "window"} (window: None when the
+    file gives none, the report's default)."""
+    t = _strict(table, ("budgets", "fit", "bootstrap", "window"), where)
     budgets = t.get("budgets")
     if not isinstance(budgets, list) or len(budgets) < MIN_BUDGETS:
         n = len(budgets) if isinstance(budgets, list) else 0
@@ -102,7 +104,13 @@ def parse_scaling(table, where: str) -> dict:
     fit = t.get("fit", "auto")
     if fit not in FIT_FORMS:
         raise _err(f"{where} fit", f"must be one of {', '.join(FIT_FORMS)}, got {fit!r}")
-    return {"budgets": out, "fit": fit, "bootstrap": _pos_int(t.get("bootstrap", 1000), f"{where} bootstrap")}
+    window = t.get("window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or not 3 <= window <= len(out)):
+        raise _err(f"{where} window", f"must be a whole number of budgets in [3, {len(out)}] (a local power law with "
+                                      f"a degree of freedom left, at most every budget), got {window!r}")
+    return {"budgets": out, "fit": fit, "bootstrap": _pos_int(t.get("bootstrap", 1000), f"{where} bootstrap"),
+            "window": window}
 
 
 def parse_tune(t, where: str) -> dict:
@@ -253,6 +261,7 @@ class Study:
     bootstrap: int
     calibration: float | None
     fingerprint: str
+    window: int | None = None  # budgets per local fit of the multipliers (None: the report's LOCAL_WINDOW)
 
 
 def resolve_study(parsed: dict) -> Study:
@@ -284,8 +293,11 @@ def resolve_study(parsed: dict) -> Study:
                                                  f"needs >= {MIN_SPAN:g}x")
     return Study(path, parsed["name"], parsed["description"], tuple(budgets), sc["fit"], sc["bootstrap"],
                  None if cal is None else cal["calibration"],
+                 # a window given in the file is part of the fingerprint; the default is not, so studies written
+                 # before the key existed keep their directories
                  sha256({"budgets": [(b.name, b.spec.fingerprint, b.tuning and b.tuning.fingerprint) for b in budgets],
-                         "fit": sc["fit"], "bootstrap": sc["bootstrap"]}))
+                         "fit": sc["fit"], "bootstrap": sc["bootstrap"]}
+                        | ({} if sc["window"] is None else {"window": sc["window"]})), sc["window"])
 
 
 def load_study(path: str) -> Study:

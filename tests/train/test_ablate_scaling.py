@@ -81,6 +81,41 @@ def test_auto_form_is_the_power_law_at_four_budgets():
     assert choose_form("auto", {"base": C5}, {"base": 1.5 + 40.0 * C5 ** -0.3}, {"base": np.ones(5)})[0] == "saturating"
 
 
+def test_local_fits_recover_a_known_multiplier_where_one_power_law_does_not():
+    """A base that is not one power law over its budgets (a flat first budget, as warmup makes it, then slope 0.3)
+    and a calibration arm at the base's loss of k x its compute: the report's multiplier, read on the 3 budgets
+    nearest the compared compute (``scaling_report.LOCAL_WINDOW``), is k; read on one power law over all four
+    budgets it is not (the shipped study's failure, LOG session 16); the A/A arm (the base itself) reads 1."""
+    from k3jax.analysis import scaling_report
+
+    C = np.array([1e3, 2e3, 4e3, 8e3])
+    k = 1.5
+
+    def base(c):  # slope 0.3 above 2e3, flatter (0.1) below it; continuous at 2e3
+        c = np.asarray(c, np.float64)
+        return np.where(c >= 2e3, 30.0 * c ** -0.3, 30.0 * 2e3 ** -0.3 * (c / 2e3) ** -0.1)
+
+    rng = np.random.default_rng(0)
+    noise = 1.0 + 1e-4 * rng.standard_normal((4, 2, 8))          # [budgets, seeds, windows], tiny and positive
+
+    def series(run, f):
+        return [{"budget": f"b{j}", "run": run, "tokens": int(c), "flops": float(c), "reported_flops": float(c),
+                 "settings": {}, "window_losses": (f(c) * noise[j]).tolist()} for j, c in enumerate(C)]
+
+    pts = {"series": {"base": series("base", base), "base~aa": series("base", base),
+                      "calibration=x1_5": series("cal", lambda c: base(k * c))},
+           "factors": {"calibration": {"reference": "base", "levels": {"x1_5": "calibration=x1_5"}, "true": k}}}
+    meta = {"name": "t", "budgets": [{"name": f"b{j}"} for j in range(4)]}
+    local = scaling_report.assemble(meta, pts, {}, form="auto", reps=50)
+    every = scaling_report.assemble(meta, pts, {}, form="auto", reps=50, window=4)
+    assert local["scaling"]["window"] == 3 and every["scaling"]["window"] == 4
+    assert local["scaling"]["multipliers"]["calibration"]["x1_5"]["estimate"] == pytest.approx(k, rel=2e-3)
+    assert local["scaling"]["aa"]["estimate"] == pytest.approx(1.0, rel=1e-3)
+    assert abs(every["scaling"]["multipliers"]["calibration"]["x1_5"]["estimate"] - k) > 0.05
+    assert local["series"]["base"]["fit_top"]["alpha"] == pytest.approx(0.3, rel=1e-2)
+    assert local["series"]["base"]["fit_top"]["budgets"] == ["b1", "b2", "b3"]
+
+
 def test_bootstrap_weights_are_index_resampling():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 5))  # [seeds, windows]
@@ -148,6 +183,7 @@ def _write(tmp_path, text, name="s.toml"):
     (HEAD + '[budget]\nsteps = 2\n' + BUDGETS + '[[factor]]\nname = "glu"\n', ["[budget]", "[scaling] budgets"]),
     (HEAD + BUDGETS + '[[factor]]\nname = "glu"\ntune = { lr = [1e-3] }\n', ["tune.lr", "at least 2"]),
     (HEAD + BUDGETS.replace('fit = "saturating"', 'fit = "cubic"') + '[[factor]]\nname = "glu"\n', ["fit", "cubic"]),
+    (HEAD + BUDGETS + 'window = 2\n[[factor]]\nname = "glu"\n', ["[scaling] window", "[3, 4]", "got 2"]),
 ])
 def test_bad_scaling_input_exits_2_naming_the_field(tmp_path, capsys, text, needles):
     out = tmp_path / "out"
