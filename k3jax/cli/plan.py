@@ -67,6 +67,11 @@ def add_parser(sub) -> None:
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
     c.add_argument("--capacity-factor", type=float, default=None,
                    help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
+    c.add_argument("--opt-state-dtype", default=None, help="train modes: the optimizer moments' dtype (float32 "
+                   "default, bfloat16; fp32 master weights either way)")
+    c.add_argument("--muon-layout", default=None, choices=("owner", "layer"),
+                   help="train modes: where Muon's Newton-Schulz runs: owner (default: each block whole on one "
+                        "device) or layer (one layer at a time, where the rules put it)")
     c.add_argument("--packed-kernel", default=None, help="who runs the packed MXFP4 experts under expert "
                    "parallelism: auto (default: the Pallas kernel on GPU/TPU), pallas, or tiles (the XLA loop)")
     p.set_defaults(func=_main)
@@ -141,7 +146,8 @@ def _compile_argv(args) -> list[str]:
             "--mode", args.mode, "--batch", str(args.batch or 1)]
     for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
                     ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel),
-                    ("--context", args.context)):
+                    ("--context", args.context), ("--opt-state-dtype", args.opt_state_dtype),
+                    ("--muon-layout", args.muon_layout)):
         if v is not None:
             argv += [flag, str(v)]
     if args.hlo_out:
@@ -177,7 +183,8 @@ def _compile(args, cfg) -> int:
     seq_len = args.seq_len if args.seq_len is not None else 1 if args.mode == "decode" else 4096
     spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=seq_len, remat=args.remat,
                     capacity_factor=args.capacity_factor, strategy=args.strategy,
-                    packed_kernel=args.packed_kernel or "auto", context=args.context)
+                    packed_kernel=args.packed_kernel or "auto", context=args.context,
+                    opt_state_dtype=args.opt_state_dtype or "float32", muon_layout=args.muon_layout or "owner")
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
@@ -260,7 +267,8 @@ def _main(args) -> int:
     for flag, given in (("--target", args.target), ("--mode", args.mode != "forward"), ("--seq-len", args.seq_len),
                         ("--remat", args.remat), ("--strategy", args.strategy),
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
-                        ("--packed-kernel", args.packed_kernel)):
+                        ("--packed-kernel", args.packed_kernel), ("--opt-state-dtype", args.opt_state_dtype),
+                        ("--muon-layout", args.muon_layout)):
         if given is not None and given is not False:
             raise InputError(f"{flag} applies to --compile")
     out = sys.stdout

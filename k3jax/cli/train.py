@@ -44,6 +44,12 @@ def add_parser(sub) -> None:
     run.add_argument("--seq-len", type=int, default=d.seq_len)
     run.add_argument("--lr", type=float, default=d.lr)
     run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default=d.optimizer)
+    run.add_argument("--opt-state-dtype", default=d.opt_state_dtype,
+                     help="dtype the optimizer's moments are stored in (float32 default, bfloat16); master weights "
+                          "and the update's arithmetic stay float32")
+    run.add_argument("--muon-layout", choices=("auto", "layer", "owner"), default=d.muon_layout,
+                     help="where Muon's Newton-Schulz runs: owner (each block whole on one device of the mesh), "
+                          "layer (one layer at a time, where the rules put it); auto: owner on > 1 device")
     run.add_argument("--balance", choices=("qb", "sign", "aux", "off"), default=d.balance,
                      help="expert balancing: Quantile Balancing (K3), DeepSeek sign rule, auxiliary loss, none")
     run.add_argument("--qb-ema", type=float, default=d.qb_ema,
@@ -90,8 +96,9 @@ def run_cli(args) -> int:
     tc = TrainConfig(
         preset=args.preset or (None if args.init else TrainConfig.preset), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
-        optimizer=args.optimizer, qat=args.qat, compute_dtype=args.compute_dtype, layer_stack=args.layer_stack,
-        remat=args.remat,
+        optimizer=args.optimizer, opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout, qat=args.qat,
+        compute_dtype=args.compute_dtype,
+        layer_stack=args.layer_stack, remat=args.remat,
         balance=args.balance, qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed,
         data=tuple(args.data),
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,

@@ -36,6 +36,7 @@ from k3jax.config import K3Config
 from k3jax.plan.estimate import cache_bytes, estimate_arguments, model_flops
 from k3jax.plan.hardware import Target, roofline
 from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, with_defaults
+from k3jax.train.dist_muon import NS_SCOPE, OPTIMIZER_SCOPE
 
 
 def target_devices(target: Target) -> list:
@@ -75,7 +76,7 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     from k3jax.model import forward
     from k3jax.sharding import placement as place
     from k3jax.sharding.expert_parallel import ExpertParallel
-    from k3jax.sharding.rules import mesh_axes_of, param_shardings
+    from k3jax.sharding.rules import mesh_axes_of, param_shardings, param_specs
     from k3jax.train.optim import OptimConfig, make_optimizer
     from k3jax.train.step import StepSpec, init_state, make_train_step
 
@@ -98,7 +99,9 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     params, frozen = split_packed(abstract)
     # make_optimizer reads per-layer shapes by slicing stacked leaves: zero-stride views, no memory
     tx, _ = make_optimizer(jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), params),
-                           OptimConfig(total_steps=1000))
+                           OptimConfig(total_steps=1000, state_dtype=spec.opt_state_dtype,
+                                       muon_layout=spec.muon_layout),
+                           mesh=mesh, specs=param_specs(cfg, strategy, mesh, params))
     shapes = jax.eval_shape(lambda p, f: init_state(p, tx, frozen=f or None), params, frozen)
     st_sh = place.state_shardings(cfg, strategy, mesh, shapes)
     tok_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
@@ -222,6 +225,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
            "batch": spec.batch, "seq_len": spec.seq_len, "layer_stack": run.layer_stack, "qat": run.qat,
            "param_dtype": run.param_dtype, "compute_dtype": run.compute_dtype,
            "capacity_factor": spec.capacity_factor, "packed_kernel": spec.packed_kernel, "defaults": defaults,
+           "opt_state_dtype": spec.opt_state_dtype, "muon_layout": spec.muon_layout,
            "estimated_argument_bytes_per_device": est["total"], "estimate": est}
     if spec.mode in ("prefill", "decode"):
         out["context"] = spec.context
@@ -268,7 +272,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         with open(hlo_out, "w") as f:
             f.write(text)
     hints = loop_hints(cfg, spec)
-    stats = program_stats(text, hints)
+    stats = program_stats(text, hints, scopes=(NS_SCOPE, OPTIMIZER_SCOPE))
     if hints:
         out["loop_hints"] = hints
     out["hlo"] = {**stats.as_dict(), "largest_values": largest_values(text)}
@@ -280,6 +284,15 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     out["flops"] = {**mf, "compiled_per_device": stats.flops, "compiled_global": compiled_global,
                     "compiled_over_expected": compiled_global / mf["expected"],
                     "compiled_over_six_n_tokens": compiled_global / mf["six_n_tokens"]}
+    if spec.mode in ("train", "frozen-experts"):
+        # the dot FLOPs the program spends in Muon's Newton–Schulz (its named scope; loops counted as they run),
+        # global like newton_schulz_split, and the optimizer update's collectives
+        ns = stats.scoped[NS_SCOPE]["flops"] * target.devices
+        out["flops"]["newton_schulz_compiled"] = ns
+        if mf.get("newton_schulz_split"):
+            out["flops"]["newton_schulz_compiled_over_split"] = ns / mf["newton_schulz_split"]
+        opt = stats.scoped[OPTIMIZER_SCOPE]["collectives"]
+        out["optimizer_collectives"] = {**opt, "bytes": sum(v["bytes"] for v in opt.values())}
     if spec.mode == "train":
         # the check of the train step: the loop-corrected compiled FLOPs within 20% of 6·N_active·tokens
         # (+ one recomputed forward under a remat that saves nothing, + Muon's Newton–Schulz split over the

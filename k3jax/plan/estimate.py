@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from k3jax.config import K3Config
 from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
@@ -38,7 +39,8 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     config), its elements per device under the rules' shardings × the bytes the mode stores per element —
     forward: the checkpoint's dtypes — 4 for the tensors it stores F32 (``F32_STORED``), 2 (BF16) for every other
     weight, 1 per packed MXFP4 byte / E8M0 scale; train and frozen-experts: 4 (fp32
-    master) + optimizer state (Muon: 4, momentum; AdamW: 8, two moments; the frozen router bias: 0), packed experts
+    master) + optimizer state (Muon: one moment, AdamW: two, each of ``--opt-state-dtype``'s size, 4 bytes by default;
+    the frozen router bias: 0), packed experts
     as stored. Plus the tokens (int32, split over the batch axes). Step counters, the RNG key and Muon's
     Newton–Schulz coefficients are left out (bytes). ``gradient_bytes``: 4 per trainable element (the lower bound's
     gradient term; not an argument)."""
@@ -49,7 +51,8 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
 
     abstract = plan_params(cfg, spec)
     specs = param_specs(cfg, strategy, sizes, abstract)
-    state_per_label = {"muon": 4, "adam_decay": 8, "adam_nodecay": 8, "frozen": 0}
+    m = jnp.dtype(spec.opt_state_dtype).itemsize  # bytes per stored moment
+    state_per_label = {"muon": m, "adam_decay": 2 * m, "adam_nodecay": 2 * m, "frozen": 0}
     out = {"weights": 0.0, "optimizer": 0.0, "packed_experts": 0.0, "tokens": 0.0, "gradient_bytes": 0.0}
     for (path, leaf), pspec in _with_specs(abstract, specs):
         n = _per_device(leaf.shape, pspec, sizes)
@@ -101,36 +104,43 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     """Matmul FLOPs of Muon's Newton–Schulz in one optimizer step, from the config and the optimizer's rules: per
     orthogonalized [m, n] block (per head / per expert / per layer, ``train.optim.leaf_rule``), a = min(m, n),
     b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
-    ``global``: each block once; ``per_device``: each leaf's share on one device if the work splits as its
-    sharding splits the leaf (a replicated leaf is orthogonalized whole on every device). That split is the ideal:
-    XLA computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256,
-    each shared-expert block's 6144² A·A: 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md). At full
-    size with the experts trained this is comparable to 6·N·tokens (every expert's 3072 x 3584 blocks, whatever
-    the batch)."""
+    ``global``: each block once. ``per_device``: what one device computes under ``spec.muon_layout`` —
+    owner (``train.dist_muon``): the blocks its pools hand it, padding included (``pool_plan``: a pool of P blocks
+    held alike by a group of g devices costs each ceil(P / g) blocks; ``padding`` = per_device × devices / global
+    - 1); layer: each leaf's share if the work split as its sharding splits the leaf (a replicated leaf is
+    orthogonalized whole on every device) — the ideal XLA misses there: it computes X·Xᵀ of a sharded block in
+    pieces but may hold A whole and square it on every device (on v6e-256 each shared-expert block's 6144² A·A,
+    9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
     from k3jax.layers.experts import split_packed
+    from k3jax.pytree import path_str
     from k3jax.sharding.rules import param_specs
-    from k3jax.train.optim import leaf_rule
+    from k3jax.train.dist_muon import pool_plan, route, view_spec
+    from k3jax.train.optim import OptimConfig, whole_leaf_rule
 
-    out = {"global": 0.0, "per_device": 0.0}
+    out = {"global": 0.0, "per_device": 0.0, "padding": 0.0}
     if spec.mode in SERVING:  # no optimizer step
         return out
     abstract = split_packed(plan_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
     specs = param_specs(cfg, strategy, sizes, abstract)
+    flops = lambda a, b: ns_steps * (4.0 * a * a * b + 2.0 * a ** 3)  # noqa: E731  one [a, b] block, a <= b
+    routes = []
     for (path, leaf), pspec in _with_specs(abstract, specs):
-        label, dims, reshape = leaf_rule(path, leaf)
+        label, dims, view = whole_leaf_rule(path, leaf, OptimConfig())
         if label != "muon":
             continue
-        stacked = key_names(path)[0] == "groups"
-        layers = leaf.shape[0] if stacked else 1
-        shape = tuple(reshape or (leaf.shape[1:] if stacked else leaf.shape))
-        axis = lambda a: (a,) if isinstance(a, int) else tuple(a)  # noqa: E731
-        red, outs = axis(dims.reduction_axis), axis(dims.output_axis)
-        m, n = math.prod(shape[i] for i in red), math.prod(shape[i] for i in outs)
-        blocks = layers * math.prod(shape) // (m * n)
-        a, b = min(m, n), max(m, n)
-        f = blocks * ns_steps * (4.0 * a * a * b + 2.0 * a ** 3)
+        shape = tuple(view or leaf.shape)
+        r = route(shape, dims, view_spec(pspec, tuple(leaf.shape), shape, path_str(path)) if view else pspec,
+                  sizes)
+        f = r.view.count * flops(*r.view.key)
         out["global"] += f
-        out["per_device"] += f * _per_device(leaf.shape, pspec, sizes) / math.prod(leaf.shape)
+        out["per_device"] += f * _per_device(leaf.shape, pspec, sizes) / math.prod(leaf.shape)  # layer layout
+        routes.append((r, leaf.dtype))
+    if spec.muon_layout == "owner":
+        pools = pool_plan(routes, sizes)
+        out["per_device"] = sum(p["per_device"] * flops(k[0], k[1]) for k, p in pools.items())
+        out["pools"] = {f"{k[0]}x{k[1]} {k[2]} over {'x'.join(k[3]) or 'its owners'}": p for k, p in pools.items()}
+    devices = math.prod(sizes.values())
+    out["padding"] = out["per_device"] * devices / out["global"] - 1 if out["global"] else 0.0
     return out
 
 
@@ -181,6 +191,9 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
         ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
         out["newton_schulz"] = ns["global"]
         out["newton_schulz_split"] = ns["per_device"] * math.prod(sizes.values())
+        out["newton_schulz_padding"] = ns["padding"]
+        if "pools" in ns:
+            out["newton_schulz_pools"] = ns["pools"]
         expected += out["newton_schulz_split"]
         useful += out["newton_schulz_split"]
     out["expected"] = expected

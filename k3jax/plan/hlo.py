@@ -157,7 +157,7 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
     return comps, entry
 
 
-def _callees(ins: Instr, trip: int | None = None) -> list[tuple[str, int, bool]]:
+def callees(ins: Instr, trip: int | None = None) -> list[tuple[str, int, bool]]:
     """(computation, repeat factor, is a fusion body) called by one instruction; reducers are not followed.
     ``trip``: a while loop's trip count (None: unknown, counted once)."""
     out = []
@@ -274,7 +274,7 @@ def call_graph(comps: dict[str, Computation], hints: dict[str, int] | None = Non
             if ins.opcode == "while":
                 t = infer_trip_count(comps, c, ins)
                 t = hinted_trip_count(ins, hints) if t is None else t
-            for callee, n, is_fusion in _callees(ins, t):
+            for callee, n, is_fusion in callees(ins, t):
                 if callee in comps:
                     edges[c.name].append((callee, n))
                     if is_fusion:
@@ -315,5 +315,5 @@ def multiplicities(comps: dict[str, Computation], entry: str, hints: dict[str, i
             mult[callee] += mult[name] * n
     return dict(mult), fused, trips, unknown
 
-__all__ = ["Computation", "Instr", "arrays", "call_graph", "callers_first", "infer_trip_count", "multiplicities",
-           "hinted_trip_count", "parse", "shape_bytes", "trip_count", "tuple_elements"]
+__all__ = ["Computation", "Instr", "arrays", "call_graph", "callees", "callers_first", "infer_trip_count",
+           "multiplicities", "hinted_trip_count", "parse", "shape_bytes", "trip_count", "tuple_elements"]

@@ -41,6 +41,7 @@ from k3jax.plan.hlo import (
     Instr,
     arrays,
     call_graph,
+    callees,
     callers_first,
     multiplicities,
     parse,
@@ -447,13 +448,14 @@ class ProgramStats:
     hbm_split: dict  # bytes_accessed by kind: weights, activations, kernels, collectives
     custom_calls: dict  # {custom-call target: count}
     kernels: dict  # {kernel name: {"count", "flops", "bytes", "estimated"}}
+    scoped: dict  # {named scope: {"flops", "collectives": {kind: {"count", "bytes"}}}} for the scopes asked for
 
     def as_dict(self) -> dict:
         return {"flops": self.flops, "flops_counted_once": self.flops_once,
                 "bytes_accessed": self.bytes_accessed, "bytes_accessed_counted_once": self.bytes_accessed_once,
                 "hbm_bytes_split": self.hbm_split, "collectives": self.collectives,
                 "collectives_counted_once": self.collectives_once, "custom_calls": self.custom_calls,
-                "kernels": self.kernels, "while_trip_counts": self.trip_counts,
+                "kernels": self.kernels, "scoped": self.scoped, "while_trip_counts": self.trip_counts,
                 "unknown_trip_counts": self.unknown_trip_counts}
 
 
@@ -476,9 +478,41 @@ def largest_values(text: str, n: int = 10) -> list[dict]:
     return rows[:n]
 
 
-def program_stats(text: str, hints: dict[str, int] | None = None) -> ProgramStats:
+def scope_members(comps: dict[str, Computation], entry: str, scope: str) -> set[tuple[str, str]]:
+    """(computation, instruction) names inside named scope ``scope``: an instruction whose ``op_name`` metadata
+    passes through it; one without metadata (XLA:CPU's library fusions drop it) takes its fusion's membership inside
+    a fusion body, elsewhere its operands' (any operand in the scope) — so a dot that lost its metadata still
+    counts where its inputs came from."""
+    edges, fused, _, _ = call_graph(comps)
+    body_of: dict[str, bool] = {}  # fusion body -> its fusion instruction is in the scope
+    out: set[tuple[str, str]] = set()
+    for cname in callers_first(edges, entry):
+        c = comps.get(cname)
+        if c is None:
+            continue
+        inside: set[str] = set()
+        for ins in c.instrs:
+            m = re.search(r'op_name="([^"]*)"', ins.attrs)
+            if m:
+                yes = scope in m.group(1).split("/")
+            elif cname in fused:
+                yes = body_of.get(cname, False)
+            else:
+                yes = any(o in inside for o in ins.operands)
+            if yes:
+                inside.add(ins.name)
+                out.add((cname, ins.name))
+            if ins.opcode == "fusion":
+                for callee, _, _ in callees(ins):
+                    body_of[callee] = body_of.get(callee, False) or yes
+    return out
+
+
+def program_stats(text: str, hints: dict[str, int] | None = None, scopes: tuple[str, ...] = ()) -> ProgramStats:
     """The costs of a compiled program's HLO text; ``hints``: trip counts of data-dependent loops by named scope
-    (``hlo.hinted_trip_count``)."""
+    (``hlo.hinted_trip_count``); ``scopes``: named scopes (``jax.named_scope``) whose FLOPs and collectives are
+    also totalled on their own (``scoped``) — an instruction belongs to a scope when its ``op_name`` metadata
+    passes through it (XLA keeps the metadata of the op an instruction came from, fused or not)."""
     comps, entry = parse(text)
     mult, fused, trips, unknown = multiplicities(comps, entry, hints)
     views = argument_views(comps, entry)
@@ -488,6 +522,8 @@ def program_stats(text: str, hints: dict[str, int] | None = None) -> ProgramStat
     coll1: dict = defaultdict(lambda: {"count": 0, "bytes": 0.0})
     calls: dict = defaultdict(int)
     kernels: dict = defaultdict(lambda: {"count": 0, "flops": 0.0, "bytes": 0.0, "estimated": True})
+    scoped = {s: {"flops": 0.0, "collectives": defaultdict(lambda: {"count": 0, "bytes": 0.0})} for s in scopes}
+    members = {s: scope_members(comps, entry, s) for s in scopes}
     for c in comps.values():
         m = mult.get(c.name, 0)
         if m == 0:
@@ -500,12 +536,18 @@ def program_stats(text: str, hints: dict[str, int] | None = None) -> ProgramStat
             flops += m * f
             flops1 += f
             kind = _collective_kind(ins.opcode)
+            inside = [s for s in scopes if (f or kind is not None) and (c.name, ins.name) in members[s]]
+            for s in inside:
+                scoped[s]["flops"] += m * f
             if kind is not None:
                 b = shape_bytes(ins.shape, largest=ins.opcode.endswith("-start"))
                 coll[kind]["count"] += m
                 coll[kind]["bytes"] += m * b
                 coll1[kind]["count"] += 1
                 coll1[kind]["bytes"] += b
+                for s in inside:
+                    scoped[s]["collectives"][kind]["count"] += m
+                    scoped[s]["collectives"][kind]["bytes"] += m * b
             if c.name in fused:
                 continue
             if target:
@@ -531,8 +573,11 @@ def program_stats(text: str, hints: dict[str, int] | None = None) -> ProgramStat
             traffic1 += t
     return ProgramStats(flops, flops1, sum(split.values()), traffic1, {k: dict(v) for k, v in sorted(coll.items())},
                         {k: dict(v) for k, v in sorted(coll1.items())}, sorted(trips), unknown, len(comps), split,
-                        dict(sorted(calls.items())), {k: dict(v) for k, v in sorted(kernels.items())})
+                        dict(sorted(calls.items())), {k: dict(v) for k, v in sorted(kernels.items())},
+                        {s: {"flops": v["flops"],
+                             "collectives": {k: dict(c) for k, c in sorted(v["collectives"].items())}}
+                         for s, v in scoped.items()})
 
 
 __all__ = ["COLLECTIVES", "KERNEL_TARGETS", "ProgramStats", "argument_views", "custom_call_cost", "custom_call_target",
-           "instr_flops", "instr_io", "kernel_name", "largest_values", "program_stats"]
+           "instr_flops", "instr_io", "kernel_name", "largest_values", "program_stats", "scope_members"]

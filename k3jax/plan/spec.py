@@ -48,6 +48,8 @@ class PlanSpec:
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
     packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
     context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
+    opt_state_dtype: str = "float32"  # train modes: the optimizer moments' storage (OptimConfig.state_dtype)
+    muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; #30: owner)
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -131,6 +133,18 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
                              "max_position_embeddings)")
     if spec.mode == "decode" and spec.seq_len != 1:
         raise InputError(f"--seq-len {spec.seq_len}: a decode step is one token per row (its context is --context)")
+    if spec.opt_state_dtype != "float32":
+        if spec.mode in SERVING:
+            raise InputError(f"--opt-state-dtype {spec.opt_state_dtype}: --mode {spec.mode} has no optimizer")
+        from k3jax.train.optim import OptimConfig
+
+        OptimConfig(state_dtype=spec.opt_state_dtype)  # a float dtype, or InputError naming the flag
+    if spec.muon_layout != "owner":
+        if spec.mode in SERVING:
+            raise InputError(f"--muon-layout {spec.muon_layout}: --mode {spec.mode} has no optimizer")
+        from k3jax.train.optim import OptimConfig
+
+        OptimConfig(muon_layout=spec.muon_layout)
     if target.platform == "cpu" and spec.packed_kernel == "pallas":
         raise InputError(f"--packed-kernel pallas --target {target.spec}: the Pallas kernel compiles for TPU targets "
                          "(Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")

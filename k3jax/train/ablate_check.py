@@ -25,6 +25,7 @@ from k3jax.errors import InputError
 from k3jax.train.ablate_spec import (
     DERIVED,
     IMPLIED,
+    LATER_TRAIN_KEYS,
     TRAIN_KEYS,
     AblationSpecError,
     Arm,
@@ -94,8 +95,9 @@ def _train_settings(parsed: dict, over: dict, where: str) -> dict:
     from k3jax.train.settings import TrainConfig
 
     d = TrainConfig()
-    base = {k: getattr(d, k) for k in TRAIN_KEYS} | {"devices": 1} | parsed["base_train"]
+    base = {k: getattr(d, k) for k in TRAIN_KEYS if k not in LATER_TRAIN_KEYS} | {"devices": 1} | parsed["base_train"]
     t = base | over
+    t = {k: v for k, v in t.items() if k not in LATER_TRAIN_KEYS or v != getattr(d, k)}  # absent = the default
     kind, n = parsed["budget"]
     per_step = t["batch"] * t["seq_len"]
     if kind == "tokens" and n % per_step:

@@ -396,7 +396,7 @@ def _point(budget: str, arm, seeds, per_run: dict, reported: float | None) -> di
     return {"budget": budget, "run": arm.run_id, "tokens": arm.derived["tokens"], "flops": c,
             "reported_flops": c if reported is None else reported, "seeds": list(seeds),
             "window_losses": [per_run[arm.run_id][s] for s in seeds],
-            "settings": {k: arm.train[k] for k in TRAIN_KEYS if k != "devices"}}
+            "settings": {k: arm.train[k] for k in TRAIN_KEYS if k != "devices" and k in arm.train}}
 
 
 def points(done: list[dict]) -> dict:

@@ -69,7 +69,10 @@ from k3jax.errors import InputError
 DERIVED = ("params", "active_params", "tokens", "data_order", "eval_windows")
 NUMERIC_DERIVED = ("params", "active_params", "tokens")
 TRAIN_KEYS = ("batch", "micro_batches", "seq_len", "lr", "optimizer", "qat", "compute_dtype", "balance", "sign_gamma",
-              "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "devices")
+              "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "devices", "opt_state_dtype", "muon_layout")
+# Training keys added after ablation files and their recorded directories existed: an arm's resolved settings hold
+# one only when it differs from TrainConfig's default, so earlier files keep their fingerprints.
+LATER_TRAIN_KEYS = ("opt_state_dtype", "muon_layout")
 # Settings that follow from a declared key: the RunConfig mirrors of two training settings, the step count that a
 # token budget gives for another batch shape.
 IMPLIED = {"train.qat": ("run.qat",), "train.compute_dtype": ("run.compute_dtype",),
@@ -435,5 +438,5 @@ def sha256(obj) -> str:
     return hashlib.sha256(canonical(obj).encode()).hexdigest()
 
 
-__all__ = ["DERIVED", "FACTORS", "IMPLIED", "TRAIN_KEYS", "AblationSpecError", "Arm", "Factor", "Spec", "canonical",
-           "load_spec", "parse", "sha256"]
+__all__ = ["DERIVED", "FACTORS", "IMPLIED", "LATER_TRAIN_KEYS", "TRAIN_KEYS", "AblationSpecError", "Arm", "Factor",
+           "Spec", "canonical", "load_spec", "parse", "sha256"]

@@ -58,6 +58,14 @@ def restore_state(mngr, like: dict, step: int | None = None) -> tuple[dict, dict
     return st, r["meta"]
 
 
+def read_meta(mngr, step: int | None = None) -> dict:
+    """The run metadata saved beside a checkpoint (no array is read): checked before a state is restored."""
+    import orbax.checkpoint as ocp
+
+    step = mngr.latest_step() if step is None else step
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
 def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
     """(step, params as numpy) of a training checkpoint, on any device count (for comparisons, export, tests)."""
     import orbax.checkpoint as ocp
@@ -76,4 +84,4 @@ def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int,
     return step, r["params"]
 
 
-__all__ = ["load_checkpoint_params", "manager", "restore_state", "save_state"]
+__all__ = ["load_checkpoint_params", "manager", "read_meta", "restore_state", "save_state"]

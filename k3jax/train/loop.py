@@ -10,9 +10,9 @@ Placement (``k3jax.sharding.placement``): ``mesh`` (axis sizes) and ``strategy``
 from the mesh's axes) place parameters, optimizer state (Muon momentum and AdamW moments beside their parameter),
 the QB bias buffers and every batch; nothing the rules shard is replicated. XLA inserts the FSDP gathers and
 gradient reductions from those shardings; the MoE layers run through the expert-parallel shard_map dispatch when
-the rules shard the experts. Per-head / per-expert Muon runs Newton–Schulz with heads / experts as its batch axis,
-so a sharded block is orthogonalized where it lives; a matrix whose contraction dimensions the rules shard (fsdp)
-is gathered by XLA for its Newton–Schulz step. Without ``mesh``, ``devices`` N keeps meaning a 1-D data mesh.
+the rules shard the experts. On more than one device Muon's Newton–Schulz is owner-computed (``--muon-layout auto``
+→ owner, ``k3jax.train.dist_muon``): each block whole on one device, returned to its parameter's sharding. Without
+``mesh``, ``devices`` N keeps meaning a 1-D data mesh.
 Checkpoints are saved sharded and restore onto whatever mesh the resuming run builds (orbax reshards), so a run
 may resume on a different mesh shape.
 
@@ -46,8 +46,9 @@ from k3jax.errors import InputError
 from k3jax.layers.experts import merge_trees, packed_form, split_packed
 from k3jax.sharding import param_shardings
 from k3jax.sharding import placement as place
+from k3jax.sharding.rules import param_specs
 from k3jax.train import data as tdata
-from k3jax.train.ckpt import manager, restore_state, save_state
+from k3jax.train.ckpt import manager, read_meta, restore_state, save_state
 from k3jax.train.evaluate import Windows, heldout_loss, make_scorer, spaced_windows
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
 from k3jax.train.optim import OptimConfig, make_optimizer, schedule
@@ -55,8 +56,10 @@ from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, ste
 from k3jax.train.settings import (
     TrainConfig,
     check_frozen,
+    optim_config,
     resolve_mesh,
     resolve_model,
+    resolve_muon_layout,
     resume_diff,
     run_settings,
     step_spec,
@@ -129,6 +132,7 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     cfg = resolve_model(tc)  # a ConfigError is an InputError
     check_frozen(tc, cfg)
     mesh, strategy = resolve_mesh(tc, cfg)
+    tc = resolve_muon_layout(tc, mesh.devices.size)
     n_dev = place.token_parallel(strategy, mesh)  # ways a batch is split (data-parallel width)
     axes = place.token_axes(strategy, mesh)
     validate(tc, n_dev, f"ways the batch is split (mesh axes {', '.join(axes)})" if tc.mesh else
@@ -176,7 +180,7 @@ def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strat
         abstract = packed_form(abstract)
     param_sh = param_shardings(cfg, strategy, mesh, abstract)
     trained, frozen = split_packed(abstract)
-    tx, _ = make_optimizer(trained, ocfg)
+    tx, _ = make_optimizer(trained, ocfg, mesh=mesh, specs=param_specs(cfg, strategy, mesh, trained))
     init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
     state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
     batch_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
@@ -214,7 +218,7 @@ def _build(run: _Run) -> None:
     """Parameters and optimizer state placed by the rules, the train state, the jitted train step and the
     held-out scorer (``_programs``: built once per process for each model, settings and mesh)."""
     tc, cfg = run.tc, run.cfg
-    ocfg = OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
+    ocfg = optim_config(tc)
     prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, tc.frozen_experts)
     params = _init_params(cfg, run.settings, tc, prog, run.log)
     params, frozen = split_packed(params)
@@ -235,13 +239,18 @@ def _resume(run: _Run) -> None:
     run.mngr = manager(tc.ckpt_dir, keep=tc.keep, async_save=tc.async_ckpt) if tc.ckpt_dir else None
     if run.mngr is None or run.mngr.latest_step() is None:
         return
-    run.state, old_meta = restore_state(run.mngr, run.state)
+    old_meta = read_meta(run.mngr)
     diff = resume_diff(old_meta.get("train", {}), run.meta["train"])
-    if diff and tc.fork:
-        run.log(f"fork: resuming with changed {', '.join(diff)}")
-    elif diff:
+    if "muon_layout" in diff:  # the optimizer state's structure differs: nothing to restore into, even with --fork
+        saved = old_meta["train"].get("muon_layout", "layer")
+        raise InputError(f"{tc.ckpt_dir}: checkpoint's optimizer state has the {saved!r} Muon layout, this run's is "
+                         f"{run.meta['train']['muon_layout']!r}; resume with --muon-layout {saved}")
+    if diff and not tc.fork:  # refused from the saved settings alone: no array is read
         raise InputError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
                          "use a fresh --ckpt-dir")
+    run.state, _ = restore_state(run.mngr, run.state)
+    if diff:
+        run.log(f"fork: resuming with changed {', '.join(diff)}")
     run.start = int(run.state["step"])
     run.log(f"resumed from {tc.ckpt_dir} at step {run.start}")
     run.last_good = run.start

@@ -21,10 +21,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 from optax.contrib import MuonDimensionNumbers as MDN  # noqa: N817
 
 from k3jax.errors import InputError
-from k3jax.pytree import key_names
+from k3jax.pytree import key_names, path_str
+from k3jax.train.dist_muon import LAYOUTS, NS_SCOPE, OPTIMIZER_SCOPE, owner_muon, view_spec
 
 MODES = ("per_head", "full", "adamw")
 
@@ -46,10 +48,26 @@ class OptimConfig:
     adam_eps: float = 1e-8
     mode: str = "per_head"
     kvb_split: str = "separate"  # "separate" K and V blocks per head (default) | "joint" (torchtitan)
+    # dtype the moments (Muon momentum, AdamW mu / nu) are stored in between steps; the update itself is computed in
+    # the parameters' dtype (fp32 masters) from the stored moments (``_stored``)
+    state_dtype: str = "float32"
+    # where Newton–Schulz runs: "layer" (one layer at a time, each block where the parameter rules put it) or
+    # "owner" (blocks pooled by shape over layers, heads and experts, each orthogonalized whole on one device of the
+    # mesh: k3jax/train/dist_muon.py); the two give the same update (batched vs sliced rounding)
+    muon_layout: str = "layer"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise InputError(f"optimizer mode {self.mode!r}: must be one of {MODES}")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.state_dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise InputError(f"--opt-state-dtype {self.state_dtype!r}: the optimizer state's dtype must be a float "
+                             "dtype (float32, bfloat16, float16)")
+        if self.muon_layout not in LAYOUTS:
+            raise InputError(f"--muon-layout {self.muon_layout!r}: must be one of {LAYOUTS}")
         if self.kvb_split not in ("separate", "joint"):
             raise InputError(f"kvb_split {self.kvb_split!r}: must be 'separate' or 'joint'")
         if self.total_steps < 1 or self.lr <= 0:
@@ -149,6 +167,44 @@ def _reshaping(inner: optax.GradientTransformation, shapes) -> optax.GradientTra
     return optax.GradientTransformation(init, update)
 
 
+_MOMENTS = ("mu", "nu")  # the optax state fields (ScaleByAdamState, MuonState) that hold a moment per parameter
+
+
+def _is_moment(path) -> bool:
+    return any(getattr(k, "name", None) in _MOMENTS for k in path)
+
+
+def _stored(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """``inner`` with its moments kept in ``dtype`` between steps: each update widens them to float32 (the master
+    weights' dtype), runs ``inner`` there and rounds the new moments to ``dtype`` (round to nearest). Counts and
+    Muon's Newton–Schulz coefficients are left as they are. Hand-written: optax's ``mu_dtype`` covers the first
+    moment of AdamW and Muon only, not AdamW's second moment."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(state, to):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: x.astype(to) if _is_moment(p) and jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+
+    def init(params):
+        return cast(inner.init(params), dtype)
+
+    def update(updates, state, params=None):
+        new, state = inner.update(updates, cast(state, jnp.float32), params)
+        return new, cast(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _scoped(inner: optax.GradientTransformation, name: str) -> optax.GradientTransformation:
+    """``inner`` with its update traced under ``jax.named_scope(name)`` (the planner finds its ops by it)."""
+
+    def update(updates, state, params=None):
+        with jax.named_scope(name):
+            return inner.update(updates, state, params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 def _stacked_mask(params):
     return jax.tree_util.tree_map_with_path(lambda p, _: key_names(p)[0] == "groups", params)
 
@@ -183,14 +239,19 @@ def _inner(params, cfg: OptimConfig, lr, adam_lr):
     adamw = lambda wd: optax.adamw(adam_lr, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,  # noqa: E731
                                    weight_decay=wd, nesterov=False)
     tx = optax.partition(
-        {"muon": _reshaping(muon, shapes), "adam_decay": adamw(cfg.weight_decay), "adam_nodecay": adamw(0.0),
+        {"muon": _scoped(_reshaping(muon, shapes), NS_SCOPE), "adam_decay": adamw(cfg.weight_decay),
+         "adam_nodecay": adamw(0.0),
          "frozen": optax.set_to_zero()},
         labels)
+    if jnp.dtype(cfg.state_dtype) != jnp.float32:
+        tx = _stored(tx, cfg.state_dtype)
     return tx, labels
 
 
-def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
-    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree).
+def make_optimizer(params, cfg: OptimConfig = OptimConfig(), mesh=None, specs=None):
+    """The K3 optimizer for ``params``. Returns (GradientTransformation, labels tree). ``mesh`` and ``specs`` (the
+    parameters' PartitionSpecs on it): where the ``owner`` layout (``cfg.muon_layout``) sends each block to be
+    orthogonalized (None: one device).
 
     Stacked leaves [G, ...] (the repeating layer group, k3jax/model/layout.py) are updated one layer at a time by
     ``lax.map`` over the G axis: the per-layer transform (each layer's own Newton–Schulz, as unstacked — see
@@ -201,7 +262,19 @@ def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
     Numerics (tests/train/test_optim.py): the stacked update equals the update of the per-layer view within float64
     rounding; a batched Newton–Schulz over [G, ...] (vmap instead of map) left about half the float32 Muon leaves
     different by up to ~1e-5, which is why this is a map. Before the map (session 8) the G slices were unrolled in
-    Python: the train step's optimizer HLO then grew with G (31,603 StableHLO lines at 12 layers, 247,619 at 92)."""
+    Python: the train step's optimizer HLO then grew with G (31,603 StableHLO lines at 12 layers, 247,619 at 92).
+
+    The ``owner`` layout takes the Muon leaves out of the per-layer map: their whole stacks go to ``owner_muon``
+    (``k3jax.train.dist_muon``), the other leaves keep the map. State: ``{"flat", "stacked", "muon"}``."""
+    if cfg.muon_layout == "owner" and cfg.mode != "adamw":
+        tx, labels = _owner_optimizer(params, cfg, mesh, specs)
+    else:
+        tx, labels = _layered(params, cfg)
+    return _scoped(tx, OPTIMIZER_SCOPE), labels
+
+
+def _layered(params, cfg: OptimConfig):
+    """``make_optimizer``'s per-layer optimizer of ``params`` (leaves, or None where another transform owns them)."""
     stacked = _stacked_mask(params)
     lr = schedule(cfg.lr, cfg)
     adam_lr = schedule(cfg.adam_lr or cfg.lr, cfg)
@@ -236,6 +309,54 @@ def make_optimizer(params, cfg: OptimConfig = OptimConfig()):
     return optax.GradientTransformation(init, update), labels
 
 
+def whole_leaf_rule(path, leaf, cfg: OptimConfig):
+    """(label, dims, view) of a whole leaf: a stacked leaf's per-layer rule with its layer axis as a batch axis."""
+    label, dims, view = leaf_rule(path, leaf, cfg.mode, cfg.kvb_split)
+    if label != "muon" or key_names(path)[0] != "groups":
+        return label, dims, view
+    shift = lambda a: a + 1 if isinstance(a, int) else tuple(x + 1 for x in a)  # noqa: E731
+    return label, MDN(shift(dims.reduction_axis), shift(dims.output_axis)), (
+        None if view is None else (leaf.shape[0], *view))
+
+
+def _owner_optimizer(params, cfg: OptimConfig, mesh, specs):
+    """The ``owner`` layout: Muon leaves whole through ``owner_muon``, the rest through ``_layered``."""
+    on_mesh = mesh is not None and any(n > 1 for n in mesh.shape.values())
+    if on_mesh and specs is None:
+        raise ValueError("the owner Muon layout on a mesh needs the parameters' PartitionSpecs (specs=)")
+    rules = jax.tree_util.tree_map_with_path(lambda p, x: whole_leaf_rule(p, x, cfg), params)
+    is_muon = jax.tree.map(lambda r: r[0] == "muon", rules, is_leaf=_is_rule)
+    rest_tx, rest_labels = _layered(_part(params, is_muon, False), cfg)
+    dims = _part(jax.tree.map(lambda r: r[1], rules, is_leaf=_is_rule), is_muon, True)
+    views = _part(jax.tree.map(lambda r: r[2], rules, is_leaf=_is_rule), is_muon, True)
+    view_specs = None
+    if on_mesh:
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        view_specs = jax.tree_util.tree_map_with_path(
+            lambda path, sp, x, v: sp if v is None else view_spec(sp, x.shape, v, path_str(path)),
+            _part(specs, is_muon, True), _part(params, is_muon, True), views, is_leaf=is_spec)
+    muon = owner_muon(lambda _: dims, schedule(cfg.lr, cfg), ns_steps=cfg.ns_steps, beta=cfg.muon_beta,
+                      nesterov=cfg.muon_nesterov, consistent_rms=cfg.consistent_rms, weight_decay=cfg.weight_decay,
+                      mesh=mesh if on_mesh else None, specs=view_specs)
+    muon = _reshaping(muon, views)
+    if jnp.dtype(cfg.state_dtype) != jnp.float32:
+        muon = _stored(muon, cfg.state_dtype)
+
+    def init(p):
+        return {**rest_tx.init(_part(p, is_muon, False)), "muon": muon.init(_part(p, is_muon, True))}
+
+    def update(updates, state, p=None):
+        rest_state = {k: v for k, v in state.items() if k != "muon"}
+        u_rest, s_rest = rest_tx.update(_part(updates, is_muon, False), rest_state,
+                                        None if p is None else _part(p, is_muon, False))
+        u_muon, s_muon = muon.update(_part(updates, is_muon, True), state["muon"],
+                                     None if p is None else _part(p, is_muon, True))
+        return _merge(is_muon, u_rest, u_muon), {**s_rest, "muon": s_muon}
+
+    labels = _merge(is_muon, rest_labels, jax.tree.map(lambda r: r[0], _part(rules, is_muon, True), is_leaf=_is_rule))
+    return optax.GradientTransformation(init, update), labels
+
+
 def group_sizes(labels, params) -> dict:
     out: dict[str, int] = {}
     for lab, p in zip(jax.tree.leaves(labels), jax.tree.leaves(params)):
@@ -243,4 +364,4 @@ def group_sizes(labels, params) -> dict:
     return out
 
 
-__all__ = ["OptimConfig", "make_optimizer", "leaf_rule", "schedule", "group_sizes", "jnp"]
+__all__ = ["OptimConfig", "make_optimizer", "leaf_rule", "whole_leaf_rule", "schedule", "group_sizes", "jnp"]

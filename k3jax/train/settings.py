@@ -33,13 +33,16 @@ if TYPE_CHECKING:  # jax and the step / optimizer modules load when a run is res
 # Fields that change which batches / updates a run produces: a resume with different values is refused.
 _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
                 "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data",
-                "max_bytes", "heldout_frac", "total_steps", "frozen_experts")
+                "max_bytes", "heldout_frac", "total_steps", "frozen_experts", "opt_state_dtype", "muon_layout")
+# What a checkpoint that predates a key ran with, where that is not the key's default: every run before
+# --muon-layout existed used the per-layer Newton–Schulz.
+_BEFORE_KEY = {"muon_layout": "layer"}
 
 
 def resume_diff(saved: dict, now: dict) -> list[str]:
     """Settings (``_RESUME_KEYS``) that differ between a checkpoint's run and this one. A key the checkpoint does
     not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default."""
-    defaults = TrainConfig().resume_key()
+    defaults = TrainConfig().resume_key() | _BEFORE_KEY
     return sorted(k for k in now if saved.get(k, defaults[k]) != now[k])
 
 
@@ -54,6 +57,8 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 3e-3
     optimizer: str = "per_head"  # OptimConfig.mode
+    opt_state_dtype: str = "float32"  # OptimConfig.state_dtype: the moments' storage (master weights stay fp32)
+    muon_layout: str = "auto"  # OptimConfig.muon_layout; auto: "owner" on a mesh of > 1 device, else "layer"
     qat: str = "off"
     compute_dtype: str = "float32"
     layer_stack: str = "loop"  # RunConfig.layer_stack: "scan" compiles the repeating layer group once
@@ -135,7 +140,6 @@ def resolve_model(tc: TrainConfig) -> K3Config:
 
 def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") -> None:
     """The run's own settings; ``n_dev``: how many ways each micro-batch is split (``split`` names them)."""
-    from k3jax.train.optim import OptimConfig
     from k3jax.train.step import StepSpec
 
     if tc.steps < 1:
@@ -161,7 +165,28 @@ def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") 
     if tc.max_bad_steps < 1 or tc.ckpt_every < 1 or tc.eval_every < 1 or tc.keep < 1:
         raise InputError("--max-bad-steps, --ckpt-every, --eval-every and --keep must be >= 1")
     StepSpec(balance=tc.balance, qb_ema=tc.qb_ema, qk_tau=tc.qk_tau)  # validates the balance mode, ρ and τ
-    OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer)
+    optim_config(resolve_muon_layout(tc, 1))  # validates the optimizer's settings ("auto" resolves later, per mesh)
+
+
+def optim_config(tc: TrainConfig):
+    """The run's ``OptimConfig`` (validated: bad values are InputErrors naming the flag)."""
+    from k3jax.train.optim import OptimConfig
+
+    return OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer,
+                       state_dtype=tc.opt_state_dtype, muon_layout=tc.muon_layout)
+
+
+def resolve_muon_layout(tc: TrainConfig, devices: int) -> TrainConfig:
+    """``tc`` with ``muon_layout`` "auto" made concrete for a mesh of ``devices``: the resolved value is what a
+    checkpoint records (the two layouts' optimizer states differ in structure), and a resume whose mesh resolves
+    the other way is refused naming the flag that keeps the checkpoint's layout."""
+    from k3jax.train.dist_muon import LAYOUTS
+
+    if tc.muon_layout == "auto":
+        return tc.replace(muon_layout="owner" if devices > 1 else "layer")
+    if tc.muon_layout not in LAYOUTS:
+        raise InputError(f"--muon-layout {tc.muon_layout!r}: must be auto or one of {LAYOUTS}")
+    return tc
 
 
 def make_data_mesh(n: int | None) -> Mesh:
@@ -228,5 +253,5 @@ def run_settings(tc: TrainConfig, cfg: K3Config) -> RunConfig:
                        layer_stack=tc.layer_stack, remat=tc.remat)
 
 
-__all__ = ["TrainConfig", "check_frozen", "make_data_mesh", "resolve_mesh", "resolve_model", "resume_diff",
-           "run_settings", "step_spec", "validate"]
+__all__ = ["TrainConfig", "check_frozen", "make_data_mesh", "optim_config", "resolve_mesh", "resolve_model",
+           "resolve_muon_layout", "resume_diff", "run_settings", "step_spec", "validate"]

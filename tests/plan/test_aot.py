@@ -24,16 +24,18 @@ LIBTPU_LOCK = "/tmp/k3jax_libtpu_tests.lock"  # the lock tests/pallas/test_targe
 
 # CI budget (session 13): forward in the default suite, train in the slow pass, frozen-experts manual (passed in
 # 109 s, experiments/LOG.md)
-@pytest.mark.parametrize("mode", [m if m == "forward" else pytest.param(m, marks=pytest.mark.slow if m == "train"
-                                                                         else pytest.mark.manual)
-                                  for m in ("forward", "train", "frozen-experts")])  # serving: test_serving.py
-def test_compiled_arguments_match_the_closed_form(mode):
+@pytest.mark.parametrize("mode,state", [("forward", "float32"),
+                                        pytest.param("train", "float32", marks=pytest.mark.slow),
+                                        pytest.param("train", "bfloat16", marks=pytest.mark.slow),
+                                        pytest.param("frozen-experts", "float32", marks=pytest.mark.manual)])
+def test_compiled_arguments_match_the_closed_form(mode, state):
     """XLA:CPU over the test's 8 devices, data=2 x expert=4: the compiler's argument bytes per device are the
     config's parameters x the rules' shardings x the mode's bytes per parameter (within 0.1%: the estimate leaves
-    out step counters, the RNG key and Muon's coefficients); the program is the scanned stack with the
-    expert-parallel exchange inside it, and its FLOPs are counted through the loops."""
+    out step counters, the RNG key and Muon's coefficients; ``--opt-state-dtype bfloat16``: 2 bytes per moment); the
+    program is the scanned stack with the expert-parallel exchange inside it, and its FLOPs are counted through the
+    loops. Serving modes: test_serving.py."""
     spec = plan_spec.PlanSpec(mode=mode, mesh="data=2,expert=4", batch=8, seq_len=32,
-                        remat="none" if mode == "forward" else "full")
+                              remat="none" if mode == "forward" else "full", opt_state_dtype=state)
     out = aot.compile_plan(TINY, hardware.parse_target("cpu:8"), spec)
     assert out["argument_over_estimate"] == pytest.approx(1.0, rel=1e-3), out["estimate"]
     assert out["temp_bytes_per_device"] > 0 and out["fits"] is None and out["roofline"] is None
@@ -49,6 +51,9 @@ def test_compiled_arguments_match_the_closed_form(mode):
         assert (out["estimate"]["packed_experts"] > 0) == (mode == "frozen-experts")
     if mode == "train":  # no routing-dependent loops: the FLOP check is exact up to attention and capacity padding
         assert out["flops"]["within_20pct_of_expected"], out["flops"]
+    if mode != "forward":  # the owner layout's Newton–Schulz: the compiled program spends what the pools plan
+        assert out["flops"]["newton_schulz_compiled_over_split"] == pytest.approx(1.0, rel=1e-6), out["flops"]
+        assert out["optimizer_collectives"]["bytes"] > 0
 
 
 def test_estimate_by_hand_for_kimi_k3():
@@ -67,6 +72,9 @@ def test_estimate_by_hand_for_kimi_k3():
     assert est["weights"] == pytest.approx(4 * per_device, rel=1e-9)
     assert 8 * per_device <= est["weights"] + est["optimizer"] <= 12 * per_device
     assert est["tokens"] == 4 * 4097
+    half = estimate.estimate_arguments(cfg, spec.__class__(**{**spec.__dict__, "opt_state_dtype": "bfloat16"}), sizes,
+                                       strategy)
+    assert half["optimizer"] == pytest.approx(est["optimizer"] / 2, rel=1e-12) and half["weights"] == est["weights"]
 
 
 def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
@@ -105,9 +113,16 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     compiled = jax.jit(lambda g, s, p: tx.update(g, s, p)[0]).lower(params, state, params).compile()
     assert program_stats(compiled.as_text()).flops == pytest.approx(ns["global"], rel=1e-3)
     assert ns["per_device"] == ns["global"]
-    # experts split 4 ways, everything else replicated: the expert blocks' share falls 4x
-    sharded = estimate.newton_schulz_flops(TINY, spec, parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
+    # layer layout: experts split 4 ways, everything else replicated: the expert blocks' share falls 4x
+    layer = plan_spec.PlanSpec(mode="train", mesh="expert=4", batch=4, seq_len=8, muon_layout="layer")
+    sharded = estimate.newton_schulz_flops(TINY, layer, parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
     assert sharded["global"] == ns["global"] and ns["global"] / 4 < sharded["per_device"] < ns["global"]
+    # owner layout (the default): the replicated blocks are split too; what is left over the ideal quarter is padding
+    owner = estimate.newton_schulz_flops(TINY, layer.__class__(**{**layer.__dict__, "muon_layout": "owner"}),
+                                         parse_mesh("expert=4"), "ep", OptimConfig().ns_steps)
+    assert owner["per_device"] < sharded["per_device"]
+    assert owner["per_device"] * 4 == pytest.approx(ns["global"] * (1 + owner["padding"]))
+    assert 0 <= owner["padding"] < 1
 
 
 @pytest.mark.parametrize("argv,msg", [
@@ -126,6 +141,12 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
      "--context 64: the cache's length; --mode forward has no cache"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "prefill", "--batch", "8", "--seq-len", "64",
       "--context", "32"], "--context 32: must lie in [64,"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--opt-state-dtype", "bfloat16"],
+     "--opt-state-dtype bfloat16: --mode forward has no optimizer"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--mode", "train", "--opt-state-dtype", "int8"],
+     "--opt-state-dtype 'int8': the optimizer state's dtype must be a float dtype"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode", "--context", "64", "--batch", "8",
+      "--muon-layout", "layer"], "--muon-layout layer: --mode decode has no optimizer"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--packed-kernel", "pallas"],
      "--packed-kernel pallas --target cpu:8: the Pallas kernel compiles for TPU targets"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "train", "--remat", "most"], "--remat 'most'"),

@@ -341,3 +341,33 @@ def test_multi_output_fusion_updating_a_buffer_in_place():
     s = program_stats(_MULTI_OUTPUT)
     # reads: x and the index; the update read and written once; the second output written
     assert s.bytes_accessed == (one + 4) + 2 * one + one
+
+
+_SCOPED = """HloModule m
+
+%lib (a: f32[16,32]) -> f32[16,16] {
+  %a = f32[16,32] parameter(0)
+  ROOT %d = f32[16,16] dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (x: f32[16,32], w: f32[32,8]) -> (f32[16,16], f32[16,8], f32[16,16]) {
+  %x = f32[16,32] parameter(0)
+  %w = f32[32,8] parameter(1)
+  %n = f32[16,32] multiply(%x, %x), metadata={op_name="jit(step)/optimizer_update/muon_newton_schulz/mul"}
+  %g = f32[16,16] fusion(%n), kind=kCustom, calls=%lib
+  %h = f32[16,8] dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit/dot"}
+  %r = f32[16,16] all-reduce(%g), replica_groups={}, to_apply=%lib
+  ROOT %t = (f32[16,16], f32[16,8], f32[16,16]) tuple(%g, %h, %r)
+}
+"""
+
+
+def test_named_scopes_reach_instructions_that_lost_their_metadata():
+    """XLA:CPU's library fusions drop op_name metadata: a fusion without it takes its operands' scope, and its
+    body's dot the fusion's; an instruction with metadata outside the scope stays outside."""
+    s = program_stats(_SCOPED, scopes=("muon_newton_schulz", "optimizer_update", "absent"))
+    ns = s.scoped["muon_newton_schulz"]
+    assert ns["flops"] == 2 * 16 * 16 * 32  # the fused dot, not the model's [16, 32] x [32, 8]
+    assert s.flops == ns["flops"] + 2 * 16 * 8 * 32
+    assert ns["collectives"] == {"all-reduce": {"count": 1, "bytes": 16 * 16 * 4}}
+    assert s.scoped["optimizer_update"] == ns and s.scoped["absent"] == {"flops": 0.0, "collectives": {}}

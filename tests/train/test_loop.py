@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.cli.main import main
+from k3jax.errors import InputError
 from k3jax.pytree import path_str
 from k3jax.train.ckpt import load_checkpoint_params
 from k3jax.train.loop import TrainingStoppedError, train
@@ -80,7 +81,9 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
     (["--preset", "k3-mini", "--init", "TINYCKPT"], "does not match --preset k3-mini"),
     (["--init", "NOCKPT"], "no config.json"),
     (["--preset", "k3-tiny", "--qb-ema", "1.0"], "qb_ema must lie in [0, 1)"),
-], ids=["preset", "steps", "micro", "mesh", "empty", "missing", "jsonl", "init-mismatch", "init-missing", "qb-ema"])
+    (["--preset", "k3-tiny", "--opt-state-dtype", "int8"], "--opt-state-dtype 'int8'"),
+], ids=["preset", "steps", "micro", "mesh", "empty", "missing", "jsonl", "init-mismatch", "init-missing", "qb-ema",
+        "opt-state-dtype"])
 def test_bad_input_exits_2_before_compute(argv, msg, tmp_path, capsys, monkeypatch):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
@@ -111,6 +114,20 @@ def test_resume_diff_defaults_keys_older_checkpoints_lack():
     assert resume_diff(old, now) == []
     assert resume_diff(old, TrainConfig(preset="k3-tiny", steps=5, qb_ema=0.5).resume_key()) == ["qb_ema"]
     assert resume_diff(dict(now, lr=1.0), now) == ["lr"]
+
+
+def test_muon_layout_resolves_by_device_count_and_older_checkpoints_ran_per_layer():
+    from k3jax.train.settings import resolve_muon_layout
+
+    tc = TrainConfig(preset="k3-tiny")
+    assert resolve_muon_layout(tc, 1).muon_layout == "layer" and resolve_muon_layout(tc, 8).muon_layout == "owner"
+    assert resolve_muon_layout(tc.replace(muon_layout="layer"), 8).muon_layout == "layer"
+    with pytest.raises(InputError, match="--muon-layout 'sideways'"):
+        resolve_muon_layout(tc.replace(muon_layout="sideways"), 8)
+    now = resolve_muon_layout(tc, 8).resume_key()
+    old = {k: v for k, v in now.items() if k != "muon_layout"}  # every run before the key: per-layer Newton–Schulz
+    assert resume_diff(old, now) == ["muon_layout"]
+    assert resume_diff(old, resolve_muon_layout(tc, 1).resume_key()) == []
 
 
 def test_data_mesh_comes_from_make_mesh_and_places_like_a_plain_data_mesh():
