@@ -91,7 +91,7 @@ class K3Config:
     attn_res_block_size: int | None = 12  # None -> standard pre-norm residual (Kimi-Linear)
     # -- checkpoint storage of the routed experts
     expert_format: Literal["mxfp4", "bf16"] = "mxfp4"
-    # release metadata read from config.json that is no architecture (hf_config.EXTRA_READ, e.g.
+    # release metadata read from config.json that is no architecture (hf_keys.EXTRA_READ, e.g.
     # max_position_embeddings): never compared, hashed or written
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 

@@ -7,7 +7,8 @@
     aot.py       `k3 plan --compile`: the full-size program lowered and compiled for a TPU topology or cpu:N
     hlo.py       the compiled program's HLO text as computations, and how often each runs (loop trip counts)
     hlo_cost.py  what it costs: FLOPs, HBM bytes (weights / activations / kernels / collectives), collectives and
-                 custom calls (a kernel charged its declared cost estimate)
+                 custom calls (a kernel charged its declared cost estimate), named scopes' FLOPs and collectives
+    hlo_bytes.py the HBM bytes one instruction reads and writes, and which values are views of the arguments
 
 It sits above ``k3jax.train`` (a train plan compiles the train step) and below ``k3jax.cli`` (``cli/plan.py`` only
 parses flags and prints).

@@ -192,6 +192,10 @@ def _to_owners(shards: list, rs: list[Route]):
     total = x.shape[0]
     if -total % r.ways:
         x = jnp.concatenate([x, jnp.zeros((-total % r.ways, *r.mat), x.dtype)])
+        # a barrier: where a whole chunk is padding, XLA:CPU's simplifier forwards that chunk's broadcast into the
+        # all-to-all with a layout its HLO verifier then rejects ("all-to-all has operands with different shapes";
+        # k3-mini, zero3_ep_tp on cpu:8)
+        x = jax.lax.optimization_barrier(x)
     for dim, axis in r.moves:
         x = jax.lax.all_to_all(x, axis, 0, dim, tiled=True)
     return x.reshape(x.shape[0], *r.view.key)

@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 from k3jax.config import PRESETS, ConfigError, architecture, from_hf, get_preset
-from k3jax.hf_config import KEYS, UnknownConfigKeysWarning, classify_keys, to_hf_dict
+from k3jax.hf_config import UnknownConfigKeysWarning, classify_keys, to_hf_dict
+from k3jax.hf_keys import KEYS
 
 HERE = os.path.dirname(__file__)
 PRESET_DIR = os.path.join(HERE, "..", "..", "k3jax", "presets")
