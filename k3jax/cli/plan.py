@@ -67,8 +67,9 @@ def add_parser(sub) -> None:
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
     c.add_argument("--capacity-factor", type=float, default=None,
                    help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
-    c.add_argument("--opt-state-dtype", default=None, help="train modes: the optimizer moments' dtype (float32 "
-                   "default, bfloat16; fp32 master weights either way)")
+    c.add_argument("--opt-state-dtype", default=None, help="train modes: the optimizer moments' dtype (float32 or "
+                   "bfloat16; default bfloat16 for --mode train, float32 for frozen-experts; fp32 master weights "
+                   "either way)")
     c.add_argument("--muon-layout", default=None, choices=("owner", "layer"),
                    help="train modes: where Muon's Newton-Schulz runs: owner (default: each block whole on one "
                         "device) or layer (one layer at a time, where the rules put it)")
@@ -184,7 +185,7 @@ def _compile(args, cfg) -> int:
     spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=seq_len, remat=args.remat,
                     capacity_factor=args.capacity_factor, strategy=args.strategy,
                     packed_kernel=args.packed_kernel or "auto", context=args.context,
-                    opt_state_dtype=args.opt_state_dtype or "float32", muon_layout=args.muon_layout or "owner")
+                    opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner")
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)

@@ -82,7 +82,10 @@ class MoE(nnx.Module):
         cdt = x.dtype
         acc = acc_dtype(cdt)
         x2 = x.reshape(B * T, D)
-        r = route(x2, self.router[...], self.bias[...], top_k=top_k, renormalize=renormalize,
+        router = self.router[...]
+        if hasattr(dispatch, "replicate"):                # expert parallelism: the router whole on each device
+            router = dispatch.replicate(router)
+        r = route(x2, router, self.bias[...], top_k=top_k, renormalize=renormalize,
                   scaling_factor=scaling_factor)
         latent = hasattr(self, "down")
         z = (jnp.einsum("md,dp->mp", x2, self.down[...].astype(cdt), preferred_element_type=acc).astype(cdt)

@@ -23,6 +23,7 @@ from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.layers.experts import PackedExperts
+from k3jax.model.block_scan import scan_saving_parts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
 from k3jax.ops.norms import acc_dtype, rms_norm
@@ -262,7 +263,7 @@ class K3Model(nnx.Module):
             f, fx = ffn(layer, h)
             return (pin(h + f.astype(acc)),), (ax, fx)
 
-        def group(p, carry, g):
+        def group(p, carry, g, per_layer: bool = False):
             grp = nnx.merge(gdef, p, grest)
             core, sides = (carry[:-1], list(carry[-1])) if side is not None else (carry, None)
             outs = []
@@ -274,22 +275,32 @@ class K3Model(nnx.Module):
 
             for j, layer in enumerate(grp.layers):
                 mixer = mix if sides is None else carried(j)
-                core, ax_fx = one_layer(layer, core, lay.start + g * lay.period + j, mixer)
+                if per_layer:
+                    run_layer = self._checkpointed(lambda layer, core, l, m=mixer: one_layer(layer, core, l, m), "full")
+                else:
+                    run_layer = lambda layer, core, l, m=mixer: one_layer(layer, core, l, m)  # noqa: E731
+                core, ax_fx = run_layer(layer, core, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
             return ((*core, tuple(sides)) if sides is not None else core), outs
 
         # The remat unit of the scanned stack is one scan iteration (a group of ``period`` layers), not one layer:
         # the carry holds the AttnRes block sums [NB, B, T, D], which a per-layer checkpoint saves at every layer
         # (88 copies at full K3: 83 GB per chip of the frozen-expert step on v5p-512) and a per-group one once per
-        # group. Same math (tests/model: scan == loop under every policy).
-        if remat != "none":
-            group = jax.checkpoint(group, policy=remat_policy(remat), prevent_cse=False)
+        # group; under "full" not even that (``block_scan``: the buffer is rebuilt from its final value). Same math
+        # (tests/model: scan == loop under every policy).
+        if attn_res and remat == "full" and side is None and not jax.tree.leaves(grest):
+            carry, ys = scan_saving_parts(group, gparams, carry0, lay.groups,
+                                          lambda g: (lay.start + g * lay.period + S - 1) // S,
+                                          recompute=lambda p, c, g: group(p, c, g, per_layer=True))
+        else:
+            if remat != "none":
+                group = jax.checkpoint(group, policy=remat_policy(remat), prevent_cse=False)
 
-        def body(carry, xs):
-            p, g = xs
-            return group(p, carry, g)
+            def body(carry, xs):
+                p, g = xs
+                return group(p, carry, g)
 
-        carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
+            carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
         last = lay.start + lay.groups * lay.period          # first layer after the group
         n_end = sum(1 for l in commits if l < last)
 

@@ -30,8 +30,12 @@ def swiglu(a, b):
 
 
 def glu_activation(a, b, *, act: str, beta1: float = 4.0, beta2: float = 25.0):
+    """The GLU hidden activation of gate / up pre-activations ``a`` / ``b``, under ``jax.checkpoint``: its backward
+    keeps the two inputs and recomputes the element-wise math, where autodiff kept every intermediate — SiTU-GLU's
+    tanh, sigmoid and products are eight fp32 arrays of the expert rows (8 GB per MoE layer and chip of the full
+    model's QAT step on v5p-512, experiments/LOG.md). Same values; the recompute is element-wise."""
     if act == "situ":
-        return situ_glu(a, b, beta1, beta2)
+        return jax.checkpoint(lambda a, b: situ_glu(a, b, beta1, beta2))(a, b)
     if act == "silu":
-        return swiglu(a, b)
+        return jax.checkpoint(swiglu)(a, b)
     raise ValueError(f"unknown GLU activation {act!r} (expected 'situ' or 'silu')")

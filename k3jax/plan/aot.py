@@ -261,8 +261,10 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
                 + mem.temp_size_in_bytes)
         out["peak_bytes_per_device"] = int(peak)
         out["argument_over_estimate"] = mem.argument_size_in_bytes / est["total"]
-        # the TPU compiler enforces its own HBM budget (a program over it fails to compile, HbmOomError); XLA:CPU none
-        out["fits"] = True if target.platform == "tpu" else None
+        # the TPU compiler enforces its own HBM budget (a program over it fails to compile, HbmOomError) — unless
+        # told not to (LIBTPU_INIT_ARGS=--xla_tpu_no_crash_on_oom=true, which compiles it anyway: how a memory
+        # report of an over-budget program is had), so the peak is checked against the chip; XLA:CPU has none
+        out["fits"] = bool(peak <= cap) if target.platform == "tpu" and cap else None
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     out["cost_analysis"] = {k: float(cost[k]) for k in ("flops", "bytes accessed", "transcendentals")

@@ -49,6 +49,7 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     from k3jax.sharding.rules import param_specs
     from k3jax.train.optim import leaf_rule
 
+    spec = with_defaults(spec)[0]
     abstract = plan_params(cfg, spec)
     specs = param_specs(cfg, strategy, sizes, abstract)
     m = jnp.dtype(spec.opt_state_dtype).itemsize  # bytes per stored moment
@@ -106,15 +107,16 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
     ``global``: each block once. ``per_device``: what one device computes under ``spec.muon_layout`` —
     owner (``train.dist_muon``): the blocks its pools hand it, padding included (``pool_plan``: a pool of P blocks
-    held alike by a group of g devices costs each ceil(P / g) blocks; ``padding`` = per_device × devices / global
-    - 1); layer: each leaf's share if the work split as its sharding splits the leaf (a replicated leaf is
+    held alike by a group of g devices costs each ceil(P / g) blocks; a stack updated one layer group at a time,
+    ``dist_muon.loops``, pools per group: its pools' ``per_device`` are per group, their names say how many;
+    ``padding`` = per_device × devices / global - 1); layer: each leaf's share if the work split as its sharding splits the leaf (a replicated leaf is
     orthogonalized whole on every device) — the ideal XLA misses there: it computes X·Xᵀ of a sharded block in
     pieces but may hold A whole and square it on every device (on v6e-256 each shared-expert block's 6144² A·A,
     9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
     from k3jax.layers.experts import split_packed
     from k3jax.pytree import path_str
     from k3jax.sharding.rules import param_specs
-    from k3jax.train.dist_muon import pool_plan, route, view_spec
+    from k3jax.train.dist_muon import loops, one_group, pool_plan, route, view_spec
     from k3jax.train.optim import OptimConfig, whole_leaf_rule
 
     out = {"global": 0.0, "per_device": 0.0, "padding": 0.0}
@@ -123,22 +125,30 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     abstract = split_packed(plan_params(cfg, spec))[0]  # packed (frozen) experts are not optimized
     specs = param_specs(cfg, strategy, sizes, abstract)
     flops = lambda a, b: ns_steps * (4.0 * a * a * b + 2.0 * a ** 3)  # noqa: E731  one [a, b] block, a <= b
-    routes = []
+    routes, per_group, groups = [], [], 1
     for (path, leaf), pspec in _with_specs(abstract, specs):
         label, dims, view = whole_leaf_rule(path, leaf, OptimConfig())
         if label != "muon":
             continue
         shape = tuple(view or leaf.shape)
-        r = route(shape, dims, view_spec(pspec, tuple(leaf.shape), shape, path_str(path)) if view else pspec,
-                  sizes)
+        vspec = view_spec(pspec, tuple(leaf.shape), shape, path_str(path)) if view else pspec
+        r = route(shape, dims, vspec, sizes)
         f = r.view.count * flops(*r.view.key)
         out["global"] += f
         out["per_device"] += f * _per_device(leaf.shape, pspec, sizes) / math.prod(leaf.shape)  # layer layout
-        routes.append((r, leaf.dtype))
+        if loops(shape, leaf.dtype, vspec, sizes, key_names(path)[0] == "groups"):  # updated group by group
+            d1, s1 = one_group(dims, vspec)
+            per_group.append((route(shape[1:], d1, s1, sizes), leaf.dtype))
+            groups = shape[0]
+        else:
+            routes.append((r, leaf.dtype))
     if spec.muon_layout == "owner":
-        pools = pool_plan(routes, sizes)
-        out["per_device"] = sum(p["per_device"] * flops(k[0], k[1]) for k, p in pools.items())
-        out["pools"] = {f"{k[0]}x{k[1]} {k[2]} over {'x'.join(k[3]) or 'its owners'}": p for k, p in pools.items()}
+        pools = [(k, p, 1) for k, p in pool_plan(routes, sizes).items()]
+        pools += [(k, p, groups) for k, p in pool_plan(per_group, sizes).items()]
+        out["per_device"] = sum(n * p["per_device"] * flops(k[0], k[1]) for k, p, n in pools)
+        out["pools"] = {f"{k[0]}x{k[1]} {k[2]} over {'x'.join(k[3]) or 'its owners'}"
+                        + (f", per layer group x{n}" if n > 1 else ""): {**p, "blocks": p["blocks"] * n}
+                        for k, p, n in pools}
     devices = math.prod(sizes.values())
     out["padding"] = out["per_device"] * devices / out["global"] - 1 if out["global"] else 0.0
     return out

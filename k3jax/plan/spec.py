@@ -48,7 +48,7 @@ class PlanSpec:
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
     packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
     context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
-    opt_state_dtype: str = "float32"  # train modes: the optimizer moments' storage (OptimConfig.state_dtype)
+    opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
     muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; #30: owner)
 
 
@@ -58,6 +58,12 @@ class PlanSpec:
 # over fsdp alone leave ~100 GB/chip of fp32 state (experiments/LOG.md, 2026-12-02 session 10). Each default a plan
 # used is reported under ``defaults`` in its JSON; the flags override them (``--capacity-factor -1`` is dropless).
 PLAN_CAPACITY = 1.25
+# The QAT step stores its moments in bf16 (``k3 train --opt-state-dtype bfloat16``; masters and arithmetic fp32):
+# fp32 master + gradient + momentum of the routed experts are 63.8 GB of a v5p-512 chip's 95 GiB, and with fp32
+# moments the step peaks 3.5 GB over the compiler's budget; bf16 moments fit it at 94.2 GB. The k3-micro ablation
+# found no effect on the loss (+0.0011 ± 0.0025 nats; experiments/LOG.md 2026-12-05). frozen-experts keeps fp32 (its
+# state is the non-expert weights'); ``k3 train`` keeps fp32 (small models, memory not binding).
+PLAN_OPT_STATE = {"train": "bfloat16"}
 PLAN_REMAT = "full"
 # Decode runs dropless (-1): its worst-case buffer is small (B = 64 over expert = 16: 4 rows per chip, a 1,024-row
 # receive buffer per MoE layer), and a dropped assignment changes the token a server emits.
@@ -88,7 +94,10 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
         d["context"] = spec.seq_len
     if spec.strategy is None:
         d["strategy"] = plan_strategy(place.parse_mesh(spec.mesh))
-    return replace(spec, **d), d
+    quiet = {}  # filled, but a serving mode has no optimizer to report it for
+    if spec.opt_state_dtype is None:
+        (quiet if spec.mode in SERVING else d)["opt_state_dtype"] = PLAN_OPT_STATE.get(spec.mode, "float32")
+    return replace(spec, **d, **quiet), d
 
 
 def run_settings(cfg: K3Config, spec: PlanSpec):
@@ -175,5 +184,5 @@ def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
     return packed_form(p) if spec.mode in (*SERVING, "frozen-experts") else p
 
 
-__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_REMAT", "SERVING", "PlanSpec", "check",
+__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "PlanSpec", "check",
            "plan_params", "plan_strategy", "run_settings", "with_defaults"]

@@ -209,6 +209,11 @@ class ExpertParallel:
         self.expert_axis = ex[0] if ex else "expert"
         self.tensor_axes = mesh_axes_of("expert_mlp", rules, mesh)
         self.token_axes = tuple(a for a in mesh_axes_of("batch", rules, mesh) if a not in self.tensor_axes)
+        # the axes the rules split a float expert stack's width P over (its "latent" — or, for the standard MoE,
+        # "embed": every column maps the two alike — less the expert and tensor axes): the stacks enter the
+        # shard_map split as stored and are all-gathered inside (``_gather_width``)
+        self.width_axes = tuple(a for a in mesh_axes_of("latent", rules, mesh)
+                                if a != self.expert_axis and a not in self.tensor_axes)
         if self.expert_axis in axis_sizes(mesh) and axis_sizes(mesh)[self.expert_axis] > 1 \
                 and self.expert_axis not in self.token_axes:
             raise ValueError(f"rules must shard 'batch' over the expert axis {self.expert_axis!r} for EP "
@@ -224,6 +229,13 @@ class ExpertParallel:
             return x
         spec = P(*([None] * batch_dim), self.token_axes if len(self.token_axes) > 1 else self.token_axes[0])
         return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, spec))
+
+    def replicate(self, w):
+        """``w`` (a small weight: the router [D, E]) pinned whole on every device, so the MoE layer contracts its
+        own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner otherwise
+        moved the tokens onto the weight's D split and produced every device's partial scores for all tokens of
+        the mesh: ``f32[2097152, 896]``, 7.5 GB per MoE layer and chip on v5p-512 (experiments/LOG.md)."""
+        return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(self.mesh, P()))
 
     def _record(self, n):
         self.dropped.append(int(n))
@@ -258,6 +270,7 @@ class ExpertParallel:
         def local(z, ids, wts, w1, w3, w2):
             # chosen in here, where the current mesh is shard_map's (its device: the platform being compiled for)
             gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            w1, w3, w2 = self._gather_width(w1, w3, w2)
             bucketed, ragged = partial(_bucketed, **kw, gmm=gmm), partial(_ragged, **kw, gmm=gmm)
             args = (z, ids, wts, w1, w3, w2)
             if self.impl == "bucketed":
@@ -274,15 +287,33 @@ class ExpertParallel:
         return fn(z, ids, weights, w1, w3, w2)
 
     def _weight_specs(self, w1):
+        """in_specs of w1, w3, w2: experts over the expert axis, F over the tensor axes; a float stack's width P
+        also over ``width_axes`` (as the parameter is stored), gathered inside by ``_gather_width``."""
         t = self.tensor_axes or None
-        wspec_in, wspec_out = P(self.expert_axis, None, t), P(self.expert_axis, t, None)
         if isinstance(w1, PackedWeight):  # torch orientation [E, out, in/2 | in/32]: F is w1/w3's dim 1, w2's dim 2
-            wspec_in, wspec_out = wspec_out, wspec_in
+            wspec_in, wspec_out = P(self.expert_axis, t, None), P(self.expert_axis, None, t)
+        else:
+            p = self.width_axes or None
+            wspec_in, wspec_out = P(self.expert_axis, p, t), P(self.expert_axis, t, p)
         return wspec_in, wspec_in, wspec_out
+
+    def _gather_width(self, w1, w3, w2):
+        """Inside the shard_map: a float stack's width P all-gathered over ``width_axes`` (w1/w3 dim 1, w2 dim 2).
+        The gather is the ZeRO-3 weight gather done where autodiff sees it: its transpose is a reduce-scatter, so
+        each expert gradient leaves the shard_map already in its parameter's sharding. Gathered outside (an
+        in_spec without those axes) the cotangent was psum'd whole over them and sliced afterwards: the v5p-512
+        QAT step's all-reduce buffers inside the scan (experiments/LOG.md). Packed stacks (frozen, no gradient)
+        enter whole along P."""
+        if isinstance(w1, PackedWeight) or not self.width_axes:
+            return w1, w3, w2
+        ax = self.width_axes if len(self.width_axes) > 1 else self.width_axes[0]
+        g = partial(lax.all_gather, axis_name=ax, tiled=True)
+        return g(w1, axis=1), g(w3, axis=1), g(w2, axis=2)
 
     def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
         def local(z, ids, wts, w1, w3, w2):
             gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            w1, w3, w2 = self._gather_width(w1, w3, w2)
             return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
                                tensor_axes=self.tensor_axes, gmm=gmm)
 

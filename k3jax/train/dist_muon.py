@@ -54,6 +54,11 @@ from k3jax.errors import InputError
 NS_SCOPE = "muon_newton_schulz"  # Muon's Newton–Schulz, either layout (k3 plan: flops.newton_schulz_compiled)
 OPTIMIZER_SCOPE = "optimizer_update"  # the whole optimizer update (k3 plan: the optimizer's collectives)
 LAYOUTS = ("layer", "owner")
+# A stacked Muon leaf whose shard on one device is larger than this is updated one layer group at a time
+# (``loops``): a whole-stack update holds several leaf-sized transients at once — the momentum estimate, the blocks
+# at their owners, Newton–Schulz's X·Xᵀ over every block, the results on their way back — and at full K3 the routed
+# experts' stacks are 21.3 GB per v5p-512 chip (experiments/LOG.md, 2026-12-05 session 18).
+LOOP_BYTES = 1 << 30
 
 
 def _axes(a) -> tuple[int, ...]:
@@ -151,6 +156,25 @@ def view_spec(spec, shape: tuple, view: tuple, name: str) -> PartitionSpec:
                          f"mesh shards it over {e}: no device group holds its blocks whole (use --muon-layout layer "
                          "or a mesh that does not shard that dim)")
     return PartitionSpec(*entries[:same], *(None,) * (len(view) - same))
+
+
+def loops(shape: tuple, dtype, spec, sizes: dict, stacked: bool) -> bool:
+    """Whether a Muon leaf is updated one layer group at a time (a stacked leaf, its layer axis unsharded, more than
+    ``LOOP_BYTES`` per device). Its blocks then pool per group: blocks of other leaves' groups alike do not share
+    a pool with them, which adds padding where a group's blocks are fewer than their devices — hence only the big
+    stacks (at full K3, the routed experts: 10,752 blocks per group over 512 chips, 21 each, no padding)."""
+    entries = tuple(spec)
+    if not stacked or (entries and entries[0] is not None):
+        return False
+    shards = math.prod(sizes.get(a, 1) for e in entries for a in _spec_axes(e))
+    return math.prod(shape) * jnp.dtype(dtype).itemsize / shards > LOOP_BYTES
+
+
+def one_group(dims: MDN, spec) -> tuple[MDN, PartitionSpec]:
+    """The dimension numbers and PartitionSpec of one layer group of a stacked leaf (its leading axis dropped)."""
+    less = lambda a: a - 1 if a > 0 else a  # noqa: E731
+    shift = lambda a: less(a) if isinstance(a, int) else tuple(less(x) for x in a)  # noqa: E731
+    return MDN(shift(dims.reduction_axis), shift(dims.output_axis)), PartitionSpec(*tuple(spec)[1:])
 
 
 def group_key(r: Route, dtype) -> tuple:
@@ -293,43 +317,80 @@ def _pooled_here(xs: list, dims: list, ns_coeffs, ns_steps: int, eps: float) -> 
 
 
 def scale_by_owner_muon(dims_fn, *, ns_steps: int, beta: float, nesterov: bool, mesh=None, specs=None,
-                        eps: float = 1e-8) -> optax.GradientTransformation:
+                        stacked=None, eps: float = 1e-8) -> optax.GradientTransformation:
     """``optax.contrib.scale_by_muon`` (its state, momentum and Nesterov arithmetic, line for line) with the
     orthogonalization pooled over blocks and split over ``mesh`` (``orthogonalize_pooled``). ``dims_fn``: the
-    leaves' MuonDimensionNumbers from the updates tree; ``specs``: their PartitionSpecs on ``mesh`` (a tree)."""
+    leaves' MuonDimensionNumbers from the updates tree; ``specs``: their PartitionSpecs on ``mesh`` (a tree);
+    ``stacked``: a tree of bools, True for a leaf whose leading axis is the layer stack. Such a leaf past
+    ``LOOP_BYTES`` per device (``loops``) is updated one layer group at a time in a ``fori_loop`` that writes each
+    group's result back into the incoming gradient and its momentum into the old momentum (in place): its
+    transients are one group's, not the stack's."""
     base = optax.contrib.scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
                                        weight_dimension_numbers=dims_fn)
 
-    def update_fn(updates, state, params=None):
-        del params
-        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
-        count_inc = optax.safe_increment(state.count)
+    def moments(g, m, count_inc):
+        mu = optax.tree.update_moment(g, m, beta, 1)
         if nesterov:
             mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
                                   optax.tree.bias_correction(mu, beta, optax.safe_increment(count_inc)),
-                                  optax.tree.bias_correction(updates, beta, count_inc))
+                                  optax.tree.bias_correction(g, beta, count_inc))
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count_inc)
-        leaves, treedef = jax.tree.flatten(mu_hat)
+        return mu, mu_hat
+
+    def update_fn(updates, state, params=None):
+        del params
+        count_inc = optax.safe_increment(state.count)
+        gs, treedef = jax.tree.flatten(updates)
+        ms = treedef.flatten_up_to(state.mu)
         dims = jax.tree.leaves(dims_fn(updates), is_leaf=lambda x: isinstance(x, MDN))
-        sp = None if specs is None else jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-        ortho = orthogonalize_pooled(leaves, dims, state.ns_coeffs, ns_steps, eps, mesh, sp)
-        return jax.tree.unflatten(treedef, ortho), state._replace(count=count_inc, mu=mu)
+        sp = (jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) if specs is not None
+              else [PartitionSpec()] * len(gs))
+        st = [False] * len(gs) if stacked is None else treedef.flatten_up_to(stacked)
+        sizes = {} if mesh is None else dict(mesh.shape)
+        looped = [i for i in range(len(gs)) if loops(gs[i].shape, gs[i].dtype, sp[i], sizes, st[i])]
+        whole = [i for i in range(len(gs)) if i not in looped]
+        out, mu = list(gs), list(ms)
+        if whole:
+            new, hat = moments([gs[i] for i in whole], [ms[i] for i in whole], count_inc)
+            ortho = orthogonalize_pooled(hat, [dims[i] for i in whole], state.ns_coeffs, ns_steps, eps, mesh,
+                                         None if specs is None else [sp[i] for i in whole])
+            for k, i in enumerate(whole):
+                out[i], mu[i] = ortho[k], new[k]
+        if looped:
+            one = [one_group(dims[i], sp[i]) for i in looped]
+
+            def group(g, carry):
+                us, vs = carry
+                take = lambda x: jax.lax.dynamic_index_in_dim(x, g, 0, keepdims=False)  # noqa: E731
+                new, hat = moments([take(u) for u in us], [take(v) for v in vs], count_inc)
+                ortho = orthogonalize_pooled(hat, [d for d, _ in one], state.ns_coeffs, ns_steps, eps, mesh,
+                                             None if specs is None else [p for _, p in one])
+                put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), g, 0)  # noqa: E731
+                return [put(u, o) for u, o in zip(us, ortho)], [put(v, n) for v, n in zip(vs, new)]
+
+            G = gs[looped[0]].shape[0]
+            us, vs = jax.lax.fori_loop(0, G, group, ([gs[i] for i in looped], [ms[i] for i in looped]))
+            for k, i in enumerate(looped):
+                out[i], mu[i] = us[k], vs[k]
+        return (jax.tree.unflatten(treedef, out),
+                state._replace(count=count_inc, mu=jax.tree.unflatten(treedef, mu)))
 
     return optax.GradientTransformation(base.init, update_fn)
 
 
 def owner_muon(dims_fn, lr, *, ns_steps: int, beta: float, nesterov: bool, consistent_rms: float,
-               weight_decay: float, mesh=None, specs=None) -> optax.GradientTransformation:
+               weight_decay: float, mesh=None, specs=None, stacked=None) -> optax.GradientTransformation:
     """The Muon group as ``optax.contrib.muon`` chains it (Newton–Schulz, consistent-RMS scale, decoupled weight
     decay, learning rate), with ``scale_by_owner_muon`` for its first link."""
     return optax.chain(
-        scale_by_owner_muon(dims_fn, ns_steps=ns_steps, beta=beta, nesterov=nesterov, mesh=mesh, specs=specs),
+        scale_by_owner_muon(dims_fn, ns_steps=ns_steps, beta=beta, nesterov=nesterov, mesh=mesh, specs=specs,
+                            stacked=stacked),
         scale_by_shape(weight_dimension_numbers=dims_fn, consistent_rms=consistent_rms),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(lr))
 
 
-__all__ = ["LAYOUTS", "NS_SCOPE", "OPTIMIZER_SCOPE", "BlockView", "Route", "block_view", "from_blocks", "group_key",
-           "orthogonalize_pooled", "owner_muon", "pool_key", "pool_plan", "route", "scale_by_owner_muon", "to_blocks",
-           "view_spec"]
+__all__ = ["LAYOUTS", "LOOP_BYTES", "NS_SCOPE", "OPTIMIZER_SCOPE", "BlockView", "Route", "block_view", "from_blocks",
+           "group_key", "loops", "one_group", "orthogonalize_pooled", "owner_muon", "pool_key", "pool_plan", "route",
+           "scale_by_owner_muon", "to_blocks", "view_spec"]

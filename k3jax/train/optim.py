@@ -335,9 +335,10 @@ def _owner_optimizer(params, cfg: OptimConfig, mesh, specs):
         view_specs = jax.tree_util.tree_map_with_path(
             lambda path, sp, x, v: sp if v is None else view_spec(sp, x.shape, v, path_str(path)),
             _part(specs, is_muon, True), _part(params, is_muon, True), views, is_leaf=is_spec)
+    stacked = _part(_stacked_mask(params), is_muon, True)
     muon = owner_muon(lambda _: dims, schedule(cfg.lr, cfg), ns_steps=cfg.ns_steps, beta=cfg.muon_beta,
                       nesterov=cfg.muon_nesterov, consistent_rms=cfg.consistent_rms, weight_decay=cfg.weight_decay,
-                      mesh=mesh if on_mesh else None, specs=view_specs)
+                      mesh=mesh if on_mesh else None, specs=view_specs, stacked=stacked)
     muon = _reshaping(muon, views)
     if jnp.dtype(cfg.state_dtype) != jnp.float32:
         muon = _stored(muon, cfg.state_dtype)

@@ -93,26 +93,28 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
         n_mla = len(cfg.mla_layers)
         b_le = bal.biases(params, cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
 
-        def micro(carry, tok):
+        def one(tok):
             (loss, (ce, aux)), g = full(params, tok)
             stats = bal.micro_stats(aux["routing"], b_le, E, mode=spec.balance) if moe_idx else {}
-            ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]) if n_mla
+            ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]).astype(jnp.float32) if n_mla
                   else jnp.zeros((0, 1), jnp.float32))
+            return g, loss, ce, stats, ml
+
+        def micro(carry, tok):
+            g, loss, ce, stats, ml = one(tok)
             acc_g, acc_loss, acc_ce, acc_stats, acc_ml = carry
             carry = (jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_ce + ce,
-                     jax.tree.map(jnp.add, acc_stats, stats), jnp.maximum(acc_ml, ml.astype(jnp.float32)))
+                     jax.tree.map(jnp.add, acc_stats, stats), jnp.maximum(acc_ml, ml))
             return carry, None
 
         M = tokens.shape[0]
-        # shapes of the per-micro-batch outputs, to build a zero carry
-        _, (_, aux0) = jax.eval_shape(loss_fn, params if frozen is None else merge_trees(params, frozen), tokens[0])
-        stats0 = jax.eval_shape(lambda a: bal.micro_stats(a, b_le, E, mode=spec.balance), aux0["routing"]) \
-            if moe_idx else {}
-        N = aux0["mla_max_logit"][0].shape[-1] if n_mla else 1
-        carry0 = (jax.tree.map(jnp.zeros_like, params), jnp.float32(0), jnp.float32(0),
-                  jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats0),
-                  jnp.full((n_mla, N), -jnp.inf, jnp.float32))
-        (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, carry0, tokens)
+        # The first micro-batch starts the sums (no zero gradient tree beside the one being built: at one micro-batch
+        # per step there is no accumulation loop at all, where a loop carried a second fp32 gradient tree, 28 GB per
+        # chip of the full model's QAT step on v5p-512, experiments/LOG.md). x == 0 + x: the sums are unchanged.
+        (g, loss, ce, stats, ml) = one(tokens[0])
+        if M > 1:
+            (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, (g, loss, ce, stats, ml), tokens[1:])
+        N = ml.shape[-1]
         scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
         g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
         loss, ce = loss * scale, ce * scale

@@ -61,7 +61,7 @@ def test_estimate_by_hand_for_kimi_k3():
     dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything
     else is replicated; train keeps fp32 master + Muon momentum (AdamW: two moments)."""
     cfg = get_preset("kimi-k3")
-    spec = plan_spec.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096)
+    spec = plan_spec.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096, opt_state_dtype="float32")
     sizes, strategy = plan_spec.check(cfg, hardware.parse_target("cpu:64"), spec)
     est = estimate.estimate_arguments(cfg, spec, sizes, strategy)
     n_total = 2_779_484_476_000  # SPEC §12.1, the k3jax tree (A_log unpadded)
@@ -79,15 +79,19 @@ def test_estimate_by_hand_for_kimi_k3():
 
 def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
     """Unset fields get what one deploys at full size (capacity 1.25, remat full per group in the train modes,
-    zero3_ep_tp on fsdp x expert meshes), each reported; a flag given is kept as given (-1: dropless)."""
+    zero3_ep_tp on fsdp x expert meshes, bf16 moments in train mode), each reported; a flag given is kept as given
+    (-1: dropless)."""
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
                                              seq_len=4096))
-    assert d == {"remat": "full", "capacity_factor": 1.25, "strategy": "zero3_ep_tp"}
+    assert d == {"remat": "full", "capacity_factor": 1.25, "strategy": "zero3_ep_tp", "opt_state_dtype": "float32"}
     assert (spec.remat, spec.capacity_factor, spec.strategy) == ("full", 1.25, "zero3_ep_tp")
+    spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="train", mesh="fsdp=8,expert=64", batch=512,
+                                                         seq_len=4096))
+    assert d["opt_state_dtype"] == spec.opt_state_dtype == "bfloat16"
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
-    assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"}
+    assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"} and spec.opt_state_dtype == "float32"
     given = plan_spec.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",
-                         capacity_factor=-1.0, strategy="fsdp_ep_tp")
+                         capacity_factor=-1.0, strategy="fsdp_ep_tp", opt_state_dtype="float32")
     assert plan_spec.with_defaults(given) == (given, {})
     assert plan_spec.check(TINY, hardware.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
 

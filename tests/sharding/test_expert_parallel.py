@@ -185,3 +185,32 @@ def test_ragged_path_capacity_drops_the_rows_the_bucketed_path_drops(monkeypatch
                    .dispatch(*a, ACT)).lower(z, ids, wts, w1, w3, w2).as_text()
     C = bucket_capacity(M // 8, A, E // 4, 4, 1.0)
     assert f"tensor<{4 * C}x{Pd}xf32>" in text  # the receive buffer: X·C rows of P
+
+
+def test_expert_stacks_split_over_fsdp_gather_inside_and_gradients_reduce_scatter():
+    """Under ``fsdp_ep_tp`` a float expert stack's width P is split over fsdp as stored: it enters the shard_map so
+    and is all-gathered inside, so its gradient leaves by a reduce-scatter (the gather's transpose) in the
+    parameter's sharding — not a psum of the whole stack. Values and gradients equal the dense reference."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = make_mesh({"fsdp": 2, "expert": 4})
+    ep = ExpertParallel(mesh, "fsdp_ep_tp")
+    assert ep.width_axes == ("fsdp",)
+    _check(ep, "skewed")
+    z, ids, wts, w1, w3, w2 = _problem("balanced")
+    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
+    args = (put(z, ("fsdp", "expert")), put(wts, ("fsdp", "expert")), put(w1, "expert", "fsdp"),
+            put(w3, "expert", "fsdp"), put(w2, "expert", None, "fsdp"))
+
+    def loss(z, wts, w1, w3, w2):
+        return jnp.sum(jnp.sin(ep(z, ids, wts, w1, w3, w2, ACT)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
+    text = grad.lower(*args).compile().as_text()
+    assert "reduce-scatter" in text
+    stack = f"f32[{E // 4},{Pd},{F}]"  # a device's experts, width gathered: what a psum of the stack would reduce
+    assert not [ln for ln in text.splitlines() if "all-reduce(" in ln and stack in ln.split("all-reduce(")[0]]
+    for g, spec in zip(grad(*args), (P("expert", "fsdp"), P("expert", "fsdp"), P("expert", None, "fsdp"))):
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim)
+

@@ -14,6 +14,7 @@ from optax.contrib import MuonDimensionNumbers as MDN  # noqa: N817
 from k3jax.config import get_preset
 from k3jax.errors import InputError
 from k3jax.model import init_params
+from k3jax.pytree import key_names
 from k3jax.sharding import make_mesh
 from k3jax.sharding import placement as place
 from k3jax.sharding.rules import param_specs
@@ -185,3 +186,34 @@ def test_owner_muon_under_zero3_compiles_and_matches_one_device():
         got = _three_steps(p, OptimConfig(total_steps=10, muon_layout="owner"), make_mesh(sizes),
                            {"cfg": cfg, "strategy": strategy}, steps=1)
         assert _worst(got, _three_steps(p, OptimConfig(total_steps=10), steps=1)) <= TOL["fp64_vs_fp64"]
+
+
+@pytest.mark.parametrize("mesh_spec", [None, "fsdp=2,expert=4"])
+def test_stacked_leaves_updated_group_by_group_equal_the_whole_update(monkeypatch, mesh_spec):
+    """With ``LOOP_BYTES`` = 0 every stacked Muon leaf takes the per-group ``fori_loop`` (at full K3 only the routed
+    experts' stacks do): k3-tiny grown to 13 layers (two stacked groups), float64, three steps, on one device and on
+    8 (zero3_ep_tp), equal the one-device per-layer optimizer — updates and momentum written back group by group
+    into the incoming buffers."""
+    from k3jax.config import k3_full_attn_layers
+    from k3jax.train import dist_muon
+
+    with jax.enable_x64(True):
+        cfg = get_preset("k3-tiny", num_layers=13, full_attn_layers=k3_full_attn_layers(13))
+        p = jax.tree.map(lambda x: x.astype(jnp.float64), init_params(cfg, jax.random.key(0),
+                                                                        run_settings(TrainConfig(), cfg)))
+        ref = _three_steps(p, OptimConfig(total_steps=10))
+        stacked = [x for path, x in jax.tree_util.tree_leaves_with_path(p) if key_names(path)[0] == "groups"]
+        assert stacked and not dist_muon.loops(stacked[0].shape, stacked[0].dtype, P(), {}, True)
+        monkeypatch.setattr(dist_muon, "LOOP_BYTES", 0)
+        assert dist_muon.loops(stacked[0].shape, stacked[0].dtype, P(), {}, True)
+        sliced = []
+        one_group = dist_muon.one_group
+        monkeypatch.setattr(dist_muon, "one_group", lambda d, sp: sliced.append(d) or one_group(d, sp))
+        if mesh_spec is None:
+            got = _three_steps(p, OptimConfig(total_steps=10, muon_layout="owner"))
+        else:
+            sizes, strategy = place.resolve_mesh(mesh_spec, devices=8, exact=True, strategy="zero3_ep_tp", cfg=cfg)
+            got = _three_steps(p, OptimConfig(total_steps=10, muon_layout="owner"), make_mesh(sizes),
+                               {"cfg": cfg, "strategy": strategy})
+        assert sliced                                      # the stacked Muon leaves went through the loop
+        assert _worst(got, ref) <= TOL["fp64_vs_fp64"]
