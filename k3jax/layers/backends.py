@@ -30,8 +30,8 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
     with respect to x is the kernel's transposed form. ``platform``: whose schedule and tiles (None: the platform
     being compiled for). Compiled for a GPU/TPU target; for a CPU target a Pallas interpreter runs it (inside
     ``shard_map`` the TPU one), so ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too
-    (``ExpertParallel(packed_kernel="pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it takes the XLA loop of
-    k3jax/ops/packed_experts.py."""
+    (``ExpertParallel(packed_kernel="pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it
+    takes the XLA loop of k3jax/ops/packed_experts.py."""
     from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm
 
     target = kernel_target()

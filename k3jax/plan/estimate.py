@@ -109,10 +109,10 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     owner (``train.dist_muon``): the blocks its pools hand it, padding included (``pool_plan``: a pool of P blocks
     held alike by a group of g devices costs each ceil(P / g) blocks; a stack updated one layer group at a time,
     ``dist_muon.loops``, pools per group: its pools' ``per_device`` are per group, their names say how many;
-    ``padding`` = per_device × devices / global - 1); layer: each leaf's share if the work split as its sharding splits the leaf (a replicated leaf is
-    orthogonalized whole on every device) — the ideal XLA misses there: it computes X·Xᵀ of a sharded block in
-    pieces but may hold A whole and square it on every device (on v6e-256 each shared-expert block's 6144² A·A,
-    9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
+    ``padding`` = per_device × devices / global - 1); layer: each leaf's share if the work split as its sharding
+    splits the leaf (a replicated leaf is orthogonalized whole on every device) — the ideal XLA misses there: it
+    computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256 each
+    shared-expert block's 6144² A·A, 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
     from k3jax.layers.experts import split_packed
     from k3jax.pytree import path_str
     from k3jax.sharding.rules import param_specs

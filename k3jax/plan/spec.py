@@ -184,5 +184,5 @@ def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
     return packed_form(p) if spec.mode in (*SERVING, "frozen-experts") else p
 
 
-__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "PlanSpec", "check",
-           "plan_params", "plan_strategy", "run_settings", "with_defaults"]
+__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "PlanSpec",
+           "check", "plan_params", "plan_strategy", "run_settings", "with_defaults"]

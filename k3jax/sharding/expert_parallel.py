@@ -232,9 +232,10 @@ class ExpertParallel:
 
     def replicate(self, w):
         """``w`` (a small weight: the router [D, E]) pinned whole on every device, so the MoE layer contracts its
-        own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner otherwise
-        moved the tokens onto the weight's D split and produced every device's partial scores for all tokens of
-        the mesh: ``f32[2097152, 896]``, 7.5 GB per MoE layer and chip on v5p-512 (experiments/LOG.md)."""
+        own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner may instead
+        move the tokens onto the weight's D split and make every device's partial scores for all tokens of the
+        mesh: ``f32[2097152, 896]``, 7.5 GB per MoE layer and chip in XLA:CPU's plan of the v5p-512 step on cpu:512
+        (experiments/LOG.md, 2026-12-02)."""
         return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(self.mesh, P()))
 
     def _record(self, n):

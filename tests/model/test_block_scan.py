@@ -9,8 +9,7 @@ import pytest
 
 from k3jax.bench.compile import compile_train_grad, temp_bytes
 from k3jax.config import default_run, get_preset, k3_full_attn_layers
-from k3jax.model import init_params, layout
-from k3jax.model import network
+from k3jax.model import init_params, layout, network
 from k3jax.testing import TOL, assert_close
 
 B, T = 2, 16
