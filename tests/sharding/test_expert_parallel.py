@@ -213,4 +213,3 @@ def test_expert_stacks_split_over_fsdp_gather_inside_and_gradients_reduce_scatte
     assert not [ln for ln in text.splitlines() if "all-reduce(" in ln and stack in ln.split("all-reduce(")[0]]
     for g, spec in zip(grad(*args), (P("expert", "fsdp"), P("expert", "fsdp"), P("expert", None, "fsdp"))):
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), g.ndim)
-
