@@ -225,6 +225,32 @@ def validate(c: K3Config) -> None:
     need(c.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
 
 
+LORA_TARGETS = ("attn", "shared", "dense", "experts")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (k3jax/layers/lora.py): W x + (alpha / rank) B A x on the projections of ``targets`` —
+    "attn" (KDA, MLA), "shared" / "dense" (those FFNs), "experts" (per-expert factors over each routed stack)."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    targets: tuple[str, ...] = ("attn", "shared", "experts")
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        _need(self, isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0, "rank",
+              "must be a positive integer")
+        _need(self, self.alpha > 0, "alpha", "must be > 0")
+        _need(self, bool(self.targets) and all(t in LORA_TARGETS for t in self.targets), "targets",
+              f"must be a non-empty subset of {LORA_TARGETS}")
+        _need(self, self.dropout == 0.0, "dropout", "not implemented (the model takes no dropout key): only 0")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How a model runs — never part of a checkpoint or its ``config.json``: dtypes, kernel and dispatch choices,
@@ -245,8 +271,12 @@ class RunConfig:
     # Each decoder layer's forward (loop), or each scanned group of layers (scan), under jax.checkpoint with this
     # policy (REMAT_POLICIES): the same math, less activation memory kept for the backward pass, more recompute.
     remat: Remat = "none"
+    # LoRA adapters beside the weights (k3jax/layers/lora.py); None: none. Like packed experts, adapters change the
+    # modules' parameters, not the architecture: a checkpoint's config.json never holds them.
+    lora: LoRAConfig | None = None
 
     def __post_init__(self):
+        _need(self, self.lora is None or isinstance(self.lora, LoRAConfig), "lora", "must be a LoRAConfig or None")
         for fld, opts in _RUN_CHOICES.items():
             _need(self, getattr(self, fld) in opts, fld, f"must be one of {opts}")
         for fld in ("kda_chunk_size", "mla_block_size"):
@@ -417,6 +447,7 @@ def default_run(cfg: K3Config, **overrides) -> RunConfig:
     return run.replace(**overrides) if overrides else run
 
 
-__all__ = ["KDA_IMPLS", "MOE_IMPLS", "NOT_IN_HF_CONFIG", "QAT_MODES", "REMAT_POLICIES", "K3Config", "ConfigError",
+__all__ = ["KDA_IMPLS", "LORA_TARGETS", "MOE_IMPLS", "NOT_IN_HF_CONFIG", "QAT_MODES", "REMAT_POLICIES", "K3Config",
+           "ConfigError", "LoRAConfig",
            "PRESETS", "PRESET_RUNS", "RUN_FIELDS", "RunConfig", "architecture", "architecture_diff", "default_run",
            "from_hf", "get_preset", "k3_full_attn_layers", "preset_of", "validate"]

@@ -1,6 +1,7 @@
 """Byte-level token data from a corpus that exists on every machine: the Python standard library's own sources.
 
     tokens = stdlib_bytes(max_bytes=1 << 20)   # uint8 array, deterministic file order
+    docs = stdlib_documents(max_bytes=1 << 20)  # the same bytes, one document per file
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ def stdlib_files() -> list[str]:
     return out
 
 
-def stdlib_bytes(max_bytes: int = 1 << 20) -> np.ndarray:
-    """The first ``max_bytes`` bytes of the concatenated stdlib sources (sorted paths) as uint8 tokens."""
+def stdlib_documents(max_bytes: int = 1 << 20) -> list[bytes]:
+    """The stdlib sources (sorted paths), one document per file, up to ``max_bytes`` in all (the last one cut)."""
     chunks, n = [], 0
     for path in stdlib_files():
         with open(path, "rb") as f:
             b = f.read()
-        chunks.append(b)
-        n += len(b)
+        chunks.append(b[:max_bytes - n])
+        n += len(chunks[-1])
         if n >= max_bytes:
             break
-    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8).copy()
+    return chunks
+
+
+def stdlib_bytes(max_bytes: int = 1 << 20) -> np.ndarray:
+    """The first ``max_bytes`` bytes of the concatenated stdlib sources (sorted paths) as uint8 tokens."""
+    return np.frombuffer(b"".join(stdlib_documents(max_bytes)), dtype=np.uint8).copy()

@@ -32,4 +32,5 @@ LOGICAL_AXES = (
     "latent",  # LatentMoE latent width
     "norm",  # norm gains and 1-D vectors that are never sharded
     "layers",  # the stacked axis of the repeating layer group (k3jax/model/layout.py)
+    "lora_rank",  # a LoRA adapter's rank r (k3jax/layers/lora.py): never sharded
 )

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # k3jax's top-level modules and packages by level: each may import its own and lower levels' only.
 LEVELS = (
     {"notation", "errors", "pytree"},
-    {"config", "hf_config", "hf_keys", "data", "tokenizer"},  # config, hf_config, hf_keys: one unit (SAME_UNIT)
+    {"config", "hf_config", "hf_keys", "data", "tokenizer", "chat"},  # config, hf_config, hf_keys: one unit (SAME_UNIT)
     {"ops", "reference"},
     {"layers"},
     {"model"},

@@ -221,13 +221,7 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
         if manifest:
             with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
                 f.writelines(f"{sha256_file(os.path.join(tmp, n))}  {n}\n" for n in files)
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.rename(out_dir, os.path.join(old, "d"))
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        move_into_place(tmp, out_dir)
     except BaseException:
         failed = True
         shutil.rmtree(tmp, ignore_errors=True)
@@ -237,6 +231,18 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
             save_dist.barrier(f"k3jax save: done {out_dir}")
             save_dist.any_failed(failed)
     return {"dir": out_dir, "files": files, "total_size": total_size}
+
+
+def move_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the finished directory ``tmp`` (a sibling of ``out_dir``) to ``out_dir``; an existing ``out_dir`` is
+    moved aside first and removed only once the new one is in place (the writers' atomic replace)."""
+    if os.path.exists(out_dir):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(tmp))
+        os.rename(out_dir, os.path.join(old, "d"))
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out_dir)
 
 
 def export_trained(params, cfg: K3Config, qat: str, out_dir: str) -> dict:
@@ -253,4 +259,4 @@ def export_trained(params, cfg: K3Config, qat: str, out_dir: str) -> dict:
     return r
 
 
-__all__ = ["config_json", "export_trained", "index_json", "save"]
+__all__ = ["config_json", "export_trained", "index_json", "move_into_place", "save"]

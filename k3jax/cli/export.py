@@ -6,6 +6,13 @@ input), or export freshly initialised params of a preset (``--preset``). MXFP4 e
 
     k3 export out/ --preset k3-mini --seed 0
     k3 export out2/ --from out/ --manifest
+    k3 export merged/ --from base/ --merge-adapter adapter/ --heldout chat_heldout.jsonl --json
+
+``--merge-adapter DIR`` writes the base with a LoRA adapter (PEFT's layout) merged in: W + (alpha / r) A B, routed
+experts re-quantized to MXFP4 (k3jax/checkpoint/merge.py reports, per layer and stack, how much of each delta the
+grid keeps), then reloads what it wrote and compares it with the base + adapter: logits on ``--tokens`` (default:
+the held-out file's conversations, else 4 rows of 64 random ids) and, with ``--heldout`` chat data, the loss on the
+assistant's tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ def add_parser(sub) -> None:
     p.add_argument("--manifest", action="store_true", help="also write SHA256SUMS")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--strict-config", action="store_true", help="unknown keys in --from's config are errors")
+    p.add_argument("--merge-adapter", default=None, metavar="DIR",
+                   help="merge this LoRA adapter (PEFT layout) into --from's weights before writing")
+    p.add_argument("--tokens", default=None, help="with --merge-adapter: token file (.npy) to compare logits on")
+    p.add_argument("--heldout", default=None, help="with --merge-adapter: chat JSONL whose answer-token loss is "
+                   "compared (merged checkpoint vs base + adapter)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     import jax
+
+    if args.merge_adapter:
+        return _merge(args)
+    if args.tokens or args.heldout:
+        from k3jax.errors import InputError
+
+        raise InputError("--tokens and --heldout compare a merged adapter: give --merge-adapter")
 
     from k3jax.checkpoint.load import load
     from k3jax.checkpoint.save import save
@@ -46,4 +66,73 @@ def run(args) -> int:
         cfg = cfg.replace(expert_format=args.expert_format)
     r = save(params, cfg, args.out, overwrite=args.overwrite, manifest=args.manifest, progress=True)
     print(f"wrote {r['dir']}: {len(r['files'])} shards, {r['total_size']:,} payload bytes")
+    return 0
+
+
+def _merge(args) -> int:
+    import json
+    import math
+
+    import numpy as np
+
+    from k3jax.checkpoint.load import load
+    from k3jax.checkpoint.merge import merge_adapter
+    from k3jax.checkpoint.peft import load_adapter
+    from k3jax.checkpoint.save import save
+    from k3jax.config import default_run
+    from k3jax.errors import InputError
+    from k3jax.layers.experts import merge_trees
+    from k3jax.model import forward
+    from k3jax.testing import rel_rms
+
+    if not args.src:
+        raise InputError("--merge-adapter merges into a checkpoint: give --from BASE")
+    if args.expert_format == "bf16":
+        raise InputError("--merge-adapter re-quantizes the experts as the base stores them; drop --expert-format")
+    cfg, base = load(args.src, strict_config=args.strict_config)          # experts dequantized (exact)
+    run = default_run(cfg)
+    lora, leaves = load_adapter(args.merge_adapter, cfg, run)
+    adapted = merge_trees(base, leaves)
+    merged, report = merge_adapter(adapted, cfg, lora)
+    r = save(merged, cfg, args.out, overwrite=args.overwrite, manifest=args.manifest, progress=False)
+    _, reloaded = load(args.out)
+    run_l = run.replace(lora=lora)
+    if args.tokens:
+        from k3jax.cli.source import load_token_file
+
+        rows = load_token_file(args.tokens, cfg.vocab_size)
+        tokens = np.where(rows.mask, rows.tokens, 0)        # padding ids are scored too, identically on both sides
+    else:
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 64))
+    want = np.asarray(forward(adapted, tokens, cfg, run_l))
+    got = np.asarray(forward(reloaded, tokens, cfg, run))
+    out = {"dir": r["dir"], "adapter": args.merge_adapter, "rank": lora.rank, "alpha": lora.alpha,
+           "targets": list(lora.targets), "requantization": report["summary"],
+           "logits_rel_rms_merged_vs_adapter": rel_rms(got, want),
+           "logits_rel_rms_base_vs_adapter": rel_rms(np.asarray(forward(base, tokens, cfg, run)), want)}
+    if args.heldout:
+        from k3jax.train.chat_eval import answer_loss
+
+        out["heldout_answer_nats"] = {"adapter": answer_loss(adapted, cfg, run_l, args.heldout)[0],
+                                      "merged": answer_loss(reloaded, cfg, run, args.heldout)[0],
+                                      "base": answer_loss(base, cfg, run, args.heldout)[0]}
+        h = out["heldout_answer_nats"]
+        gain = h["base"] - h["adapter"]
+        out["adapter_gain_kept"] = (h["base"] - h["merged"]) / gain if gain and math.isfinite(gain) else None
+    if args.json:
+        print(json.dumps(out | {"tensors": report["tensors"]}))
+    else:
+        print(f"wrote {r['dir']}: the base with {args.merge_adapter} merged ({len(r['files'])} shards)")
+        s = report["summary"]
+        if s:
+            print(f"experts re-quantized: {s['expert_tensors']} stacks, share of the delta kept on the MXFP4 grid "
+                  f"{s['delta_kept_mean']:.3f} mean ({s['delta_kept_min']:.3f} min), {s['moved_mean']:.1%} of "
+                  f"weights moved, re-quantization error <= {s['requant_rel_max']:.2e} rel-RMS")
+        print(f"logits, merged vs base + adapter: {out['logits_rel_rms_merged_vs_adapter']:.2e} rel-RMS (base vs "
+              f"base + adapter: {out['logits_rel_rms_base_vs_adapter']:.2e})")
+        if args.heldout:
+            h = out["heldout_answer_nats"]
+            kept = out["adapter_gain_kept"]
+            print(f"held-out answer loss: base {h['base']:.4f}, base + adapter {h['adapter']:.4f}, merged "
+                  f"{h['merged']:.4f} nats" + ("" if kept is None else f" ({kept:.1%} of the adapter's gain kept)"))
     return 0

@@ -3,6 +3,7 @@
     k3 generate --prompt "def fib(n):" --max-new-tokens 64                 # the shipped k3-mini, greedy
     k3 generate --ckpt DIR --prompt "Hello" --temperature 0.8 --top-p 0.9 --seed 1
     k3 generate --ckpt DIR --tokens prompts.npy --greedy --out gen.npy --logits-out logits.npy --json
+    k3 generate --ckpt DIR --adapter lora/ --prompt "Hello"                   # with a PEFT LoRA adapter
 
 ``--tokens`` is an int32 [B, T] array of B independent prompts, ragged ones right-padded with -1 (as in `k3 route` and
 `k3 logits`; a 1-D [T] file is one prompt); an id < -1 or >= vocab, a row of only padding or -1 inside a row exits 2
@@ -11,7 +12,8 @@ naming the row. ``--prompt`` text is encoded by the checkpoint's own tokenizer w
 row's stop; ``--logits-out`` the float32 logits [B, N, V] each new token was drawn from (zeros after a stop). With
 B = 1 the text streams to stdout as it decodes (B > 1: each row printed whole at the end); ``--json`` prints one object
 instead. Same seed, same samples. A --stop id ends its row and is kept as the row's last token. Bad input exits 2
-before any compute and writes no file; output files appear only once generation has finished.
+before any compute and writes no file; output files appear only once generation has finished. ``--adapter DIR``
+applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the model; a bad one exits 2 naming its file.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint directory (HF layout); default: the shipped k3-mini")
     src.add_argument("--preset", help="random init of this preset (init seed 0)")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="prompt text")
     inp.add_argument("--tokens", help=".npy int32 [B, T]: B independent prompts, ragged rows right-padded with -1; "
@@ -142,7 +145,7 @@ def run(args) -> int:
                          f"length {limit} (--max-len)")
     stops = _stops(args.stop, cfg.vocab_size)
     cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
-                                      strict_config=args.strict_config)
+                                      strict_config=args.strict_config, adapter=args.adapter)
     B = prompts.shape[0]
     stream = B == 1 and not args.json and tok is not None
     text = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: None)  # noqa: E731

@@ -8,6 +8,11 @@ OUT.npy gets float32 [B, T, V] logits (a [T] file: [1, T, V]). The forward runs 
 are written as NaN, so that nobody mistakes them for values.
 
     k3 logits ckpt/ --tokens tokens.npy --out logits.npy --dtype float32
+    k3 logits --ckpt ckpt/ --tokens tokens.npy --adapter lora/ --out logits.npy     # with a PEFT LoRA adapter
+
+``--adapter DIR`` applies a LoRA adapter in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``,
+k3jax/checkpoint/peft.py); it is checked against the checkpoint's config before any weight is read, and a bad one
+exits 2 naming its file, with nothing written.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def add_parser(sub) -> None:
                    help=".npy int32 [B, T]: B independent sequences, ragged rows right-padded with -1 (NaN logits "
                         "there); [T]: one sequence")
     p.add_argument("--out", required=True, help="output .npy path for logits [B, T, V] float32")
+    p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
     p.set_defaults(func=run)
@@ -34,20 +40,24 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import jax
 
-    from k3jax.checkpoint.load import load
     from k3jax.cli.inspect import checkpoint_dir
-    from k3jax.cli.source import load_token_file, model_config
+    from k3jax.cli.source import load_model, load_token_file, model_config
+    from k3jax.config import default_run
     from k3jax.model import forward
 
     ckpt = checkpoint_dir(args)
     rows = load_token_file(args.tokens, model_config(ckpt=ckpt, preset=None, strict_config=args.strict_config)
                            .vocab_size)                # checked before any weight is read
-    cfg, params = load(ckpt, dtype=args.dtype, strict_config=args.strict_config)
+    cfg, settings, params = load_model(ckpt=ckpt, preset=None, dtype=args.dtype, strict_config=args.strict_config,
+                                       adapter=args.adapter)
+    run_cfg = default_run(cfg).replace(lora=settings.lora)  # --dtype is the parameter dtype; compute as before
     mask = rows.mask
-    logits = jax.jit(lambda p, t: forward(p, t, cfg))(params, np.where(mask, rows.tokens, 0))
+    logits = jax.jit(lambda p, t: forward(p, t, cfg, run_cfg))(params, np.where(mask, rows.tokens, 0))
     logits = np.array(logits, np.float32)
     logits[~mask] = np.nan
     np.save(args.out, logits, allow_pickle=False)
     pad = f", NaN at {int((~mask).sum())} padding positions" if not mask.all() else ""
-    print(f"wrote {args.out}: logits {list(logits.shape)} float32{pad}")
+    lora = f", adapter {args.adapter} (rank {settings.lora.rank}, {'+'.join(settings.lora.targets)})" \
+        if settings.lora else ""
+    print(f"wrote {args.out}: logits {list(logits.shape)} float32{pad}{lora}")
     return 0

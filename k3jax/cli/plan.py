@@ -57,8 +57,10 @@ def add_parser(sub) -> None:
     c = p.add_argument_group("--compile (ahead-of-time plan on a real compiler)")
     c.add_argument("--compile", action="store_true", help="lower and compile the full-size program")
     c.add_argument("--target", default=None, help="tpu:v5p:8x8x8, tpu:v6e:16x16, tpu:v5e:16x16 or cpu:<devices>")
-    c.add_argument("--mode", default="forward", help="forward (default), train, frozen-experts, prefill (the forward "
+    c.add_argument("--mode", default="forward", help="forward (default), train, frozen-experts, lora (the QLoRA step: "
+                   "adapters on every target over a BF16 base with packed MXFP4 experts), prefill (the forward "
                    "with the cache written) or decode (one step at --context)")
+    c.add_argument("--lora-rank", type=int, default=None, help="--mode lora: the adapters' rank (default 16)")
     c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, dots_saveable, ...; "
                    "default full per scanned group; forward: none)")
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1)")
@@ -148,7 +150,7 @@ def _compile_argv(args) -> list[str]:
     for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
                     ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel),
                     ("--context", args.context), ("--opt-state-dtype", args.opt_state_dtype),
-                    ("--muon-layout", args.muon_layout)):
+                    ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank)):
         if v is not None:
             argv += [flag, str(v)]
     if args.hlo_out:
@@ -185,7 +187,8 @@ def _compile(args, cfg) -> int:
     spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=seq_len, remat=args.remat,
                     capacity_factor=args.capacity_factor, strategy=args.strategy,
                     packed_kernel=args.packed_kernel or "auto", context=args.context,
-                    opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner")
+                    opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner",
+                    lora_rank=16 if args.lora_rank is None else args.lora_rank)
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
@@ -269,7 +272,7 @@ def _main(args) -> int:
                         ("--remat", args.remat), ("--strategy", args.strategy),
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
                         ("--packed-kernel", args.packed_kernel), ("--opt-state-dtype", args.opt_state_dtype),
-                        ("--muon-layout", args.muon_layout)):
+                        ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank)):
         if given is not None and given is not False:
             raise InputError(f"{flag} applies to --compile")
     out = sys.stdout

@@ -4,6 +4,7 @@
     k3 route --preset k3-mini --text f.py --layers 1,2 --plots out/
     k3 route --ckpt DIR --static --json                            router/bias statistics only: reads 2 tensors/layer
     k3 route --ckpt A --compare B --text f.txt                     drift A -> B (router saturation, top-1 agreement)
+    k3 route --ckpt A --adapter lora/ --compare A --text f.txt     drift of A with a PEFT LoRA adapter -> plain A
 
 `--text` goes through the checkpoint's own tokenizer when its directory has one (`tiktoken.model`, SPEC §1.1a),
 else bytes (the presets, the shipped k3-mini), and is one stream, cut into independent windows of `--seq-len`
@@ -13,7 +14,9 @@ the model's forward over the rows routes it, and padding is in no statistic; a r
 into windows of `--seq-len` (said once on stderr). `--max-tokens` keeps the first N real tokens, rows in order.
 Bad input (an id < -1 or >= vocab, a row of only padding, -1 inside a row) exits 2 before any compute, naming the
 row. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder layer and `load`
-the exact assignment counts.
+the exact assignment counts. `--adapter DIR` applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the
+model under analysis (not to `--compare`); a bad one exits 2 naming its file. Adapters never touch the router
+tensors, so `--static` takes none.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", help="checkpoint directory (HF layout)")
     src.add_argument("--preset", help="random init of this preset (see --seed)")
+    p.add_argument("--adapter", default=None, metavar="DIR",
+                   help="a LoRA adapter in PEFT's layout, applied to --ckpt / --preset (not to --compare)")
     txt = p.add_mutually_exclusive_group()
     txt.add_argument("--text", help="text file, routed as bytes")
     txt.add_argument("--tokens", help=".npy int32 [B, T]: B independent sequences, ragged rows right-padded with -1 "
@@ -107,7 +112,7 @@ def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
 
 def _model(args):
     return load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype, strict_config=args.strict_config,
-                      init_seed=args.seed)
+                      init_seed=args.seed, adapter=args.adapter)
 
 
 def run(args) -> int:
@@ -117,6 +122,8 @@ def run(args) -> int:
             raise InputError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
     layers = parse_layers(args.layers)
     if args.static:
+        if args.adapter:
+            raise InputError("--adapter does not apply to --static: adapters never change the router tensors it reads")
         return _run_static(args, layers)
     if not args.text and not args.tokens:
         raise InputError("give --text FILE or --tokens FILE.npy (or --static)")

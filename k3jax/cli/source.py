@@ -1,5 +1,6 @@
 """Where a CLI command's model and tokens come from: ``--ckpt DIR`` (loaded), ``--preset NAME`` (random init) or
-the trained k3-mini shipped with the package (``default_ckpt``); ``--tokens FILE.npy`` (``load_token_file``, the one
+the trained k3-mini shipped with the package (``default_ckpt``), with ``--adapter DIR`` (a PEFT LoRA adapter) merged
+in by ``load_model``; ``--tokens FILE.npy`` (``load_token_file``, the one
 reader of token files: int32 [B, T] is B independent sequences right-padded with -1, [T] one stream)."""
 
 from __future__ import annotations
@@ -20,14 +21,31 @@ def default_ckpt() -> str | None:
 
 
 def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", strict_config: bool = False,
-               init_seed: int = 0, run_overrides: dict | None = None):
+               init_seed: int = 0, run_overrides: dict | None = None, adapter: str | None = None):
     """(cfg, run settings with ``dtype`` as param and compute dtype and ``run_overrides``, params) of a checkpoint
     or a preset. The run settings are the model's own (``config.default_run``: a checkpoint of a preset's
-    architecture runs with that preset's)."""
+    architecture runs with that preset's).
+
+    ``adapter``: a LoRA adapter directory in PEFT's layout (``--adapter DIR``), checked against the base's
+    architecture before any base weight is read (``k3jax.checkpoint.peft.load_adapter``; a bad one raises an
+    InputError naming its file); its leaves are merged into the params and the run settings carry its
+    ``LoRAConfig``."""
     import jax
     import jax.numpy as jnp
 
     from k3jax.config import default_run, get_preset
+    from k3jax.layers.experts import merge_trees
+
+    def settings(cfg):
+        return default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {}))
+
+    def with_adapter(cfg, run):
+        """(lora, adapter leaves), or (None, None) without --adapter."""
+        if adapter is None:
+            return None, None
+        from k3jax.checkpoint.peft import load_adapter
+
+        return load_adapter(adapter, cfg, run)
 
     if preset:
         from k3jax.model import init_params
@@ -35,12 +53,19 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
         cfg = get_preset(preset)
         if cfg.num_experts > 4096 or cfg.hidden_size > 4096:
             raise InputError(f"preset {preset!r} is too large to run here; use `k3 plan --preset {preset}`")
-        run = default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {}))
-        return cfg, run, _jit_init(init_params)(cfg, jax.random.key(init_seed), run)
+        run = settings(cfg)
+        lora, leaves = with_adapter(cfg, run)
+        # the base is drawn with the plain run settings: the same weights as without --adapter
+        params = _jit_init(init_params)(cfg, jax.random.key(init_seed), run)
+        return cfg, run.replace(lora=lora), merge_trees(params, leaves)
     from k3jax.checkpoint.load import load
 
+    lora, leaves = None, None
+    if adapter is not None:  # checked against config.json's architecture before any base weight is read
+        cfg0 = model_config(ckpt=ckpt, preset=None, strict_config=strict_config)
+        lora, leaves = with_adapter(cfg0, settings(cfg0))
     cfg, params = load(ckpt, dtype=jnp.dtype(dtype), strict_config=strict_config, progress=False)
-    return cfg, default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {})), params
+    return cfg, settings(cfg).replace(lora=lora), merge_trees(params, leaves)
 
 
 class TokenRows(NamedTuple):

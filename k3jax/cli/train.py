@@ -43,7 +43,8 @@ def add_parser(sub) -> None:
                      help="gradient-accumulation micro-batches per step")
     run.add_argument("--seq-len", type=int, default=d.seq_len)
     run.add_argument("--lr", type=float, default=d.lr)
-    run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default=d.optimizer)
+    run.add_argument("--optimizer", choices=("per_head", "full", "adamw"), default=None,
+                     help="per_head (Muon per head, the default), full, or adamw (the default with --lora)")
     run.add_argument("--opt-state-dtype", default=d.opt_state_dtype,
                      help="dtype the optimizer's moments are stored in (float32 default, bfloat16); master weights "
                           "and the update's arithmetic stay float32")
@@ -63,6 +64,10 @@ def add_parser(sub) -> None:
     run.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                      help="device mesh over data, fsdp, expert, tensor (e.g. data=2,expert=4); parameters, "
                           "optimizer state and batches are placed by the sharding rules")
+    run.add_argument("--lora", default=None, metavar="rank=R,alpha=A,targets=T+T",
+                     help="train LoRA adapters only, over the frozen base (targets: attn, shared, dense, experts; "
+                          "default rank=16,alpha=32,targets=attn+shared+experts); an MXFP4 --init keeps its routed "
+                          "experts packed (QLoRA); --export writes the adapters in PEFT's layout")
     run.add_argument("--frozen-experts", action="store_true",
                      help="keep --init's routed experts as their MXFP4 bytes, frozen (run by the grouped MXFP4 "
                           "matmul); attention, router, shared experts and norms train")
@@ -70,8 +75,15 @@ def add_parser(sub) -> None:
                      help="sharding rules column: single, fsdp, ep, ep_tp, fsdp_ep_tp (default: from the mesh "
                           "axes, e.g. data+expert -> ep)")
     dat = p.add_argument_group("data")
-    dat.add_argument("--data", nargs="*", default=(), help="text or JSONL ({\"text\": ...}) files "
-                     "(default: the Python stdlib sources)")
+    dat.add_argument("--data", nargs="*", default=(), help="text files, JSONL of {\"text\": ...} lines, or chat "
+                     "JSONL of {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} lines (rendered by the "
+                     "--init checkpoint's chat template, or the byte presets' built-in one; loss on assistant "
+                     "tokens only) (default: the Python stdlib sources); each file, line or conversation is a "
+                     "document")
+    dat.add_argument("--no-packing-masks", action="store_true",
+                     help="let KDA, its conv and MLA run across document boundaries in a packed sequence (the "
+                          "behaviour before document masks, for ablations); by default each document is mixed on "
+                          "its own and no prediction crosses a boundary")
     dat.add_argument("--max-bytes", type=int, default=d.max_bytes)
     dat.add_argument("--heldout-frac", type=float, default=d.heldout_frac)
     dat.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -90,22 +102,42 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_cli)
 
 
+def parse_lora(text: str):
+    """``--lora "rank=16,alpha=32,targets=attn+shared+experts"`` → LoRAConfig (any subset of the keys; a bad key or
+    value is a ConfigError naming it: exit 2)."""
+    from k3jax.config import ConfigError, LoRAConfig
+
+    kw: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq or key not in ("rank", "alpha", "targets", "dropout"):
+            raise ConfigError(f"--lora {part!r}: expected rank=, alpha=, targets= or dropout=")
+        try:
+            kw[key] = (tuple(v for v in val.split("+") if v) if key == "targets" else
+                       int(val) if key == "rank" else float(val))
+        except ValueError:
+            raise ConfigError(f"--lora {key}: not a number: {val!r}") from None
+    return LoRAConfig(**kw)
+
+
 def run_cli(args) -> int:
     from k3jax.train.loop import TrainingStoppedError, train
 
+    lora = None if args.lora is None else parse_lora(args.lora)
     tc = TrainConfig(
         preset=args.preset or (None if args.init else TrainConfig.preset), init=args.init, steps=args.steps,
         batch=args.batch, micro_batches=args.micro_batches, seq_len=args.seq_len, lr=args.lr,
-        optimizer=args.optimizer, opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout, qat=args.qat,
+        optimizer=args.optimizer or ("adamw" if lora else TrainConfig.optimizer),
+        opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout, qat=args.qat,
         compute_dtype=args.compute_dtype,
         layer_stack=args.layer_stack, remat=args.remat,
         balance=args.balance, qb_ema=args.qb_ema, qk_clip=not args.no_qk_clip, qk_tau=args.qk_tau, seed=args.seed,
-        data=tuple(args.data),
+        data=tuple(args.data), packing_masks=not args.no_packing_masks,
         max_bytes=args.max_bytes, heldout_frac=args.heldout_frac, eval_every=args.eval_every,
         ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, keep=args.keep, metrics=args.metrics,
         export=args.export, fork=args.fork, max_bad_steps=args.max_bad_steps, devices=args.devices,
         mesh=args.mesh, strategy=args.strategy, frozen_experts=args.frozen_experts, eval_at_start=args.eval_at_start,
-        progress=args.progress, strict_config=args.strict_config)
+        progress=args.progress, strict_config=args.strict_config, lora=lora)
     try:
         s = train(tc)
     except TrainingStoppedError as e:

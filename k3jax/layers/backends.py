@@ -8,12 +8,14 @@ unless the "ragged" dispatch asks for the kernel).
 from __future__ import annotations
 
 
-def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound):
-    """Chunked KDA forward as a Pallas kernel (custom VJP through the jnp chunked path); see pallas_kernels/kda."""
+def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound, segment_ids=None):
+    """Chunked KDA forward as a Pallas kernel (custom VJP through the jnp chunked path); see pallas_kernels/kda.
+    ``segment_ids`` [B, T]: packed documents, each from a zero state (``k3jax.ops.segments``)."""
     from pallas_kernels.kda import kda_chunk
 
+    docs = {} if segment_ids is None else {"segment_ids": segment_ids}
     return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                     gate_lower_bound=gate_lower_bound)
+                     gate_lower_bound=gate_lower_bound, **docs)
 
 
 def kernel_target() -> str:

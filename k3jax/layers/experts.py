@@ -71,9 +71,10 @@ def packed_form(params):
     def walk(node, name):
         if not isinstance(node, dict):
             return node
-        if name == "experts" and "w1" in node:
-            return {packed_name(k, part): jax.ShapeDtypeStruct(shape, jnp.uint8)
-                    for k, x in node.items() for part, shape in packed_shapes(x.shape).items()}
+        if name == "experts" and "w1" in node:   # the stacks packed; anything beside them (adapters) as it is
+            return {**{k: x for k, x in node.items() if k not in STACKS},
+                    **{packed_name(k, part): jax.ShapeDtypeStruct(shape, jnp.uint8)
+                       for k, x in node.items() if k in STACKS for part, shape in packed_shapes(x.shape).items()}}
         return {k: walk(v, k) for k, v in node.items()}
 
     return walk(params, None)
@@ -120,6 +121,7 @@ class Experts(nnx.Module):
     """The routed-expert stacks [E, in, out]; HF ``experts.{e}.w{1,2,3}`` (one tensor, or an MXFP4 pair, per
     expert: the name map expands the ``expert`` transform)."""
 
+    LORA = STACKS  # per-expert adapters over each stack (k3jax/layers/lora.py)
     HF = {"w1": HFLeaf("w1", "expert"), "w3": HFLeaf("w3", "expert"), "w2": HFLeaf("w2", "expert")}
 
     def __init__(self, *, num_experts: int, width: int, hidden: int, width_axis: str, dtype, rngs: nnx.Rngs):

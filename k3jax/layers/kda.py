@@ -34,25 +34,27 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import KDA_IMPLS
-from k3jax.layers import backends
+from k3jax.layers import backends, lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.norms import acc_dtype
+from k3jax.ops.segments import runs
 
 IMPLS = KDA_IMPLS
 
 _QKV = ("embed", "heads", "head_dim")
 
 
-def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound):
+def _core(impl, q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound, segment_ids=None):
+    docs = {} if segment_ids is None else {"segment_ids": segment_ids}   # the no-document programs stay as they were
     if impl == "recurrent":
-        return kda_ops.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+        return kda_ops.kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=initial_state, **docs)
     if impl == "chunked":
         return kda_ops.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
+                                   chunk_size=chunk_size, gate_lower_bound=gate_lower_bound, **docs)
     if impl == "pallas":
         return backends.kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                         chunk_size=chunk_size, gate_lower_bound=gate_lower_bound)
+                                         chunk_size=chunk_size, gate_lower_bound=gate_lower_bound, **docs)
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
@@ -90,6 +92,7 @@ def _aligned(impl, q, k, v, g, beta, start, *, chunk_size, **kw):
 class KDA(nnx.Module):
     """Kimi Delta Attention token mixer; HF module ``self_attn.``."""
 
+    LORA = ("wq", "wk", "wv", "w_gate", "wo")  # the projections an adapter may target (k3jax/layers/lora.py)
     HF = {
         "wq": HFLeaf("q_proj.weight"),
         "wk": HFLeaf("k_proj.weight"),
@@ -143,14 +146,19 @@ class KDA(nnx.Module):
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
     def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
-                 lengths=None, start=None):
+                 lengths=None, start=None, segment_ids=None):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
         (interpret mode off-GPU); cache: None or a cache dict (module docstring); lengths: None (every token is
-        real) or [B] int, the real tokens of each right-padded row."""
+        real) or [B] int, the real tokens of each right-padded row. segment_ids: None, or [B, T] document ids of
+        packed rows (``k3jax.ops.segments``): the state and the conv windows restart at every document boundary
+        (training and scoring; not with a cache)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        if segment_ids is not None and (cache or lengths is not None or start is not None):
+            raise ValueError("segment_ids (packed documents) runs a whole row from a zero state: no cache, "
+                             "lengths or start")
         if x.ndim != 3:
             raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
         B, T, D = x.shape
@@ -161,13 +169,15 @@ class KDA(nnx.Module):
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
 
-        def conv_branch(w_dnk, w_conv, tail):
-            u = mm("btd,dnk->btnk", x, w_dnk).reshape(B, T, -1)                # head-major columns (SPEC §2.1)
-            return kda_ops.causal_conv_silu(u, w_conv[...], tail, lengths)
+        run = None if segment_ids is None else runs(segment_ids)
 
-        q, tq = conv_branch(self.wq, self.conv_q, cache.get("conv_q"))
-        k, tk = conv_branch(self.wk, self.conv_k, cache.get("conv_k"))
-        v, tv = conv_branch(self.wv, self.conv_v, cache.get("conv_v"))
+        def conv_branch(name, w_conv, tail):
+            u = lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
+            return kda_ops.causal_conv_silu(u, w_conv[...], tail, lengths, run)   # head-major columns (SPEC §2.1)
+
+        q, tq = conv_branch("wq", self.conv_q, cache.get("conv_q"))
+        k, tk = conv_branch("wk", self.conv_k, cache.get("conv_k"))
+        v, tv = conv_branch("wv", self.conv_v, cache.get("conv_v"))
         q = kda_ops.l2norm(q.reshape(B, T, N, K))
         k = kda_ops.l2norm(k.reshape(B, T, N, K))
         v = v.reshape(B, T, N, -1)
@@ -190,16 +200,16 @@ class KDA(nnx.Module):
             o, S = _aligned(impl, q, k, v, g, beta, start, scale=scale, initial_state=state, chunk_size=chunk_size)
         else:
             o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
-                         gate_lower_bound=self.gate_lower_bound)
+                         gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
         o = o.astype(ct)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
         if hasattr(self, "w_gate"):
-            gate = mm("btd,dnk->btnk", x, self.w_gate)
+            gate = lora.proj(self, "w_gate", "btd,dnk->btnk", x, self.w_gate[...], ct)
         else:
             gate = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.g_a), self.g_b[...],
                               preferred_element_type=ct)
         o = o * jax.nn.sigmoid(gate)
-        y = jnp.einsum("btnk,nkd->btd", o, self.wo[...], preferred_element_type=ct)
+        y = lora.proj(self, "wo", "btnk,nkd->btd", o, self.wo[...], ct)
         return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv}
 
 

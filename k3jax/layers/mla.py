@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.layers import lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.latent_attention import DECODE_BLOCK, latent_attention
@@ -45,6 +46,7 @@ class MLADims(NamedTuple):
 class MLA(nnx.Module):
     """Gated multi-head latent attention; HF module ``self_attn.``."""
 
+    LORA = ("q_a", "q_b", "wq", "kv_a", "kv_b", "w_gate", "wo")  # adapter targets (k3jax/layers/lora.py)
     HF = {
         "q_a": HFLeaf("q_a_proj.weight"),
         "q_a_norm": vec("q_a_layernorm.weight"),
@@ -81,12 +83,12 @@ class MLA(nnx.Module):
         cdt = x.dtype
         rkv = self.kv_a_norm.shape[0]
         if hasattr(self, "q_a"):
-            c_q = jnp.einsum("btd,dr->btr", x, self.q_a[...].astype(cdt), preferred_element_type=acc)
+            c_q = lora.proj(self, "q_a", "btd,dr->btr", x, self.q_a[...].astype(cdt), acc)
             c_q = rms_norm(c_q, self.q_a_norm[...], norm_eps, out_dtype=cdt)
-            q = jnp.einsum("btr,rnh->btnh", c_q, self.q_b[...].astype(cdt), preferred_element_type=acc)
+            q = lora.proj(self, "q_b", "btr,rnh->btnh", c_q, self.q_b[...].astype(cdt), acc)
         else:
-            q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(cdt), preferred_element_type=acc)
-        ckv = jnp.einsum("btd,dr->btr", x, self.kv_a[...].astype(cdt), preferred_element_type=acc)
+            q = lora.proj(self, "wq", "btd,dnh->btnh", x, self.wq[...].astype(cdt), acc)
+        ckv = lora.proj(self, "kv_a", "btd,dr->btr", x, self.kv_a[...].astype(cdt), acc)
         c_kv = rms_norm(ckv[..., :rkv], self.kv_a_norm[...], norm_eps, out_dtype=cdt)
         return q, c_kv, ckv[..., rkv:]  # k_rope: ONE slice shared by all heads, not rotated (NoPE)
 
@@ -95,23 +97,26 @@ class MLA(nnx.Module):
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         if hasattr(self, "w_gate"):
-            gate = jnp.einsum("btd,dnv->btnv", x, self.w_gate[...].astype(cdt), preferred_element_type=acc)
+            gate = lora.proj(self, "w_gate", "btd,dnv->btnv", x, self.w_gate[...].astype(cdt), acc)
             o = jax.nn.sigmoid(gate) * o
-        y = jnp.einsum("btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), preferred_element_type=acc)
+        y = lora.proj(self, "wo", "btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), acc)
         return y.astype(cdt)
 
-    def __call__(self, x, *, norm_eps: float, block_size: int = 512):
-        """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip."""
+    def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None):
+        """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip.
+        ``segment_ids`` [B, T]: packed documents; each token attends within its own (``k3jax.ops.segments``).
+        K3's MLA is NoPE (SPEC §5.1): there are no positions to restart at a boundary."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         N, Hn, Hr, V = self.dims
         q, c_kv, k_rope = self._project(x, norm_eps)
-        kv = jnp.einsum("btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), preferred_element_type=acc)
+        kv = lora.proj(self, "kv_b", "btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), acc)
         k_nope, v = kv[..., :Hn], kv[..., Hn:]
         B, T = x.shape[:2]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (B, T, N, Hr))], axis=-1)
         o, max_logit = causal_attention(q.astype(acc), k.astype(acc), v.astype(acc),
-                                        scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
+                                        scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size,
+                                        segment_ids=segment_ids)
         return self._output(x, o), max_logit
 
     def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
@@ -139,7 +144,7 @@ class MLA(nnx.Module):
         at = (rows, dest) if layer is None else (layer, rows, dest)
         new = {"c_kv": cache["c_kv"].at[at].set(c_kv.astype(cache["c_kv"].dtype), mode="drop"),
                "k_rope": cache["k_rope"].at[at].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
-        kv_b = self.kv_b[...]
+        kv_b = lora.merged(self, "kv_b")                    # the absorbed form reads W_UK / W_UV blocks whole
         big = big_key_block(T, block_size)
         o = latent_attention(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
                              q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import QAT_MODES
-from k3jax.layers import backends
+from k3jax.layers import backends, lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.layers.experts import PACKED_DISPATCH, Experts
 from k3jax.layers.ffn import GLU
@@ -92,6 +92,7 @@ class MoE(nnx.Module):
              if latent else x2)
         w1, w3, w2 = self.experts.weights()
         packed = self.experts.is_packed
+        adapted = any(lora.has_adapter(self.experts, n) for n in ("w1", "w3", "w2"))
         act_quant = None
         if qat != "off":
             from k3jax.ops import mx  # imported lazily: the plain model never touches MX code
@@ -102,8 +103,14 @@ class MoE(nnx.Module):
                 w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
             if qat == "weights+acts":
                 act_quant = partial(mx.fake_quant_mxfp8, axis=-1, rule=qat_act_rule)
+        if adapted:                                       # per-expert LoRA factors ride in the stacks' slots
+            w1, w3, w2 = lora.expert_stacks(self.experts, (w1, w3, w2))
         if not isinstance(dispatch, str):
             experts_fn = dispatch
+        elif adapted:
+            from k3jax.ops.lora_experts import experts_lora
+
+            experts_fn = partial(experts_lora, gmm=backends.mxfp4_gmm if packed else None)
         elif packed:
             from k3jax.ops.packed_experts import experts_packed
 

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import K3Config, RunConfig
+from k3jax.config import K3Config, LoRAConfig, RunConfig
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import param, vec
 from k3jax.layers.ffn import GLU
 from k3jax.layers.kda import KDA
+from k3jax.layers.lora import add_adapters
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from k3jax.model.layout import layer_kind
@@ -61,12 +62,26 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def mixer(self, h, cfg: K3Config, run: RunConfig):
-        """Token mixer on the normed input h → (y, aux)."""
+    def add_lora(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
+        """LoRA adapters on the blocks ``lora.targets`` name (k3jax/layers/lora.py); works on a stacked group's
+        layer too (each layer of the stack gets its own factors)."""
+        kw = dict(rank=lora.rank, scale=lora.scale, rngs=rngs)
+        blocks = [("attn", getattr(self, "kda", None)), ("attn", getattr(self, "mla", None)),
+                  ("dense", getattr(self, "mlp", None))]
+        if hasattr(self, "moe"):
+            blocks += [("shared", getattr(self.moe, "shared", None)), ("experts", self.moe.experts)]
+        for target, block in blocks:
+            if block is not None and target in lora.targets:
+                add_adapters(block, **kw)
+
+    def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None):
+        """Token mixer on the normed input h → (y, aux). ``segment_ids`` [B, T]: packed documents, each mixed on
+        its own (``k3jax.ops.segments``)."""
+        docs = {} if segment_ids is None else {"segment_ids": segment_ids}
         if hasattr(self, "mla"):
-            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size)
+            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size, **docs)
             return y, {"mla_max_logit": max_logit}
-        y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size)
+        y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, **docs)
         return y, {}
 
     def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, default_run
 from k3jax.layers.experts import holds_packed
 from k3jax.model.network import K3Model
 
@@ -76,9 +76,13 @@ def abstract_params(cfg: K3Config, run: RunConfig | None = None) -> dict:
     return _abstract(cfg, _run(cfg, run), ())[1].to_pure_dict()
 
 
-def param_axes(cfg: K3Config) -> dict:
-    """Logical axes (a tuple of ``notation.LOGICAL_AXES`` names) per parameter leaf, from each Param's metadata."""
-    state = _abstract(cfg, _run(cfg, None), ())[1]
+def param_axes(cfg: K3Config, *, adapters: bool = False) -> dict:
+    """Logical axes (a tuple of ``notation.LOGICAL_AXES`` names) per parameter leaf, from each Param's metadata;
+    ``adapters``: with the LoRA adapter leaves of every target too (their axes do not depend on the rank)."""
+    run = _run(cfg, None)
+    if adapters:
+        run = run.replace(lora=LoRAConfig(rank=1, targets=LORA_TARGETS))
+    state = _abstract(cfg, run, ())[1]
     axes = nnx.State.from_flat_path({p: tuple(v.get_metadata()["axes"]) for p, v in nnx.to_flat_state(state)})
     return axes.to_pure_dict()
 
@@ -90,19 +94,21 @@ def merge(params, cfg: K3Config, run: RunConfig | None = None) -> K3Model:
     return nnx.merge(graphdef(cfg, run, packed_expert_paths(params)), params)
 
 
-def hidden_states(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, dispatch=None):
-    return merge(params, cfg, run).hidden_states(tokens, dispatch=dispatch)
+def hidden_states(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, dispatch=None, segment_ids=None):
+    return merge(params, cfg, run).hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids)
 
 
 def forward(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, return_aux: bool = False,
-            dispatch=None):
-    """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
-    return merge(params, cfg, run)(tokens, return_aux=return_aux, dispatch=dispatch)
+            dispatch=None, segment_ids=None):
+    """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``);
+    ``segment_ids`` [B, T]: the documents of packed rows, each run on its own (``k3jax.ops.segments``)."""
+    return merge(params, cfg, run)(tokens, return_aux=return_aux, dispatch=dispatch, segment_ids=segment_ids)
 
 
-def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None, *, mask=None, dispatch=None):
+def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None, *, mask=None, dispatch=None,
+            segment_ids=None):
     """Mean next-token cross-entropy (fp32) over ``mask`` (default all positions)."""
-    logits = forward(params, tokens, cfg, run, dispatch=dispatch)
+    logits = forward(params, tokens, cfg, run, dispatch=dispatch, segment_ids=segment_ids)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     if mask is None:
         return jnp.mean(ce)

@@ -76,6 +76,9 @@ class K3Model(nnx.Module):
             self.out_res = AttnResQuery(d, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(normal(rngs, (d, W), dtype), ("embed", "vocab"))
+        if run.lora is not None:  # after every base draw: the base parameters are those of the plain model
+            for layer in (*self.pre, *(self.groups.layers if lay.groups else ()), *self.post):
+                layer.add_lora(run.lora, rngs)
 
     def layers(self):
         """(layer index, DecoderLayer) in layer order; stacked layers are sliced out of the stack."""
@@ -89,13 +92,17 @@ class K3Model(nnx.Module):
                 out += [(lay.start + g * lay.period + j, layer) for j, layer in enumerate(grp.layers)]
         return out + list(zip(lay.post, self.post, strict=True))
 
-    def hidden_states(self, tokens, *, dispatch=None):
-        """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict."""
+    def hidden_states(self, tokens, *, dispatch=None, segment_ids=None):
+        """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict. ``segment_ids``
+        [B, T]: the documents of packed rows (``k3jax.ops.segments``): KDA's state and conv windows restart and MLA
+        attends within each; AttnRes and the FFNs act per token, so nothing else changes."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
+        if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
+            raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal tokens' {tuple(tokens.shape)}")
 
         def mixer(l, layer, h):
-            return layer.mixer(h, self.cfg, self.run)
+            return layer.mixer(h, self.cfg, self.run, segment_ids)
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
 
@@ -360,9 +367,10 @@ class K3Model(nnx.Module):
             return self._logits(h), new
         return self._logits(h), new, side["groups"]
 
-    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None):
-        """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``)."""
-        h, aux = self.hidden_states(tokens, dispatch=dispatch)
+    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None, segment_ids=None):
+        """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``);
+        ``segment_ids`` [B, T]: packed documents (``hidden_states``)."""
+        h, aux = self.hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids)
         logits = self._logits(h)
         return (logits, aux) if return_aux else logits
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3jax.ops.norms import acc_dtype
+from k3jax.ops.segments import runs
 
 
 def _blocks(x, block: int):
@@ -28,25 +29,39 @@ def _blocks(x, block: int):
     return x.reshape(B, nb, block, N, X).transpose(1, 0, 2, 3, 4)
 
 
-def _mask(j, block, T, S):
-    """[T, block] bool: key position (j·block + c) is visible to query t and is not padding."""
+def _mask(j, block, T, S, run=None, krun_j=None):
+    """[1, 1, T, block] bool (or [B, 1, T, block] with documents): key position (j·block + c) is visible to query
+    t, is not padding and (packed rows) lies in the query's document: ``run`` [B, T] the queries' document index,
+    ``krun_j`` [B, block] the block's keys'."""
     kpos = j * block + jnp.arange(block)
     qpos = jnp.arange(T) + (S - T)
-    return (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < S)
+    m = ((kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < S))[None, None]
+    if run is None:
+        return m
+    return m & (run[:, None, :, None] == krun_j[:, None, None, :])
 
 
-def _fwd_scan(q, k, v, scale, block):
+def _key_runs(run, S, block):
+    """[B, S] document index → [nb, B, block] per key block (None stays None; padding keys are masked anyway)."""
+    if run is None:
+        return None
+    B = run.shape[0]
+    nb = -(-S // block)
+    return jnp.pad(run, ((0, 0), (0, nb * block - S))).reshape(B, nb, block).transpose(1, 0, 2)
+
+
+def _fwd_scan(q, k, v, run, scale, block):
     B, T, N, _ = q.shape
     S = k.shape[1]
     acc = acc_dtype(q.dtype)
-    kb, vb = _blocks(k, block), _blocks(v, block)
+    kb, vb, rb = _blocks(k, block), _blocks(v, block), _key_runs(run, S, block)
     neg = jnp.finfo(acc).min
 
     def step(carry, inp):
         m, l, o = carry
-        j, k_j, v_j = inp
+        j, k_j, v_j, r_j = inp
         s = jnp.einsum("btnh,bcnh->bntc", q, k_j, preferred_element_type=acc) * scale
-        s = jnp.where(_mask(j, block, T, S)[None, None], s, -jnp.inf)
+        s = jnp.where(_mask(j, block, T, S, run, r_j), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
@@ -55,38 +70,38 @@ def _fwd_scan(q, k, v, scale, block):
         return (m_new, l, o), None
 
     init = (jnp.full((B, N, T), neg, acc), jnp.zeros((B, N, T), acc), jnp.zeros((B, N, T, v.shape[-1]), acc))
-    (m, l, o), _ = lax.scan(step, init, (jnp.arange(kb.shape[0]), kb, vb))
+    (m, l, o), _ = lax.scan(step, init, (jnp.arange(kb.shape[0]), kb, vb, rb))
     o = o / l[..., None]
     lse = m + jnp.log(l)
     return o, lse, m
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attention(q, k, v, scale, block):
-    o, _, m = _fwd_scan(q, k, v, scale, block)
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, run, scale, block):
+    o, _, m = _fwd_scan(q, k, v, run, scale, block)
     return o.transpose(0, 2, 1, 3).astype(q.dtype), m.max(-1)
 
 
-def _attention_fwd(q, k, v, scale, block):
-    o, lse, m = _fwd_scan(q, k, v, scale, block)
+def _attention_fwd(q, k, v, run, scale, block):
+    o, lse, m = _fwd_scan(q, k, v, run, scale, block)
     out = o.transpose(0, 2, 1, 3).astype(q.dtype)
-    return (out, m.max(-1)), (q, k, v, out, lse)
+    return (out, m.max(-1)), (q, k, v, run, out, lse)
 
 
 def _attention_bwd(scale, block, res, cts):
-    q, k, v, out, lse = res
+    q, k, v, run, out, lse = res
     d_out, _ = cts  # the max-logit output carries no gradient
     B, T, N, _ = q.shape
     S = k.shape[1]
     acc = acc_dtype(q.dtype)
     do = d_out.astype(acc)
     delta = jnp.einsum("btnv,btnv->bnt", do, out.astype(acc))
-    kb, vb = _blocks(k, block), _blocks(v, block)
+    kb, vb, rb = _blocks(k, block), _blocks(v, block), _key_runs(run, S, block)
 
     def step(dq, inp):
-        j, k_j, v_j = inp
+        j, k_j, v_j, r_j = inp
         s = jnp.einsum("btnh,bcnh->bntc", q, k_j, preferred_element_type=acc) * scale
-        p = jnp.where(_mask(j, block, T, S)[None, None], jnp.exp(s - lse[..., None]), 0.0)
+        p = jnp.where(_mask(j, block, T, S, run, r_j), jnp.exp(s - lse[..., None]), 0.0)
         dv_j = jnp.einsum("bntc,btnv->bcnv", p, do)
         dp = jnp.einsum("btnv,bcnv->bntc", do, v_j.astype(acc))
         ds = p * (dp - delta[..., None]) * scale
@@ -94,16 +109,19 @@ def _attention_bwd(scale, block, res, cts):
         dk_j = jnp.einsum("bntc,btnh->bcnh", ds, q.astype(acc))
         return dq, (dk_j, dv_j)
 
-    dq, (dkb, dvb) = lax.scan(step, jnp.zeros(q.shape, acc), (jnp.arange(kb.shape[0]), kb, vb))
+    dq, (dkb, dvb) = lax.scan(step, jnp.zeros(q.shape, acc), (jnp.arange(kb.shape[0]), kb, vb, rb))
     unblock = lambda xb: xb.transpose(1, 0, 2, 3, 4).reshape(B, -1, N, xb.shape[-1])[:, :S]  # noqa: E731
-    return dq.astype(q.dtype), unblock(dkb).astype(k.dtype), unblock(dvb).astype(v.dtype)
+    return dq.astype(q.dtype), unblock(dkb).astype(k.dtype), unblock(dvb).astype(v.dtype), None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def causal_attention(q, k, v, *, scale: float, block_size: int = 512):
-    """Blockwise causal attention. Returns (o [B, T, N, V], max_logit [B, N])."""
+def causal_attention(q, k, v, *, scale: float, block_size: int = 512, segment_ids=None):
+    """Blockwise causal attention. Returns (o [B, T, N, V], max_logit [B, N]).
+
+    ``segment_ids`` [B, T] (packed rows, queries = keys, T == S): a query attends only to keys of its own
+    document (``k3jax.ops.segments``); the max logit is then taken over those pairs."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"causal_attention: q, k, v must be [B, T, N, H]; got {q.shape}, {k.shape}, {v.shape}")
     if q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[2:] != k.shape[2:]:
@@ -111,4 +129,10 @@ def causal_attention(q, k, v, *, scale: float, block_size: int = 512):
     if q.shape[1] > k.shape[1]:
         raise ValueError(f"causal_attention: more queries ({q.shape[1]}) than keys ({k.shape[1]})")
     block = int(min(block_size, k.shape[1]))
-    return _attention(q, k, v, float(scale), block)
+    run = None
+    if segment_ids is not None:
+        if q.shape[1] != k.shape[1] or tuple(segment_ids.shape) != q.shape[:2]:
+            raise ValueError(f"causal_attention: segment_ids {tuple(segment_ids.shape)} need queries = keys "
+                             f"[B, T] = {q.shape[:2]} (keys {k.shape[1]})")
+        run = runs(segment_ids)
+    return _attention(q, k, v, run, float(scale), block)

@@ -73,6 +73,7 @@ def _sds(shapes, shardings):
 def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     """(jitted function, abstract arguments with shardings) of the mode's program on ``mesh``."""
     from k3jax.layers.experts import split_packed
+    from k3jax.layers.lora import split_adapters
     from k3jax.model import forward
     from k3jax.sharding import placement as place
     from k3jax.sharding.expert_parallel import ExpertParallel
@@ -96,16 +97,19 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
                      out_shardings=place.batch_sharding(strategy, mesh, 3))
         return fn, (_sds(abstract, p_sh), jax.ShapeDtypeStruct((spec.batch, spec.seq_len), jnp.int32,
                                                               sharding=tok_sh))
-    params, frozen = split_packed(abstract)
+    lora = spec.mode == "lora"
+    params, frozen = split_adapters(abstract) if lora else split_packed(abstract)
     # make_optimizer reads per-layer shapes by slicing stacked leaves: zero-stride views, no memory
     tx, _ = make_optimizer(jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), params),
                            OptimConfig(total_steps=1000, state_dtype=spec.opt_state_dtype,
-                                       muon_layout=spec.muon_layout),
+                                       muon_layout=spec.muon_layout, mode="adamw" if lora else "per_head"),
                            mesh=mesh, specs=param_specs(cfg, strategy, mesh, params))
     shapes = jax.eval_shape(lambda p, f: init_state(p, tx, frozen=f or None), params, frozen)
     st_sh = place.state_shardings(cfg, strategy, mesh, shapes)
     tok_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
-    step = make_train_step(cfg, run, tx, StepSpec(), dispatch=dispatch)
+    # lora: the base stays as loaded (k3 train --lora: train.settings.step_spec)
+    step = make_train_step(cfg, run, tx, StepSpec(balance="off", qk_clip=False) if lora else StepSpec(),
+                           dispatch=dispatch)
     fn = jax.jit(step, in_shardings=(st_sh, tok_sh, None), out_shardings=(st_sh, None), donate_argnums=0)
     return fn, (_sds(shapes, st_sh), jax.ShapeDtypeStruct((1, spec.batch, spec.seq_len + 1), jnp.int32,
                                                           sharding=tok_sh),
@@ -286,7 +290,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     out["flops"] = {**mf, "compiled_per_device": stats.flops, "compiled_global": compiled_global,
                     "compiled_over_expected": compiled_global / mf["expected"],
                     "compiled_over_six_n_tokens": compiled_global / mf["six_n_tokens"]}
-    if spec.mode in ("train", "frozen-experts"):
+    if spec.mode in ("train", "frozen-experts"):  # lora trains its adapters with AdamW: no Newton–Schulz
         # the dot FLOPs the program spends in Muon's Newton–Schulz (its named scope; loops counted as they run),
         # global like newton_schulz_split, and the optimizer update's collectives
         ns = stats.scoped[NS_SCOPE]["flops"] * target.devices

@@ -45,6 +45,7 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     Newton–Schulz coefficients are left out (bytes). ``gradient_bytes``: 4 per trainable element (the lower bound's
     gradient term; not an argument)."""
     from k3jax.layers.experts import parse_packed_name
+    from k3jax.layers.lora import is_adapter
     from k3jax.sharding import placement as place
     from k3jax.sharding.rules import param_specs
     from k3jax.train.optim import leaf_rule
@@ -59,9 +60,13 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
         n = _per_device(leaf.shape, pspec, sizes)
         if parse_packed_name(key_names(path)[-1]):
             out["packed_experts"] += n
-        elif spec.mode in SERVING:
-            names = key_names(path)
-            out["weights"] += (4 if tuple(names[-2:]) in F32_STORED else 2) * n
+        elif spec.mode in SERVING or (spec.mode == "lora" and not is_adapter(key_names(path)[-1])):
+            names = key_names(path)     # BF16 (a lora plan's frozen base too), F32 where the checkpoint stores it
+            out["weights"] += (4 if tuple(names[-2:]) in F32_STORED or leaf.dtype == jnp.float32 else 2) * n
+        elif spec.mode == "lora":       # an adapter: fp32, AdamW's two moments, a gradient
+            out["weights"] += 4 * n
+            out["optimizer"] += 2 * jnp.dtype(spec.opt_state_dtype).itemsize * n
+            out["gradient_bytes"] += 4 * n
         else:
             label = leaf_rule(path, leaf)[0]
             out["weights"] += 4 * n
@@ -170,6 +175,20 @@ def attention_flops(cfg: K3Config, spec: PlanSpec) -> float:
     return cfg.num_mla_layers * mla + cfg.num_kda_layers * kda
 
 
+def lora_active_params(cfg: K3Config, spec: PlanSpec) -> float:
+    """Adapter parameters one token runs through in a lora plan: every dense adapter, and the routed experts'
+    adapters times top-k / E."""
+    from k3jax.layers.lora import is_adapter
+
+    total = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(plan_params(cfg, spec))[0]:
+        names = key_names(path)
+        if is_adapter(names[-1]):
+            share = cfg.num_experts_per_token / cfg.num_experts if "experts" in names else 1.0
+            total += math.prod(x.shape) * share
+    return total
+
+
 def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strategy: str | None = None) -> dict:
     """FLOPs of one step from the config: ``6 · N_active · tokens`` (train; the issue's check), with the terms a
     mode changes — forward 2·N, prefill and decode 2·N plus the attention over the cache (``attention_flops``),
@@ -191,13 +210,15 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
         expected = 2.0 * n_active * tokens + spec.batch * attention_flops(cfg, spec)
     elif spec.mode == "frozen-experts":
         expected = (6.0 * (n_active - n_exp) + 4.0 * n_exp) * tokens
+    elif spec.mode == "lora":  # frozen base: forward + activation gradients; adapters: 6 per active parameter
+        expected = (4.0 * n_active + 6.0 * lora_active_params(cfg, spec)) * tokens
     else:
         expected = six
     useful = expected
     if spec.mode != "forward" and spec.remat in ("full", "nothing_saveable"):
         expected += 2.0 * n_active * tokens
     out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
-    if sizes is not None:
+    if sizes is not None and spec.mode != "lora":  # lora: AdamW, no Newton–Schulz
         ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
         out["newton_schulz"] = ns["global"]
         out["newton_schulz_split"] = ns["per_device"] * math.prod(sizes.values())

@@ -11,6 +11,10 @@ rules shard the experts; the layer stack scanned):
     frozen-experts  the same step with the routed experts frozen as packed MXFP4 bytes (``k3 train
                     --frozen-experts``): no expert master weights, gradients or optimizer state; QAT of the expert
                     inputs (``qat="weights+acts"`` over packed experts quantizes the activations only)
+    lora            the QLoRA step (``k3 train --lora``): LoRA adapters of rank ``lora_rank`` on every target
+                    (attention, shared experts, dense FFN, each routed expert) train in fp32 with AdamW over a frozen
+                    base — BF16 non-expert weights, the routed experts as packed MXFP4 bytes —; no balancing, no
+                    QK-Clip, MXFP8 expert inputs
     prefill         serving, the forward with the cache written (``model.cache.advance``): tokens [B, T] into an
                     empty hybrid cache of ``context`` positions (default T) → the last token's logits [B, V] and the
                     cache (fp32 KDA state + conv tails, the MLA latent), cache donated
@@ -33,7 +37,8 @@ from k3jax.config import REMAT_POLICIES, K3Config, default_run
 from k3jax.errors import InputError
 from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
 
-MODES = ("forward", "train", "frozen-experts", "prefill", "decode")
+MODES = ("forward", "train", "frozen-experts", "lora", "prefill", "decode")
+TRAIN_MODES = ("train", "frozen-experts", "lora")  # a backward and an optimizer
 SERVING = ("forward", "prefill", "decode")  # BF16 weights + packed MXFP4 experts, no backward
 
 
@@ -50,6 +55,7 @@ class PlanSpec:
     context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
     opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
     muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; #30: owner)
+    lora_rank: int = 16  # lora: the adapters' rank (alpha = 2 rank, every target)
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -104,6 +110,9 @@ def run_settings(cfg: K3Config, spec: PlanSpec):
     spec = with_defaults(spec)[0]
     if spec.mode in SERVING:  # prefill / decode: the scanned cache layout (model.cache) runs the group as a scan
         return default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
+    if spec.mode == "lora":  # a BF16 frozen base; the adapters are fp32 whatever their base (layers/lora.py)
+        return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16",
+                           param_dtype="bfloat16", qat="weights+acts", lora=plan_lora(spec))
     return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16", param_dtype="float32",
                        qat="weights+acts")
 
@@ -159,9 +168,12 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
                          "(Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")
     if not (spec.capacity_factor == -1 or spec.capacity_factor > 0):
         raise InputError(f"--capacity-factor {spec.capacity_factor}: must be > 0 or -1 (worst case, dropless)")
-    if spec.mode == "frozen-experts" and cfg.expert_format != "mxfp4":
-        raise InputError(f"--mode frozen-experts: {cfg.name} stores its routed experts as {cfg.expert_format}, "
+    if spec.mode in ("frozen-experts", "lora") and cfg.expert_format != "mxfp4":
+        raise InputError(f"--mode {spec.mode}: {cfg.name} stores its routed experts as {cfg.expert_format}, "
                          "not MXFP4 bytes")
+    if spec.lora_rank != 16 and spec.mode != "lora":
+        raise InputError(f"--lora-rank {spec.lora_rank}: --mode {spec.mode} has no adapters")
+    plan_lora(spec)  # a positive rank, or a ConfigError naming it
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
     if spec.mode == "decode":
@@ -181,8 +193,15 @@ def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
     from k3jax.model import abstract_params
 
     p = abstract_params(cfg, run_settings(cfg, spec))
-    return packed_form(p) if spec.mode in (*SERVING, "frozen-experts") else p
+    return packed_form(p) if spec.mode in (*SERVING, "frozen-experts", "lora") else p
 
 
-__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "PlanSpec",
-           "check", "plan_params", "plan_strategy", "run_settings", "with_defaults"]
+def plan_lora(spec: PlanSpec):
+    """The adapters of a lora plan: rank ``spec.lora_rank``, alpha 2·rank, every target."""
+    from k3jax.config import LORA_TARGETS, LoRAConfig
+
+    return LoRAConfig(rank=spec.lora_rank, alpha=2.0 * spec.lora_rank, targets=LORA_TARGETS)
+
+
+__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "TRAIN_MODES",
+           "PlanSpec", "check", "plan_lora", "plan_params", "plan_strategy", "run_settings", "with_defaults"]

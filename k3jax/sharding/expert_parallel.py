@@ -13,7 +13,9 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
        fall outside every group and come out zero; with tensor-sharded expert_mlp, psum over ``tensor``. Frozen
        MXFP4 experts (``PackedWeight`` stacks) run ``experts_packed`` instead (k3jax/ops/packed_experts.py): the
        Pallas grouped MXFP4 kernel when compiling for GPU/TPU (forward and the activation gradient; its outputs
-       declare their varying mesh axes), the XLA loop for CPU (``packed_kernel``)
+       declare their varying mesh axes), the XLA loop for CPU (``packed_kernel``). Stacks with per-expert LoRA
+       adapters (``LoraWeight``, over a float or packed base) run ``experts_lora`` (k3jax/ops/lora_experts.py)
+       with the same kernel choice for a packed base
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
 Small batches (``replicate_tokens=True``, the small-batch rule of ``placement.small_batch``: fewer rows than the
@@ -55,6 +57,8 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.errors import InputError
 from k3jax.ops.grouped_matmul import experts_sorted
+from k3jax.ops.lora import LoraWeight
+from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.packed_experts import PackedWeight, experts_packed, num_experts
 from k3jax.sharding.mesh import axis_sizes
@@ -89,15 +93,24 @@ def _sort_rows(ids_ma, local_experts: int, n_shards: int):
     return flat, order, inverse, dest, counts
 
 
+def _base(w):
+    """The frozen stack of an expert stack: a ``LoraWeight``'s base, else the stack itself."""
+    return w.base if isinstance(w, LoraWeight) else w
+
+
 def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm, weights=None):
     """Run the local experts on rows x [R, P] with local ids [R] (or [R, A] slots combined by ``weights`` [R, A];
     pad id = El → zero output). The stacks are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts:
     k3jax/ops/packed_experts.py), run by the grouped MXFP4 kernel ``gmm`` (forward and the activation gradient) or,
-    when it is None, the XLA loop."""
+    when it is None, the XLA loop; any of them may be a ``LoraWeight`` (per-expert adapters over either base), and
+    then all three run ``experts_lora`` (the same ``gmm`` choice for a packed base)."""
     ids = local_ids[:, None] if local_ids.ndim == 1 else local_ids
     if weights is None:
         weights = jnp.ones(ids.shape, acc_dtype(x.dtype))
-    if isinstance(w1, PackedWeight):
+    if any(isinstance(w, LoraWeight) for w in (w1, w3, w2)):
+        out = experts_lora(x, ids, weights, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
+                           impl="auto" if gmm is None else "grouped")
+    elif isinstance(w1, PackedWeight):
         out = experts_packed(x, ids, weights, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
                              impl="tiles" if gmm is None else "gmm")
     else:
@@ -105,13 +118,25 @@ def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm, w
     return lax.psum(out, tensor_axes) if tensor_axes else out
 
 
+def _varying(x, axes):
+    """``x`` (invariant over ``axes`` inside shard_map) cast varying over them; its transpose is a psum."""
+    if hasattr(lax, "pcast"):                                            # jax 0.12
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)                                            # jax 0.11
+
+
 def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, gmm):
     """The small-batch rule (``placement.small_batch``): every device holds every token row; it runs the slots
     routed to its own experts (the others take the pad id: zero) and the shards' partial sums meet in one psum over
     the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Returns (y [m, P] acc, 0)."""
-    El = num_experts(w1)
+    El = num_experts(w1)  # a LoraWeight's first leaf is its base's: [E, ...]
     mine = ids // El == lax.axis_index(axis)
     local = jnp.where(mine, ids % El, El).astype(jnp.int32)
+    # z and the gates come in replicated, but what each device computes from them varies with its experts (its own
+    # sort order, its own weights): cast them varying over those axes, so that autodiff sums their cotangents over
+    # the devices (the cast's transpose, a psum). Left invariant, the custom VJPs of the sorted path
+    # (grouped_matmul.permute_rows) hand back one device's partial cotangent as the whole: dz was off (rel-RMS 1.4)
+    z, wts = _varying(z, (axis, *tensor_axes)), _varying(wts, (axis, *tensor_axes))
     y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), gmm, weights=wts)
     return lax.psum(y, (axis, *tensor_axes)), jnp.int32(0)
 
@@ -250,7 +275,8 @@ class ExpertParallel:
 
     def dispatch(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
         """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] (or each a ``PackedWeight``: w1/w3 uint8
-        [E, F, P/2] + [E, F, P/32], w2 [E, P, F/2] + [E, P, F/32]) → (y [M, P] acc dtype, dropped int32)."""
+        [E, F, P/2] + [E, F, P/32], w2 [E, P, F/2] + [E, P, F/32]; or each of them a ``LoraWeight`` over such a
+        base: A1/A3 [E, P, r], B1/B3 [E, r, F], A2 [E, F, r], B2 [E, r, P]) → (y [M, P] acc dtype, dropped int32)."""
         M, A = ids.shape
         E = num_experts(w1)
         X, T = self.n_shards, self.n_token_shards
@@ -270,7 +296,7 @@ class ExpertParallel:
 
         def local(z, ids, wts, w1, w3, w2):
             # chosen in here, where the current mesh is shard_map's (its device: the platform being compiled for)
-            gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            gmm = _packed_gmm(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
             w1, w3, w2 = self._gather_width(w1, w3, w2)
             bucketed, ragged = partial(_bucketed, **kw, gmm=gmm), partial(_ragged, **kw, gmm=gmm)
             args = (z, ids, wts, w1, w3, w2)
@@ -283,20 +309,31 @@ class ExpertParallel:
             return y, (lax.psum(d, reduce_axes) if reduce_axes else d)
 
         tok = P(self.token_axes or None, None)
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, *self._weight_specs(w1)),
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(tok, tok, tok, *self._weight_specs(w1, w3, w2)),
                            out_specs=(tok, P()))
         return fn(z, ids, weights, w1, w3, w2)
 
-    def _weight_specs(self, w1):
+    def _weight_specs(self, w1, w3, w2):
         """in_specs of w1, w3, w2: experts over the expert axis, F over the tensor axes; a float stack's width P
-        also over ``width_axes`` (as the parameter is stored), gathered inside by ``_gather_width``."""
+        also over ``width_axes`` (as the parameter is stored), gathered inside by ``_gather_width``.
+
+        A ``LoraWeight``'s factors follow its base: A1/A3 [E, P, r] and B2 [E, r, P] split P over ``width_axes``
+        (gathered inside like a float base, whatever the base: the factors are trained Params stored so, and the
+        gather's transpose hands their gradients back reduce-scattered) and never over the tensor axes; B1/B3
+        [E, r, F] and A2 [E, F, r] split F over the tensor axes as the base does. Each tensor shard then computes
+        a_t = x W1_t + (x A1) B1_t, its own F slice of the gate, and y_t = h_t W2_t + (h_t A2_t) B2, a partial sum
+        that the psum over the tensor axes completes: Σ_t (h_t A2_t) B2 = (h A2) B2."""
         t = self.tensor_axes or None
-        if isinstance(w1, PackedWeight):  # torch orientation [E, out, in/2 | in/32]: F is w1/w3's dim 1, w2's dim 2
-            wspec_in, wspec_out = P(self.expert_axis, t, None), P(self.expert_axis, None, t)
+        p = self.width_axes or None
+        e = self.expert_axis
+        if isinstance(_base(w1), PackedWeight):  # torch orientation [E, out, in/2]: F is w1/w3's dim 1, w2's dim 2
+            base_in, base_out = P(e, t, None), P(e, None, t)
         else:
-            p = self.width_axes or None
-            wspec_in, wspec_out = P(self.expert_axis, p, t), P(self.expert_axis, t, p)
-        return wspec_in, wspec_in, wspec_out
+            base_in, base_out = P(e, p, t), P(e, t, p)
+        lora_in = LoraWeight(base_in, P(e, p, None), P(e, None, t))    # w1/w3: A [E, P, r], B [E, r, F]
+        lora_out = LoraWeight(base_out, P(e, t, None), P(e, None, p))  # w2: A [E, F, r], B [E, r, P]
+        return tuple(lora if isinstance(w, LoraWeight) else base
+                     for w, base, lora in ((w1, base_in, lora_in), (w3, base_in, lora_in), (w2, base_out, lora_out)))
 
     def _gather_width(self, w1, w3, w2):
         """Inside the shard_map: a float stack's width P all-gathered over ``width_axes`` (w1/w3 dim 1, w2 dim 2).
@@ -304,22 +341,31 @@ class ExpertParallel:
         each expert gradient leaves the shard_map already in its parameter's sharding. Gathered outside (an
         in_spec without those axes) the cotangent was psum'd whole over them and sliced afterwards: the v5p-512
         QAT step's all-reduce buffers inside the scan (experiments/LOG.md). Packed stacks (frozen, no gradient)
-        enter whole along P."""
-        if isinstance(w1, PackedWeight) or not self.width_axes:
+        enter whole along P. LoRA factors along P (A1/A3 dim 1, B2 dim 2) are gathered the same way over a float
+        or a packed base."""
+        if not self.width_axes:
             return w1, w3, w2
         ax = self.width_axes if len(self.width_axes) > 1 else self.width_axes[0]
         g = partial(lax.all_gather, axis_name=ax, tiled=True)
-        return g(w1, axis=1), g(w3, axis=1), g(w2, axis=2)
+
+        def gather(w, dim, a_dim=None, b_dim=None):
+            if isinstance(w, LoraWeight):
+                a = w.a if a_dim is None else g(w.a, axis=a_dim)
+                b = w.b if b_dim is None else g(w.b, axis=b_dim)
+                return LoraWeight(gather(w.base, dim), a, b)
+            return w if isinstance(w, PackedWeight) else g(w, axis=dim)
+
+        return gather(w1, 1, a_dim=1), gather(w3, 1, a_dim=1), gather(w2, 2, b_dim=2)
 
     def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
         def local(z, ids, wts, w1, w3, w2):
-            gmm = _packed_gmm(self.packed_kernel) if isinstance(w1, PackedWeight) else None
+            gmm = _packed_gmm(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
             w1, w3, w2 = self._gather_width(w1, w3, w2)
             return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
                                tensor_axes=self.tensor_axes, gmm=gmm)
 
         rep = P()
-        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rep, rep, rep, *self._weight_specs(w1)),
+        fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rep, rep, rep, *self._weight_specs(w1, w3, w2)),
                            out_specs=(rep, P()))
         return fn(z, ids, weights, w1, w3, w2)
 

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.errors import InputError
+from k3jax.layers.lora import has_adapters, is_adapter
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
 from k3jax.sharding.rules import STRATEGIES, get_rules, logical_to_spec, mesh_axes_of, param_specs
@@ -167,7 +168,7 @@ def _slice_table(cfg, params) -> dict:
     """{key names: (logical axes, shape)} for every parameter."""
     from k3jax.model import param_axes
 
-    axes = param_axes(cfg)
+    axes = param_axes(cfg, adapters=has_adapters(params))
     table = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         names = key_names(path)
@@ -216,7 +217,8 @@ def opt_specs(cfg, strategy: str, mesh, opt_shapes, params):
             while same < min(len(shape), len(pshape)) and shape[same] == pshape[same]:
                 same += 1
             logical = logical[:same] + (None,) * (len(shape) - same)
-        return logical_to_spec(logical, shape, strategy, mesh, name=path_str(path))
+        return logical_to_spec(logical, shape, strategy, mesh, name=path_str(path),
+                               lenient=any(is_adapter(k) for k in key_names(path)))   # as its adapter is placed
 
     return jax.tree_util.tree_map_with_path(one, opt_shapes)
 

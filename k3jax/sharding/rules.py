@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from k3jax.config import K3Config
 from k3jax.errors import InputError
 from k3jax.layers.experts import packed_axes, parse_packed_name
+from k3jax.layers.lora import has_adapters, is_adapter
 from k3jax.notation import LOGICAL_AXES
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
@@ -61,6 +62,7 @@ _TABLE = {
     "latent":     (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
     "norm":       (None,   None,            None,                      None,                      None,      None),
     "layers":     (None,   None,            None,                      None,                      None,      None),
+    "lora_rank":  (None,   None,            None,                      None,                      None,      None),
 }
 STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp")
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
@@ -93,10 +95,13 @@ def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "array") -> PartitionSpec:
+def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "array",
+                    lenient: bool = False) -> PartitionSpec:
     """PartitionSpec for an array with logical axes ``logical`` (None = replicated dim) of ``shape``.
 
-    First dimension wins a contested mesh axis; size-1 mesh axes are dropped; indivisible dimensions raise."""
+    First dimension wins a contested mesh axis; size-1 mesh axes are dropped; indivisible dimensions raise — or,
+    ``lenient``, stay whole (LoRA adapters: a factor's [r, 576] kv_a side is small, and 576 does not split 128 ways
+    where its base's does not need to)."""
     table = get_rules(rules)
     sizes = axis_sizes(mesh)
     used: set[str] = set()
@@ -112,6 +117,9 @@ def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "a
             if a not in sizes:
                 raise ValueError(f"{name}: rules map {lax_name!r} to mesh axis {a!r}, absent from the mesh {sizes}")
         k = math.prod(sizes[a] for a in axes)
+        if n % k and lenient:
+            out.append(None)
+            continue
         if n % k:
             raise InputError(f"{name}: dimension {dim} (logical axis {lax_name!r}, size {n}) is not divisible by "
                              f"mesh axes {axes} (sizes {[sizes[a] for a in axes]}, product {k})")
@@ -130,13 +138,14 @@ def param_specs(cfg: K3Config, rules, mesh, params=None):
 
     get_rules(rules)  # validate the table once, before any leaf
     params = abstract_params(cfg) if params is None else params
-    axes = param_axes(cfg)
+    axes = param_axes(cfg, adapters=has_adapters(params))
 
     def one(path, x):
         logical = leaf_axes(axes, key_names(path))
         if len(logical) != len(x.shape):
             raise ValueError(f"{path_str(path)}: logical axes {logical} do not match shape {tuple(x.shape)}")
-        return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path))
+        return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path),
+                               lenient=is_adapter(key_names(path)[-1]))
 
     return jax.tree_util.tree_map_with_path(one, params)
 

@@ -1,57 +1,271 @@
-"""Training data: byte-level tokens, a held-out split and a batch order that is a pure function of (seed, step).
+"""Training data: tokens, document boundaries and target weights, a held-out split, and batches that are a pure
+function of (seed, step).
 
     train, heldout = split(load_corpus(None, max_bytes=4 << 20), heldout_frac=0.05)
     x = batch_at(train, seed=0, step=17, batch=16, seq_len=128)   # [16, 129] int32; inputs x[:, :-1]
 
-Because ``batch_at`` depends only on (seed, step), a resumed run sees exactly the batches an uninterrupted run
-would (the data position IS the step). Vocabularies smaller than 256 (k3-tiny: 97) see ``byte % vocab``. Windows
-of the held-out split, and their loss, are ``k3jax.train.evaluate``'s.
+    corpus = load_documents(paths, max_bytes=4 << 20, tokenizer=tok, template=tpl)   # text, {"text"} or {"messages"}
+    train, held = split_documents(corpus, 0.05)
+    b = packed_batch_at(train, seed=0, step=17, batch=16, seq_len=128)   # {"tokens", "segments", "weights"}
+
+Because a batch depends only on (seed, step), a resumed run sees exactly the batches an uninterrupted run would
+(the data position IS the step). Vocabularies smaller than 256 (k3-tiny: 97) see ``byte % vocab``. Windows of the
+held-out split, and their loss, are ``k3jax.train.evaluate``'s.
+
+Documents and packing (SPEC §4.7). Each text file, each ``{"text"}`` line and each ``{"messages"}`` conversation is
+one document. A ``Corpus`` keeps the token stream with every token's document index and whether it is a target
+(chat: the assistant's tokens, ``k3jax.chat.encode_chat``; text: every token). ``packed_batch_at`` returns rows of
+``seq_len + 1`` tokens with ``segments`` (the document index per token, so KDA, the conv and MLA restart at each
+boundary: ``k3jax.ops.segments``) and ``weights`` [b, seq_len] (1 where predicting token t + 1 counts: a target
+in the same document as token t — never a document's first token from the one before). Text is cut into random
+windows as ``batch_at`` cuts it (same tokens); chat conversations are packed whole into rows (``pack_rows``: in
+file order, first come first packed, a row closed when the next conversation does not fit, padding its own
+document with weight 0; a conversation longer than a row is cut into row-sized pieces), and rows are drawn by a
+per-epoch permutation.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from k3jax.data import stdlib_bytes
+from k3jax.data import stdlib_documents
 from k3jax.errors import InputError
 
 
-def _read_user_file(path: str) -> bytes:
+def _text_documents(path: str) -> list[bytes]:
+    """A text file as one document, a ``{"text"}`` JSONL file as one document a line."""
     if not os.path.isfile(path):
         raise InputError(f"--data: no such file {path!r}")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise InputError(f"--data: cannot read {path!r}: {e}") from e
     if not path.endswith(".jsonl"):
-        return raw
-    out = []
-    for n, line in enumerate(raw.decode("utf-8", errors="strict").splitlines(), 1):
-        if not line.strip():
-            continue
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"--data: {path}:{n}: not JSON ({e.msg})") from e
-        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            with open(path, "rb") as f:
+                return [f.read()]
+        except OSError as e:
+            raise InputError(f"--data: cannot read {path!r}: {e}") from e
+    from k3jax.chat import jsonl_records
+
+    out = []
+    for n, rec in jsonl_records(path):
+        if not isinstance(rec.get("text"), str):
             raise InputError(f"--data: {path}:{n}: each JSONL line needs a string field \"text\"")
         out.append(rec["text"].encode("utf-8"))
-    return b"\n".join(out)
+    return out
 
 
 def load_corpus(paths=None, *, max_bytes: int = 4 << 20) -> np.ndarray:
-    """uint8 tokens: the stdlib corpus (``paths`` None) or the concatenation of user text / JSONL files."""
+    """uint8 tokens: the stdlib corpus (``paths`` None) or the concatenation of user text / ``{"text"}`` files, each
+    joined to the next by a newline (``load_documents``' stream, without the document boundaries)."""
+    return load_documents(paths, max_bytes=max_bytes).tokens
+
+
+class Corpus(NamedTuple):
+    tokens: np.ndarray  # [N] token ids (uint8 for bytes, int32 otherwise)
+    doc: np.ndarray  # [N] int32 document index, non-decreasing
+    target: np.ndarray | None  # [N] bool: the token is one to learn (None: every token)
+    chat: bool = False  # documents are conversations: packed whole into rows
+
+
+def _is_chat(path: str) -> bool:
+    from k3jax.chat import sniff_jsonl
+
+    return path.endswith(".jsonl") and os.path.isfile(path) and sniff_jsonl(path) == "messages"
+
+
+def load_documents(paths=None, *, max_bytes: int = 4 << 20, tokenizer=None, template=None) -> Corpus:
+    """The corpus as documents: the stdlib one file a document (``paths`` None), text files / ``{"text"}`` lines,
+    or ``{"messages"}`` conversations rendered by ``template`` and tokenized by ``tokenizer``
+    (``k3jax.chat.encode_chat``; both needed for chat data). Text and chat files cannot be mixed. Text tokens are
+    exactly ``load_corpus``'s (the joining newlines end the document before them); at most ``max_bytes`` text
+    bytes (chat: whole conversations until the first one past ``max_bytes`` tokens)."""
+    paths = [os.fspath(p) for p in (paths or ())]
+    kinds = {p: _is_chat(p) for p in paths}
+    if paths and any(kinds.values()):
+        if not all(kinds.values()):
+            chat, text = (", ".join(p for p in paths if kinds[p] == k) for k in (True, False))
+            raise InputError(f"--data: chat ({{\"messages\"}}) and text files cannot be mixed: {chat} vs {text}")
+        return _chat_corpus(paths, max_bytes, tokenizer, template)
     if not paths:
-        toks = stdlib_bytes(max_bytes)
+        docs = stdlib_documents(max_bytes)
     else:
-        toks = np.frombuffer(b"\n".join(_read_user_file(os.fspath(p)) for p in paths)[:max_bytes], np.uint8).copy()
+        docs = [d for p in paths for d in _text_documents(p)]
+        docs = [d + b"\n" for d in docs[:-1]] + docs[-1:]
+    sizes, n = [], 0
+    for d in docs:
+        sizes.append(min(len(d), max_bytes - n))
+        n += sizes[-1]
+        if n >= max_bytes:
+            break
+    toks = np.frombuffer(b"".join(d[:k] for d, k in zip(docs, sizes)), np.uint8).copy()
     if toks.size == 0:
         raise InputError("--data: the corpus is empty")
-    return toks
+    return Corpus(toks, np.repeat(np.arange(len(sizes), dtype=np.int32), sizes), None)
+
+
+def _chat_corpus(paths, max_tokens: int, tokenizer, template) -> Corpus:
+    from k3jax.chat import encode_chat, read_chat_jsonl
+
+    if tokenizer is None or template is None:
+        raise InputError("--data: chat data needs the model's tokenizer and chat template")
+    ids, tgt, n = [], [], 0
+    for path in paths:
+        for i, messages in enumerate(read_chat_jsonl(path)):
+            a, t = encode_chat(messages, template, tokenizer, source=f"{path}: conversation {i + 1}")
+            ids.append(a)
+            tgt.append(t)
+            n += a.size
+            if n >= max_tokens:
+                break
+    if not ids:
+        raise InputError(f"--data: no conversations in {', '.join(paths)}")
+    return Corpus(np.concatenate(ids).astype(np.int32), np.repeat(np.arange(len(ids), dtype=np.int32),
+                  [a.size for a in ids]), np.concatenate(tgt), chat=True)
+
+
+def split_documents(corpus: Corpus, heldout_frac: float = 0.05) -> tuple[Corpus, Corpus]:
+    """(train, heldout): text as ``split`` (the tail of the stream, the same tokens), chat at the document boundary
+    nearest the fraction (at least one conversation on each side)."""
+    N = corpus.tokens.size
+    cut = N - int(N * heldout_frac)
+    if corpus.chat:
+        starts = np.flatnonzero(np.diff(corpus.doc, prepend=-1))
+        if starts.size < 2:
+            raise InputError("--data: a held-out split needs at least two conversations")
+        cut = int(starts[np.clip(np.searchsorted(starts, cut), 1, starts.size - 1)])
+
+    def part(sl):
+        return Corpus(corpus.tokens[sl], corpus.doc[sl], None if corpus.target is None else corpus.target[sl],
+                      corpus.chat)
+
+    return part(slice(0, cut)), part(slice(cut, N))
+
+
+def _weights(seg, tgt):
+    """[..., L] document ids and target flags → [..., L - 1] float32: predicting token t + 1 counts."""
+    w = seg[..., 1:] == seg[..., :-1]
+    if tgt is not None:
+        w = w & tgt[..., 1:]
+    return w.astype(np.float32)
+
+
+def pack_rows(corpus: Corpus, seq_len: int) -> dict:
+    """Whole documents packed into rows of ``seq_len + 1`` tokens (module docstring): {"tokens", "segments"
+    [R, seq_len + 1] int32, "weights" [R, seq_len] float32, "cut": documents longer than a row}."""
+    L = seq_len + 1
+    starts = np.flatnonzero(np.diff(corpus.doc, prepend=-1))
+    bounds = list(zip(starts, [*starts[1:], corpus.tokens.size], strict=True))
+    pieces = [(a + i, min(a + i + L, e)) for a, e in bounds for i in range(0, e - a, L)]
+    rows, row, used = [], [], 0
+    for a, e in pieces:
+        if used + e - a > L:
+            rows.append(row)
+            row, used = [], 0
+        row.append((a, e))
+        used += e - a
+    rows.append(row)
+    tok = np.zeros((len(rows), L), np.int32)
+    seg = np.full((len(rows), L), -1, np.int32)
+    tgt = np.zeros((len(rows), L), bool)
+    for r, row in enumerate(rows):
+        at = 0
+        for i, (a, e) in enumerate(row):
+            tok[r, at:at + e - a], seg[r, at:at + e - a] = corpus.tokens[a:e], i
+            tgt[r, at:at + e - a] = True if corpus.target is None else corpus.target[a:e]
+            at += e - a
+    return {"tokens": tok, "segments": seg, "weights": _weights(seg, tgt),
+            "cut": sum(1 for a, e in bounds if e - a > L)}
+
+
+def packed_batch_at(corpus: Corpus, *, seed: int, step: int, batch: int, seq_len: int, vocab: int = 256,
+                    rows: dict | None = None) -> dict:
+    """{"tokens", "segments" [batch, seq_len + 1] int32, "weights" [batch, seq_len] float32} of step ``step``.
+    Text: ``batch_at``'s windows (the same tokens) with their document ids; chat: ``rows`` (``pack_rows``, built
+    once by the caller) drawn by a permutation per epoch seeded by (seed, epoch)."""
+    if rows is None:
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(corpus.tokens) - seq_len - 1, size=batch)
+        idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
+        tok, seg = corpus.tokens[idx].astype(np.int32), corpus.doc[idx]
+        w = _weights(seg, None if corpus.target is None else corpus.target[idx])
+    else:
+        R = rows["tokens"].shape[0]
+        i = step * batch + np.arange(batch)
+        pick = np.empty(batch, np.int64)
+        for e in np.unique(i // R):
+            sel = i // R == e
+            pick[sel] = np.random.default_rng([seed, int(e)]).permutation(R)[i[sel] % R]
+        tok, seg, w = rows["tokens"][pick], rows["segments"][pick], rows["weights"][pick]
+    return {"tokens": tok % vocab if vocab < 256 else tok, "segments": seg, "weights": w}
+
+
+@dataclass
+class TrainData:
+    """A run's data (``prepare``): the training batches as a function of (seed, step) and the fixed eval set."""
+
+    train: Corpus
+    eval_set: Any  # k3jax.train.evaluate.Windows
+    held_entropy: float
+    vocab: int  # ids are taken % vocab below 256 (byte data on a smaller vocabulary)
+    packing: bool  # packed batches (segments + weights) rather than plain token windows
+    rows: dict | None = None  # chat: the packed rows (``pack_rows``)
+
+    @property
+    def train_toks(self) -> np.ndarray:
+        return self.train.tokens
+
+    def batch(self, *, seed: int, step: int, batch: int, seq_len: int):
+        """Step ``step``'s batch: tokens [batch, seq_len + 1] (``batch_at``), or a packed batch."""
+        if not self.packing:
+            return batch_at(self.train.tokens, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab)
+        return packed_batch_at(self.train, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab,
+                               rows=self.rows)
+
+
+def prepare(tc, cfg, n_dev: int, log) -> TrainData:
+    """The corpus of ``tc.data`` split, checked and set up for ``tc.seq_len``: text with document masks
+    (``tc.packing_masks``) or as plain windows (today's batches, exactly), chat packed into rows (with
+    ``--no-packing-masks`` every row is one sequence to the mixers; the assistant-only weights stay)."""
+    from k3jax.train.evaluate import Windows, spaced_windows
+
+    vocab = min(cfg.vocab_size, 256)
+    if cfg.vocab_size < 256:
+        log(f"vocab {cfg.vocab_size} < 256: tokens are byte % {cfg.vocab_size}")
+    chat = any(_is_chat(os.fspath(p)) for p in tc.data)
+    tok = tpl = None
+    if chat:
+        from k3jax.chat import template_for
+        from k3jax.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tc.init, max(cfg.vocab_size, 256))
+        tpl = template_for(tc.init, tok)
+    corpus = load_documents(tc.data, max_bytes=tc.max_bytes, tokenizer=tok, template=tpl)
+    train, held = split_documents(corpus, tc.heldout_frac)
+    n_eval = max(n_dev, tc.eval_windows // n_dev * n_dev)   # rounded down to the devices, at least one each
+    if not chat:
+        check_size(train.tokens, tc.seq_len, "training")
+        check_size(held.tokens, tc.seq_len, "held-out")
+        ev = spaced_windows(held.tokens, num=n_eval, seq_len=tc.seq_len, vocab=vocab)
+        if tc.packing_masks:
+            at = np.linspace(0, len(held.tokens) - tc.seq_len - 1, n_eval).astype(np.int64)
+            seg = held.doc[at[:, None] + np.arange(tc.seq_len + 1)[None, :]]
+            ev = Windows(ev.tokens, _weights(seg, None), seg)
+        return TrainData(train, ev, unigram_entropy(held.tokens, vocab), vocab, tc.packing_masks)
+    rows, held_rows = pack_rows(train, tc.seq_len), pack_rows(held, tc.seq_len)
+    if rows["cut"] or held_rows["cut"]:
+        log(f"{rows['cut'] + held_rows['cut']} conversations longer than --seq-len + 1 = {tc.seq_len + 1} tokens "
+            "were cut into pieces")
+    for r in (rows, held_rows):
+        r["tokens"] = r["tokens"] % vocab if vocab < 256 else r["tokens"]
+        if not tc.packing_masks:
+            r["segments"] = np.zeros_like(r["segments"])
+    log(f"chat data: {int(train.doc[-1] - train.doc[0]) + 1} conversations in {rows['tokens'].shape[0]} packed rows "
+        f"of {tc.seq_len + 1} tokens for training, {held_rows['tokens'].shape[0]} held out; "
+        f"{float(rows['weights'].mean()):.1%} of predictions are assistant tokens")
+    ev = Windows(held_rows["tokens"][:n_eval], held_rows["weights"][:n_eval], held_rows["segments"][:n_eval])
+    return TrainData(train, ev, unigram_entropy(held.tokens, vocab), vocab, True, rows)
 
 
 def split(tokens: np.ndarray, heldout_frac: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
@@ -81,4 +295,5 @@ def unigram_entropy(tokens: np.ndarray, vocab: int = 256) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-__all__ = ["batch_at", "check_size", "load_corpus", "split", "unigram_entropy"]
+__all__ = ["Corpus", "TrainData", "batch_at", "check_size", "load_corpus", "load_documents", "pack_rows",
+           "packed_batch_at", "prepare", "split", "split_documents", "unigram_entropy"]

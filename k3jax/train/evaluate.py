@@ -28,6 +28,13 @@ from k3jax.errors import InputError
 class Windows(NamedTuple):
     tokens: np.ndarray  # [N, T + 1] int32: position t predicts t + 1
     mask: np.ndarray | None  # [N, T] float32: 1 where the prediction of token t + 1 is scored; None: everywhere
+    segments: np.ndarray | None = None  # [N, T + 1] int32 document ids of packed windows (None: one sequence each)
+
+
+def packed_windows(batch: dict) -> Windows:
+    """A packed batch ({"tokens", "segments", "weights"}: ``k3jax.train.data``) as held-out windows: documents
+    mixed on their own, predictions scored by their weights."""
+    return Windows(batch["tokens"], batch["weights"], batch["segments"])
 
 
 def tiled_windows(tokens, *, seq_len: int) -> Windows:
@@ -59,20 +66,23 @@ def spaced_windows(tokens: np.ndarray, *, num: int, seq_len: int, vocab: int = 2
 
 
 def make_scorer(cfg, run=None, *, params_sharding=None, batch_sharding=None, dispatch=None):
-    """(params, tokens [b, T + 1], mask [b, T] or None) -> summed (masked) cross-entropy (f32), jitted. With
-    shardings (the train loop's data-parallel eval), tokens and mask are placed with ``batch_sharding`` first."""
+    """(params, tokens [b, T + 1], mask [b, T] or None, segments [b, T + 1] or None) -> summed (masked)
+    cross-entropy (f32), jitted. With shardings (the train loop's data-parallel eval), tokens, mask and segments
+    are placed with ``batch_sharding`` first."""
     from k3jax.model import forward
 
-    def score(params, tokens, mask):
-        logits = forward(params, tokens[:, :-1], cfg, run, dispatch=dispatch)
+    def score(params, tokens, mask, segments=None):
+        seg = None if segments is None else segments[:, :-1]
+        logits = forward(params, tokens[:, :-1], cfg, run, dispatch=dispatch, segment_ids=seg)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         # no multiply without a mask: an all-ones one changes XLA's summation order (the last bits of the loss)
         return jnp.sum(ce) if mask is None else jnp.sum(ce * mask)
 
     if batch_sharding is None:
         return jax.jit(score)
-    jitted = jax.jit(score, in_shardings=(params_sharding, batch_sharding, batch_sharding))
-    return lambda params, tokens, mask: jitted(params, *jax.device_put((tokens, mask), batch_sharding))
+    jitted = jax.jit(score, in_shardings=(params_sharding, batch_sharding, batch_sharding, batch_sharding))
+    return lambda params, tokens, mask, segments=None: jitted(
+        params, *jax.device_put((tokens, mask, segments), batch_sharding))
 
 
 def heldout_loss(params, windows: Windows, *, batch: int, score) -> tuple[float, int]:
@@ -82,9 +92,12 @@ def heldout_loss(params, windows: Windows, *, batch: int, score) -> tuple[float,
     for i in range(0, len(windows.tokens), batch):
         t = windows.tokens[i:i + batch]
         m = None if windows.mask is None else windows.mask[i:i + batch]
+        s = None if windows.segments is None else windows.segments[i:i + batch]
         if m is not None and len(t) < batch:
             t, m = (np.concatenate([a, np.zeros((batch - len(a), a.shape[1]), a.dtype)]) for a in (t, m))
-        total += float(score(params, t, m))
+            if s is not None:
+                s = np.concatenate([s, np.zeros((batch - len(s), s.shape[1]), s.dtype)])
+        total += float(score(params, t, m) if s is None else score(params, t, m, s))
         count += t[:, 1:].size if m is None else int(m.sum())
     return total / count, count
 
@@ -94,4 +107,5 @@ def windowed_loss(params, cfg, tokens, *, seq_len: int = 256, batch: int = 8, ru
     return heldout_loss(params, tiled_windows(tokens, seq_len=seq_len), batch=batch, score=make_scorer(cfg, run))
 
 
-__all__ = ["Windows", "heldout_loss", "make_scorer", "spaced_windows", "tiled_windows", "windowed_loss"]
+__all__ = ["Windows", "heldout_loss", "make_scorer", "packed_windows", "spaced_windows", "tiled_windows",
+           "windowed_loss"]

@@ -16,7 +16,7 @@ the rules shard the experts. On more than one device Muon's Newton–Schulz is o
 Checkpoints are saved sharded and restore onto whatever mesh the resuming run builds (orbax reshards), so a run
 may resume on a different mesh shape.
 
-Exact resume: the batch of step s is a pure function of (seed, s) (``k3jax.train.data.batch_at``), and the
+Exact resume: the batch of step s is a pure function of (seed, s) (``k3jax.train.data``), and the
 checkpoint holds params (QB biases included), optimizer state, step, RNG and the bad-step streak. Re-running the
 same command with the same ``ckpt_dir`` continues from the latest committed checkpoint (``k3jax.train.ckpt``) and
 ends with parameters bit-identical to an uninterrupted run.
@@ -44,18 +44,20 @@ from k3jax.checkpoint.save import export_trained
 from k3jax.config import K3Config, RunConfig
 from k3jax.errors import InputError
 from k3jax.layers.experts import merge_trees, packed_form, split_packed
+from k3jax.layers.lora import split_adapters
 from k3jax.sharding import param_shardings
 from k3jax.sharding import placement as place
 from k3jax.sharding.rules import param_specs
 from k3jax.train import data as tdata
 from k3jax.train.ckpt import manager, read_meta, restore_state, save_state
-from k3jax.train.evaluate import Windows, heldout_loss, make_scorer, spaced_windows
+from k3jax.train.evaluate import Windows, heldout_loss, make_scorer
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
 from k3jax.train.optim import OptimConfig, make_optimizer, schedule
 from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, step_record
 from k3jax.train.settings import (
     TrainConfig,
     check_frozen,
+    keeps_packed,
     optim_config,
     resolve_mesh,
     resolve_model,
@@ -103,6 +105,7 @@ class _Run:
     mesh: Mesh
     strategy: str
     log: Callable[[str], None]
+    data: tdata.TrainData
     train_toks: np.ndarray
     eval_set: Windows
     vocab: int
@@ -137,18 +140,9 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     axes = place.token_axes(strategy, mesh)
     validate(tc, n_dev, f"ways the batch is split (mesh axes {', '.join(axes)})" if tc.mesh else
              "data-parallel devices")
-    tokens = tdata.load_corpus(tc.data, max_bytes=tc.max_bytes)
-    train_toks, held = tdata.split(tokens, tc.heldout_frac)
-    tdata.check_size(train_toks, tc.seq_len, "training")
-    tdata.check_size(held, tc.seq_len, "held-out")
-    vocab = min(cfg.vocab_size, 256)
-    if cfg.vocab_size < 256:
-        log(f"vocab {cfg.vocab_size} < 256: tokens are byte % {cfg.vocab_size}")
-    # the periodic eval's fixed windows: eval_windows rounded down to a multiple of the devices (at least one each)
-    eval_set = spaced_windows(held, num=max(n_dev, tc.eval_windows // n_dev * n_dev), seq_len=tc.seq_len,
-                              vocab=vocab)
-    return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log,
-                train_toks=train_toks, eval_set=eval_set, vocab=vocab, held_entropy=tdata.unigram_entropy(held, vocab))
+    data = tdata.prepare(tc, cfg, n_dev, log)
+    return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log, data=data,
+                train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy)
 
 
 @dataclass(frozen=True)
@@ -157,6 +151,7 @@ class _Programs:
 
     param_sh: Any  # NamedSharding per parameter leaf (packed experts included)
     init_params: Callable  # key -> the random initial parameters, placed
+    init_adapters: Callable  # key -> fresh LoRA adapters alone (B = 0), placed: beside a loaded base
     tx: Any  # the optimizer
     init_state: Callable  # (params, frozen, seed) -> the train state, placed
     state_sh: dict
@@ -179,7 +174,7 @@ def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strat
     if frozen_experts:
         abstract = packed_form(abstract)
     param_sh = param_shardings(cfg, strategy, mesh, abstract)
-    trained, frozen = split_packed(abstract)
+    trained, frozen = _split(abstract, settings)
     tx, _ = make_optimizer(trained, ocfg, mesh=mesh, specs=param_specs(cfg, strategy, mesh, trained))
     init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
     state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
@@ -188,6 +183,8 @@ def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strat
     return _Programs(
         param_sh=param_sh,
         init_params=jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=param_sh),
+        init_adapters=jax.jit(lambda k: _split(init_params(cfg, k, settings), settings)[0],
+                              out_shardings=_split(param_sh, settings)[0]),
         tx=tx, init_state=jax.jit(init, out_shardings=state_sh), state_sh=state_sh, batch_sh=batch_sh,
         dispatch=dispatch,
         step=jax.jit(make_train_step(cfg, settings, tx, spec, dispatch=dispatch),
@@ -204,8 +201,11 @@ def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, prog: _Pro
         from k3jax.checkpoint.load import load
 
         st: dict = {}
-        _, params = load(tc.init, cfg=cfg, shardings=prog.param_sh, dtype=jnp.float32, progress=tc.progress,
-                         strict_config=tc.strict_config, stats=st, keep_experts_packed=tc.frozen_experts)
+        base_sh = _split(prog.param_sh, settings)[1] if settings.lora else prog.param_sh
+        _, params = load(tc.init, cfg=cfg, shardings=base_sh, dtype=jnp.float32, progress=tc.progress,
+                         strict_config=tc.strict_config, stats=st, keep_experts_packed=keeps_packed(tc, cfg))
+        if settings.lora:
+            params = merge_trees(params, prog.init_adapters(jax.random.key(tc.seed)))
         if log is not None:
             log(f"loaded {tc.init}: {st['bytes_read'] / 2**20:,.1f} MiB read in {st['seconds']:.1f} s "
                 f"({st['bytes_read'] / 2**20 / max(st['seconds'], 1e-9):,.0f} MiB/s), "
@@ -219,10 +219,11 @@ def _build(run: _Run) -> None:
     held-out scorer (``_programs``: built once per process for each model, settings and mesh)."""
     tc, cfg = run.tc, run.cfg
     ocfg = optim_config(tc)
-    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, tc.frozen_experts)
+    packed = keeps_packed(tc, cfg)
+    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, packed)
     params = _init_params(cfg, run.settings, tc, prog, run.log)
-    params, frozen = split_packed(params)
-    if frozen and not tc.frozen_experts:
+    params, frozen = _split(params, run.settings)
+    if split_packed(frozen)[1] and not packed:
         raise InputError("the initial parameters hold packed routed experts (w*_packed / w*_scale): they can only "
                          "be trained frozen (frozen_experts=True, `k3 train --frozen-experts`)")
     run.state_sh, run.batch_sh, run.dispatch = prog.state_sh, prog.batch_sh, prog.dispatch
@@ -301,6 +302,14 @@ def _stop_diverged(run: _Run, rec: dict, summary: dict, bad: int) -> None:
     raise err
 
 
+def _split(tree, settings: RunConfig) -> tuple[dict, dict]:
+    """(trained leaves, frozen leaves) of a params tree (or of its shardings): with LoRA the adapters alone train
+    and the whole base is frozen; otherwise only packed routed experts are frozen (``--frozen-experts``)."""
+    if settings.lora is not None:
+        return split_adapters(tree)
+    return split_packed(tree)
+
+
 def _full(state: dict):
     """The whole parameter tree of a train state (or of its shardings): the trained leaves and any frozen ones."""
     return merge_trees(state["params"], state.get("frozen"))
@@ -355,8 +364,8 @@ def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
     poison = {int(s) for s in tc.poison_steps}
     step = run.start
     while step < tc.steps:
-        x = tdata.batch_at(run.train_toks, seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len,
-                           vocab=run.vocab).reshape(tc.micro_batches, b, tc.seq_len + 1)
+        x = jax.tree.map(lambda a: a.reshape(tc.micro_batches, b, *a.shape[1:]),
+                         run.data.batch(seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len))
         x, p = jax.device_put(x, run.batch_sh), jnp.float32(np.nan if step + 1 in poison else 0.0)
         if step == run.start:
             _compile_step(run, x, p)
@@ -407,7 +416,12 @@ def train(tc: TrainConfig, *, log=None) -> dict:
 
     summary.update(step=step, final_loss=summary["losses"][-1] if summary["losses"] else None,
                    final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None, params=_full(run.state))
-    if tc.export and summary["stopped"] is None:
+    if tc.export and summary["stopped"] is None and run.settings.lora is not None:
+        from k3jax.checkpoint.peft import save_adapter
+
+        summary["export"] = save_adapter(summary["params"], run.cfg, run.settings, tc.export, base=tc.init)
+        log(f"adapters written to {tc.export} (PEFT layout)")
+    elif tc.export and summary["stopped"] is None:
         summary["export"] = export_trained(summary["params"], run.cfg, run.settings.qat, tc.export)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from k3jax.config import QAT_MODES, REMAT_POLICIES, K3Config, RunConfig, default_run, get_preset
+from k3jax.config import QAT_MODES, REMAT_POLICIES, K3Config, LoRAConfig, RunConfig, default_run, get_preset
 from k3jax.errors import InputError
 
 if TYPE_CHECKING:  # jax and the step / optimizer modules load when a run is resolved, not when `k3` builds its flags
@@ -33,10 +33,11 @@ if TYPE_CHECKING:  # jax and the step / optimizer modules load when a run is res
 # Fields that change which batches / updates a run produces: a resume with different values is refused.
 _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
                 "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data",
-                "max_bytes", "heldout_frac", "total_steps", "frozen_experts", "opt_state_dtype", "muon_layout")
+                "max_bytes", "heldout_frac", "total_steps", "frozen_experts", "opt_state_dtype", "muon_layout",
+                "packing_masks", "lora")
 # What a checkpoint that predates a key ran with, where that is not the key's default: every run before
-# --muon-layout existed used the per-layer Newton–Schulz.
-_BEFORE_KEY = {"muon_layout": "layer"}
+# --muon-layout existed used the per-layer Newton–Schulz, every run before --no-packing-masks mixed across documents.
+_BEFORE_KEY = {"muon_layout": "layer", "packing_masks": False}
 
 
 def resume_diff(saved: dict, now: dict) -> list[str]:
@@ -56,7 +57,7 @@ class TrainConfig:
     micro_batches: int = 1
     seq_len: int = 128
     lr: float = 3e-3
-    optimizer: str = "per_head"  # OptimConfig.mode
+    optimizer: str = "per_head"  # OptimConfig.mode (`k3 train --lora` defaults to "adamw")
     opt_state_dtype: str = "float32"  # OptimConfig.state_dtype: the moments' storage (master weights stay fp32)
     muon_layout: str = "auto"  # OptimConfig.muon_layout; auto: "owner" on a mesh of > 1 device, else "layer"
     qat: str = "off"
@@ -71,6 +72,9 @@ class TrainConfig:
     qk_tau: float = 100.0
     seed: int = 0
     data: tuple[str, ...] = ()
+    # document boundaries carried beside the tokens: KDA / conv / MLA restart at each, no prediction across one
+    # (k3jax.train.data); False: today's plain windows of the token stream, for ablations
+    packing_masks: bool = True
     max_bytes: int = 4 << 20
     heldout_frac: float = 0.05
     eval_every: int = 50
@@ -88,6 +92,9 @@ class TrainConfig:
     # routed experts kept as the --init checkpoint's MXFP4 bytes and frozen; attention, router, shared experts and
     # norms train (the packed leaves live in state["frozen"], outside gradients and the optimizer)
     frozen_experts: bool = False
+    # LoRA adapters (k3jax/layers/lora.py) trained over the frozen base; an MXFP4 --init keeps its routed experts as
+    # the packed bytes (QLoRA); --export then writes the adapters only, in PEFT's layout (k3jax/checkpoint/peft.py)
+    lora: LoRAConfig | None = None
     eval_at_start: bool = False  # held-out loss of the initial parameters too (a step-0 point of the eval curve)
     progress: bool | None = None
     peak_flops: float | None = None  # None: measure an XLA matmul at start-up
@@ -106,6 +113,7 @@ class TrainConfig:
         d = {k: getattr(self, k) for k in _RESUME_KEYS}
         d["data"] = list(d["data"])
         d["total_steps"] = self.total_steps or self.steps
+        d["lora"] = None if self.lora is None else dataclasses.asdict(self.lora) | {"targets": list(self.lora.targets)}
         return d
 
 
@@ -238,11 +246,20 @@ def resolve_mesh(tc: TrainConfig, cfg: K3Config) -> tuple[Mesh, str]:
 
 
 def step_spec(tc: TrainConfig) -> StepSpec:
-    """The train step's own settings (balancing, QK-Clip) of a run."""
+    """The train step's own settings (balancing, QK-Clip) of a run. With --lora the base stays as loaded: no
+    router-bias balancing and no QK-Clip (both would edit frozen base weights that an adapter does not carry)."""
     from k3jax.train.step import StepSpec
 
+    if tc.lora is not None:
+        return StepSpec(balance="off", qk_clip=False)
     return StepSpec(balance=tc.balance, sign_gamma=tc.sign_gamma, qb_ema=tc.qb_ema, aux_alpha=tc.aux_alpha,
                     qk_clip=tc.qk_clip, qk_tau=tc.qk_tau)
+
+
+def keeps_packed(tc: TrainConfig, cfg: K3Config) -> bool:
+    """Whether the run holds the --init checkpoint's routed experts as their MXFP4 bytes, frozen: --frozen-experts,
+    or LoRA over an MXFP4 checkpoint (QLoRA: adapters over the packed experts, never a dequantized stack)."""
+    return tc.frozen_experts or (tc.lora is not None and bool(tc.init) and cfg.expert_format == "mxfp4")
 
 
 
@@ -250,8 +267,9 @@ def run_settings(tc: TrainConfig, cfg: K3Config) -> RunConfig:
     """How the run's model runs: the config's own run settings (``config.default_run``) with fp32 master weights
     and the run's QAT mode, compute dtype, layer stack and remat policy."""
     return default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32",
-                       layer_stack=tc.layer_stack, remat=tc.remat)
+                       layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
 
 
-__all__ = ["TrainConfig", "check_frozen", "make_data_mesh", "optim_config", "resolve_mesh", "resolve_model",
+__all__ = ["TrainConfig", "check_frozen", "keeps_packed", "make_data_mesh", "optim_config", "resolve_mesh",
+           "resolve_model",
            "resolve_muon_layout", "resume_diff", "run_settings", "step_spec", "validate"]

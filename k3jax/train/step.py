@@ -4,6 +4,7 @@ update, and a finite-check that turns a NaN/Inf step into a no-op — all inside
     state = init_state(params, tx, seed)                 # {"params", "opt", "step", "rng", "bad_streak"}
     step_fn = make_train_step(cfg, run, tx, spec)            # spec: StepSpec (balance mode, QK-Clip τ, ...)
     state, m = step_fn(state, tokens_mbt, poison)        # tokens [M, b, T + 1] int32; poison 0.0 (or NaN in tests)
+    state, m = step_fn(state, packed, poison)            # packed documents: {"tokens", "segments", "weights"}
 
 Order inside one step (SPEC §8.1, §9.6): every micro-batch routes with the CURRENT bias; gradients, integer load
 statistics / QB histograms and per-head max logits are summed (max-ed) over micro-batches; then
@@ -63,11 +64,18 @@ def init_state(params, tx, seed: int = 0, frozen=None) -> dict:
 
 def make_loss(cfg, run, spec: StepSpec, dispatch=None):
     """``dispatch``: the MoE layers' expert computation (None: the model's default; an ``ExpertParallel`` on a mesh
-    whose rules shard the experts)."""
+    whose rules shard the experts).
 
-    def loss_fn(params, tokens):
-        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True, dispatch=dispatch)
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+    ``loss_fn(params, batch, norm)``: ``batch`` is tokens [b, T + 1] (every prediction counts: the mean) or a packed
+    batch {"tokens", "segments" [b, T + 1], "weights" [b, T]} (``k3jax.train.data.packed_batch_at``): documents
+    mixed on their own, the cross-entropy summed over the weighted predictions and divided by ``norm`` (the step's
+    weight per micro-batch, so that the micro-batches' mean is the mean over every weighted prediction)."""
+
+    def loss_fn(params, batch, norm=None):
+        tokens, seg = (batch, None) if not isinstance(batch, dict) else (batch["tokens"], batch["segments"][:, :-1])
+        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True, dispatch=dispatch, segment_ids=seg)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        ce = jnp.mean(per_token) if seg is None else jnp.sum(per_token * batch["weights"]) / norm
         loss = ce
         if spec.balance == "aux" and aux["routing"]:
             loss = loss + spec.aux_alpha * bal.aux_loss(aux["routing"], cfg.num_experts_per_token)
@@ -77,7 +85,8 @@ def make_loss(cfg, run, spec: StepSpec, dispatch=None):
 
 
 def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
-    """(state, tokens [M, b, T+1] int32, poison f32 scalar) -> (state, metrics). Not jitted here (see loop.py)."""
+    """(state, tokens [M, b, T+1] int32 — or a packed batch, each leaf with the leading [M, b] —, poison f32 scalar)
+    -> (state, metrics). Not jitted here (see loop.py)."""
     loss_fn = make_loss(cfg, run, spec, dispatch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     E = cfg.num_experts
@@ -86,15 +95,21 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
         params = state["params"]
         frozen = state.get("frozen")
         if frozen is not None:  # gradients w.r.t. the trainable leaves only; the frozen ones join the forward
-            full = jax.value_and_grad(lambda p, tok: loss_fn(merge_trees(p, frozen), tok), has_aux=True)
+            full = jax.value_and_grad(lambda p, tok, n: loss_fn(merge_trees(p, frozen), tok, n), has_aux=True)
         else:
             full = grad_fn
+        M = jax.tree.leaves(tokens)[0].shape[0]
+        # a packed batch's weighted predictions over the whole step, per micro-batch (at least one, so that an
+        # all-padding step is a zero loss, not a NaN)
+        norm = jnp.maximum(jnp.sum(tokens["weights"]), 1.0) / M if isinstance(tokens, dict) else None
         moe_idx = bal.moe_layer_indices(cfg)
         n_mla = len(cfg.mla_layers)
-        b_le = bal.biases(params, cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
+        # the router biases live with the trained leaves, or with the frozen base (LoRA: balancing off)
+        b_le = bal.biases(merge_trees(params, frozen), cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
+        balance = bool(moe_idx) and spec.balance != "off"
 
         def one(tok):
-            (loss, (ce, aux)), g = full(params, tok)
+            (loss, (ce, aux)), g = full(params, tok, norm)
             stats = bal.micro_stats(aux["routing"], b_le, E, mode=spec.balance) if moe_idx else {}
             ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]).astype(jnp.float32) if n_mla
                   else jnp.zeros((0, 1), jnp.float32))
@@ -107,13 +122,13 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
                      jax.tree.map(jnp.add, acc_stats, stats), jnp.maximum(acc_ml, ml))
             return carry, None
 
-        M = tokens.shape[0]
         # The first micro-batch starts the sums (no zero gradient tree beside the one being built: at one micro-batch
         # per step there is no accumulation loop at all, where a loop carried a second fp32 gradient tree, 28 GB per
         # chip of the full model's QAT step on v5p-512, experiments/LOG.md). x == 0 + x: the sums are unchanged.
-        (g, loss, ce, stats, ml) = one(tokens[0])
+        (g, loss, ce, stats, ml) = one(jax.tree.map(lambda x: x[0], tokens))
         if M > 1:
-            (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, (g, loss, ce, stats, ml), tokens[1:])
+            (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, (g, loss, ce, stats, ml),
+                                                       jax.tree.map(lambda x: x[1:], tokens))
         N = ml.shape[-1]
         scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
         g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)
@@ -129,7 +144,7 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
             clip = no_clip
             if spec.qk_clip and n_mla:
                 new_params, clip = qk_clip(new_params, list(ml), cfg, tau=spec.qk_tau)
-            if moe_idx:
+            if balance:
                 new_b = bal.new_biases(stats, b_le, mode=spec.balance, top_k=cfg.num_experts_per_token,
                                        sign_gamma=spec.sign_gamma, qb_ema=spec.qb_ema)
                 new_params = bal.set_biases(new_params, new_b, cfg)
@@ -143,7 +158,7 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
                      "bad_streak": jnp.where(finite, 0, state["bad_streak"] + 1).astype(jnp.int32)}
         if frozen is not None:
             new_state["frozen"] = frozen
-        b_next = bal.biases(new_state["params"], cfg) if moe_idx else b_le
+        b_next = bal.biases(merge_trees(new_state["params"], frozen), cfg) if moe_idx else b_le
         metrics = {"loss": loss, "ce": ce, "grad_norm": gnorm, "finite": finite,
                    "load_ratio": bal.load_ratio(stats["loads"]) if moe_idx else jnp.zeros((0,)),
                    "bias_range": (jnp.max(b_next, -1) - jnp.min(b_next, -1)) if moe_idx else jnp.zeros((0,)),

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.kda.chunked import _doc_masks
 from k3jax.ops.norms import acc_dtype
 from pallas_kernels.kda.kernel import BlockSizes, kda_fwd_pallas
 from pallas_kernels.platform import target_platform
@@ -47,10 +48,13 @@ def in_chunk_sums(g, *, chunk: int, sub_chunk: int):
 
 
 @functools.cache
-def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, platform: str, interpret: bool):
+def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, platform: str, interpret: bool,
+          segments: bool):
+    """The custom_vjp function f(q, k, v, g, beta, h0[, segment_ids]) for one static configuration; ``segments``
+    adds the segment_ids argument (an integer input, no cotangent) and the kernel's document masks."""
     bs = BlockSizes(chunk=chunk, sub_chunk=sub_chunk, block_v=block_v)
 
-    def forward(q, k, v, g, beta, h0):
+    def forward(q, k, v, g, beta, h0, segment_ids=None):
         T = q.shape[1]
         Tp = -(-T // chunk) * chunk
         pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
@@ -59,25 +63,41 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
         qp, kp, vp = pad(q), pad(k), pad(v)
         gp, bp = pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32))
         lr, rex, gcs, tot = in_chunk_sums(gp, chunk=chunk, sub_chunk=sub_chunk)
+        # Document masks [B, Tp] (padding continues the last document), as fp32 0/1 and exact run indices.
+        docs = None if segment_ids is None else [d.astype(jnp.float32) for d in _doc_masks(segment_ids, Tp, chunk)]
         o, ht = kda_fwd_pallas(qp, kp, vp, gp, bp, lr, rex, gcs, tot, h0.astype(jnp.float32), scale=scale,
-                               gate_lower_bound=gate_lower_bound, bs=bs, platform=platform, interpret=interpret)
+                               gate_lower_bound=gate_lower_bound, bs=bs, platform=platform, interpret=interpret,
+                               docs=docs)
         return o[:, :T], ht.astype(ct)
 
-    def reference(q, k, v, g, beta, h0):
+    def reference(q, k, v, g, beta, h0, segment_ids=None):
         return kda_ops.kda_chunked(q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk,
-                                   gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk)
+                                   gate_lower_bound=gate_lower_bound, sub_chunk=sub_chunk, segment_ids=segment_ids)
 
-    @jax.custom_vjp
-    def f(q, k, v, g, beta, h0):
-        return forward(q, k, v, g, beta, h0)
+    if segments:
+        @jax.custom_vjp
+        def f(q, k, v, g, beta, h0, segment_ids):
+            return forward(q, k, v, g, beta, h0, segment_ids)
 
-    def f_fwd(q, k, v, g, beta, h0):
-        return forward(q, k, v, g, beta, h0), (q, k, v, g, beta, h0)
+        def f_fwd(q, k, v, g, beta, h0, segment_ids):
+            return forward(q, k, v, g, beta, h0, segment_ids), (q, k, v, g, beta, h0, segment_ids)
 
-    def f_bwd(res, cts):
-        # Backward = VJP of the jnp chunked path (same math, recomputed; per-chunk states under checkpoint).
-        _, vjp = jax.vjp(reference, *res)
-        return vjp(cts)
+        def f_bwd(res, cts):
+            *diff, segment_ids = res
+            _, vjp = jax.vjp(lambda *a: reference(*a, segment_ids=segment_ids), *diff)
+            return (*vjp(cts), None)                               # segment_ids: integer, no cotangent
+    else:
+        @jax.custom_vjp
+        def f(q, k, v, g, beta, h0):
+            return forward(q, k, v, g, beta, h0)
+
+        def f_fwd(q, k, v, g, beta, h0):
+            return forward(q, k, v, g, beta, h0), (q, k, v, g, beta, h0)
+
+        def f_bwd(res, cts):
+            # Backward = VJP of the jnp chunked path (same math, recomputed; per-chunk states under checkpoint).
+            _, vjp = jax.vjp(reference, *res)
+            return vjp(cts)
 
     f.defvjp(f_fwd, f_bwd)
     return f
@@ -85,7 +105,7 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
               gate_lower_bound: float | None = None, sub_chunk: int = kda_ops.SUB_CHUNK, block_v: int | None = None,
-              platform: str | None = None, interpret: bool | None = None):
+              platform: str | None = None, interpret: bool | None = None, segment_ids=None):
     """Chunked KDA with a Pallas forward kernel; same contract as ``k3jax.ops.kda.kda_chunked``.
 
     q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] log decay <= 0; beta: [B, T, N] in [0, 1];
@@ -94,6 +114,9 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: i
     Unbounded gates (gate_lower_bound None) use in-sub-chunk differences of sums for the exact diagonal decays;
     see README.md "Known limits". ``platform``: "cpu", "gpu" ("cuda", "rocm") or "tpu" (None: ``target_platform()``)
     picks the schedule and the default ``block_v`` (``DEFAULT_BLOCK_V``); ``interpret`` None = platform is "cpu".
+    ``segment_ids``: None, or [B, T] integer document ids of packed rows (SPEC §4.7): every document runs from a
+    zero state (the initial state continues the first), the final state is the last document's; the kernel applies
+    the masks of ``kda_chunked(..., segment_ids=)`` (README.md "Packed documents"). Not differentiated.
     """
     kda_ops.validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)
     kda_ops.check_chunking(chunk_size, sub_chunk, gate_lower_bound)
@@ -104,6 +127,10 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: i
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     block_v = DEFAULT_BLOCK_V[platform] if block_v is None else block_v
     h0 = jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None else initial_state
+    if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+        raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must be [B, T] = {(B, T)}")
     f = _make(scale, chunk_size, sub_chunk, block_v, None if gate_lower_bound is None else float(gate_lower_bound),
-              platform, interpret)
-    return f(q, k, v, g, beta, h0)
+              platform, interpret, segment_ids is not None)
+    if segment_ids is None:
+        return f(q, k, v, g, beta, h0)
+    return f(q, k, v, g, beta, h0, jnp.asarray(segment_ids))

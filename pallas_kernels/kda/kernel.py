@@ -73,8 +73,9 @@ def _column(b):
 
 def _load_chunk(in_refs, ic, bs: BlockSizes):
     """Chunk ``ic`` as fp32 lists over its n sub-chunks (rows [c, K] / [c, V], beta [c, 1], g_r0 and tot [1, K]),
-    plus the row factors a = exp(lr) and the column factors kf = k exp(rex)."""
-    q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref = in_refs
+    plus the row factors a = exp(lr) and the column factors kf = k exp(rex). With document masks (three more refs
+    after tot, see ``kda_fwd_pallas``): run / carry / last as [c, 1] columns and run_row, the run as a [1, c] row."""
+    q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref = in_refs[:9]
     C, c = bs.chunk, bs.sub_chunk
     n = C // c
     base = ic * C
@@ -87,6 +88,12 @@ def _load_chunk(in_refs, ic, bs: BlockSizes):
     x["tot"] = [tot_ref[pl.ds(ic * n + M, 1), :].astype(jnp.float32) for M in range(n)]      # [1, K]
     x["a"] = [_exp_flushed(lr) for lr in x["lr"]]
     x["kf"] = [x["ks"][J] * _exp_flushed(x["rex"][J]) for J in range(n)]
+    if len(in_refs) > 9:
+        for name, ref in zip(("run", "carry", "last"), in_refs[9:], strict=True):
+            x[name] = [_column(ref[pl.ds(base + I * c, c)]) for I in range(n)]
+        # The run as a [1, c] row without a transpose: the diagonal of a broadcast, summed over rows (exact).
+        eye = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        x["run_row"] = [jnp.sum(jnp.where(eye, r, 0.0), axis=0, keepdims=True) for r in x["run"]]
     return base, x
 
 
@@ -107,8 +114,10 @@ def _pairwise_by_column(k_sub, q_sub, lr_sub):
 
 
 def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl, by_column: bool = False):
-    """A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I) as dicts keyed (I, J), anchored at r0(I)."""
+    """A_kk and A_qk blocks (row sub-chunk I, column sub-chunk J <= I) as dicts keyed (I, J), anchored at r0(I).
+    With document masks, pairs (i, j) of different documents are zero (every factor is finite: K3's gates are)."""
     qs, ks, bts, lr, tot = x["qs"], x["ks"], x["bts"], x["lr"], x["tot"]
+    docs = "run" in x
     Akk, Aqk = {}, {}
     for I in range(n):
         ka, qa = ks[I] * x["a"][I], qs[I] * x["a"][I]
@@ -119,6 +128,10 @@ def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl, b
             y = x["kf"][J] * _exp_flushed(between)                   # k_j exp(G_r0(I) - G_j)
             Akk[I, J] = bts[I] * _dot_nt(ka, y)
             Aqk[I, J] = scale * _dot_nt(qa, y)
+            if docs:
+                same = x["run"][I] == x["run_row"][J]                  # [c, c]: one document
+                Akk[I, J] = jnp.where(same, Akk[I, J], 0.0)
+                Aqk[I, J] = jnp.where(same, Aqk[I, J], 0.0)
         if gate_lower_bound is not None:
             delta = gate_lower_bound * (c - 1) / 2.0             # past-row anchor G_r0 + delta
             right = ks[I] * jnp.exp(delta - lr[I])
@@ -133,18 +146,25 @@ def _a_blocks(x, n: int, c: int, scale: float, gate_lower_bound, strict, incl, b
             kk = ks[I][None, :, :] * decay
             dkk = jnp.sum(ks[I][:, None, :] * kk, axis=-1)
             dqk = jnp.sum(qs[I][:, None, :] * kk, axis=-1)
-        Akk[I, I] = jnp.where(strict, bts[I] * dkk, 0.0)
-        Aqk[I, I] = jnp.where(incl, scale * dqk, 0.0)
+        strict_I, incl_I = strict, incl
+        if docs:
+            same = x["run"][I] == x["run_row"][I]
+            strict_I, incl_I = strict & same, incl & same
+        Akk[I, I] = jnp.where(strict_I, bts[I] * dkk, 0.0)
+        Aqk[I, I] = jnp.where(incl_I, scale * dqk, 0.0)
     return Akk, Aqk
 
 
 def _solve_and_write(x, Akk, Aqk, S, o_ref, base, n: int, c: int, scale: float):
     """W, U by block forward substitution, Ṽ = U - W S, and O = s (Q ⊙ Γ) S + A_qk Ṽ written to o_ref.
-    Returns Ṽ as a list over sub-chunks."""
+    Returns Ṽ as a list over sub-chunks. With document masks Γ is zero on rows outside the incoming state's
+    document (carry = 0): they see no state, in O and in W."""
     qs, ks, vs, bts = x["qs"], x["ks"], x["vs"], x["bts"]
     W, U, v_new = [], [], []
     for I in range(n):
         gam = _exp_flushed(x["gcs"][I])                            # exp(G_i)
+        if "carry" in x:
+            gam = gam * x["carry"][I]
         r_w = bts[I] * ks[I] * gam
         r_u = bts[I] * vs[I]
         for M in range(I):
@@ -162,19 +182,27 @@ def _solve_and_write(x, Akk, Aqk, S, o_ref, base, n: int, c: int, scale: float):
 
 
 def _next_state(x, v_new, S, n: int, kr, kc):
-    """S <- exp(G_last) ⊙ S + sum_I (K_I ⊙ exp(G_last - G))ᵀ Ṽ_I."""
+    """S <- exp(G_last) ⊙ S + sum_I (K_I ⊙ exp(G_last - G))ᵀ Ṽ_I. With document masks: the decay is zero when the
+    chunk's last row starts or is in a later document than the incoming state's (carry = 0 there), and only rows
+    of the chunk's last document write (last = 1)."""
     tot = x["tot"]
     g_last = tot[0]
     for M in range(1, n):
         g_last = g_last + tot[M]
     # Column vector exp(G_last)[K, 1] without a transpose: pick the diagonal of a broadcast.
     decay_col = jnp.sum(jnp.where(kr == kc, _exp_flushed(g_last), 0.0), axis=1, keepdims=True)
+    if "carry" in x:
+        carry = x["carry"][n - 1]                                  # [c, 1]
+        rows = jax.lax.broadcasted_iota(jnp.int32, carry.shape, 0)
+        decay_col = decay_col * jnp.sum(jnp.where(rows == carry.shape[0] - 1, carry, 0.0), axis=0, keepdims=True)
     S_new = decay_col * S
     for I in range(n):
         suf = jnp.zeros_like(g_last)
         for M in range(I + 1, n):
             suf = suf + tot[M]
         kd = x["ks"][I] * _exp_flushed(x["rex"][I] + suf)          # k_j exp(G_last - G_j)
+        if "last" in x:
+            kd = kd * x["last"][I]
         S_new = S_new + _dot_tn(kd, v_new[I])
     return S_new
 
@@ -196,26 +224,25 @@ def _chunk_step(in_refs, o_ref, ic, S, *, bs: BlockSizes, K: int, scale: float, 
     return _next_state(x, v_new, S, n, kr, kc)
 
 
-def _kda_fwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
-                    o_ref, ht_ref, *, num_chunks, **consts):
-    """One (batch, head, value tile): a fori_loop over the chunks, carrying the state tile S [K, block_v]."""
-    in_refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref)
+def _kda_fwd_kernel(*refs, num_chunks, **consts):
+    """One (batch, head, value tile): a fori_loop over the chunks, carrying the state tile S [K, block_v].
+    refs: q, k, v, g, beta, lr, rex, gcs, tot, [run, carry, last,] h0, then the outputs o, ht."""
+    *in_refs, h0_ref, o_ref, ht_ref = refs
     S0 = h0_ref[...].astype(jnp.float32)
     S = jax.lax.fori_loop(0, num_chunks, lambda ic, S: _chunk_step(in_refs, o_ref, ic, S, **consts), S0)
     ht_ref[...] = S.astype(ht_ref.dtype)
 
 
-def _kda_tpu_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref, h0_ref,
-                    o_ref, ht_ref, state_ref, **consts):
+def _kda_tpu_kernel(*refs, **consts):
     """One (batch, head, value tile, chunk) step: the blocks hold one chunk; the state tile lives in VMEM scratch
-    across the sequential chunk axis (grid axis 3)."""
+    across the sequential chunk axis (grid axis 3). refs as in ``_kda_fwd_kernel``, then the scratch."""
+    *in_refs, h0_ref, o_ref, ht_ref, state_ref = refs
     ic = pl.program_id(3)
 
     @pl.when(ic == 0)
     def _init():
         state_ref[...] = h0_ref[...].astype(jnp.float32)
 
-    in_refs = (q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_ref, tot_ref)
     state_ref[...] = _chunk_step(in_refs, o_ref, 0, state_ref[...], **consts)
 
     @pl.when(ic == pl.num_programs(3) - 1)
@@ -224,17 +251,20 @@ def _kda_tpu_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, lr_ref, rex_ref, gcs_r
 
 
 def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes,
-                   platform: str, interpret: bool):
+                   platform: str, interpret: bool, docs=None):
     """Raw kernel launch. All time axes are padded to a multiple of bs.chunk.
 
     q, k, g, lr, rex, gcs: [B, Tp, N, K]; v: [B, Tp, N, V]; beta: [B, Tp, N]; tot: [B, Tp / c, N, K];
-    h0: [B, N, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). Returns o [B, Tp, N, V]
+    h0: [B, N, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). docs: None, or the
+    document masks of packed rows (run, carry, last), each [B, Tp] fp32 holding exact integers
+    (``k3jax.ops.kda.chunked._doc_masks``); None compiles the kernel without them. Returns o [B, Tp, N, V]
     (q.dtype) and the final state [B, N, K, V] fp32. ``platform`` picks the schedule: "tpu" -> ``_kda_tpu``; else
     grid (B, N, V / block_v) with the chunk loop in the kernel (Triton compiler params on "gpu" when compiled).
     """
+    docs = () if docs is None else tuple(docs)
     if platform == "tpu":
         return _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, scale=scale, gate_lower_bound=gate_lower_bound,
-                        bs=bs, interpret=interpret)
+                        bs=bs, interpret=interpret, docs=docs)
     B, Tp, N, K = q.shape
     V = v.shape[-1]
     bv = min(bs.block_v, V)
@@ -256,16 +286,18 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
                   pl.BlockSpec((None, Tp, None), lambda b, n, j: (b, 0, n)),
                   tk, tk, tk,
                   pl.BlockSpec((None, nsub, None, K), lambda b, n, j: (b, 0, n, 0)),
+                  *[pl.BlockSpec((None, Tp), lambda b, n, j: (b, 0))] * len(docs),        # run, carry, last
                   pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
         out_specs=[tv, pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, N, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
         interpret=interpret,
         name="kda_chunk_fwd",
         **kwargs,
-    )(q, k, v, g, beta, lr, rex, gcs, tot, h0)
+    )(q, k, v, g, beta, lr, rex, gcs, tot, *docs, h0)
 
 
-def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes, interpret: bool):
+def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound, bs: BlockSizes, interpret: bool,
+             docs=()):
     """TPU schedule: grid (B, N, V / block_v, Tp / C), chunk axis sequential ("arbitrary"), state in VMEM scratch.
 
     Blocks hold one chunk (C rows), not the whole sequence as on GPU: Mosaic copies each block into VMEM, and whole
@@ -274,6 +306,7 @@ def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound
     ("last two dimensions of your block shape ... divisible by 8 and 128"), so the inputs go head-major
     [B, N, Tp, K] here (XLA transposes: one more HBM pass over the inputs and o), beta gets a trailing unit dim and
     tot is split [B, N, Tp / C, n, K] (its n = 4 rows per chunk would break the rule as a [.., Tp / c, K] block).
+    The document masks (docs) go [B, Tp, 1] like beta, one [C, 1] block per chunk, shared by the heads.
     """
     from jax.experimental.pallas import tpu as pltpu
 
@@ -296,6 +329,7 @@ def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound
                   pl.BlockSpec((None, None, C, 1), lambda b, h, j, c: (b, h, c, 0)),
                   tk, tk, tk,
                   pl.BlockSpec((None, None, None, n, K), lambda b, h, j, c: (b, h, c, 0, 0)),
+                  *[pl.BlockSpec((None, C, 1), lambda b, h, j, c: (b, c, 0))] * len(docs),
                   state],
         out_specs=[tv, state],
         out_shape=[jax.ShapeDtypeStruct((B, N, Tp, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
@@ -304,5 +338,5 @@ def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound
         interpret=interpret,
         name="kda_chunk_tpu_fwd",
     )(*map(heads_major, (q, k, v, g, beta[..., None], lr, rex, gcs)),
-      heads_major(tot).reshape(B, N, Tp // C, n, K), h0)
+      heads_major(tot).reshape(B, N, Tp // C, n, K), *(d[..., None] for d in docs), h0)
     return heads_major(o), ht

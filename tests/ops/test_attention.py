@@ -81,3 +81,41 @@ def test_memory_does_not_grow_quadratically():
 def test_bad_shapes():
     with pytest.raises(ValueError, match="incompatible"):
         causal_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 3, 8)), scale=1.0)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_packed_documents_attend_within_their_own(block, x64):
+    """segment_ids: outputs, max logits and gradients == attention over each document alone (fp64)."""
+    rng = np.random.default_rng(block + 7)
+    starts = ([0, 1, 6, 16, 18], [0, 9])
+    B, T = 2, 19
+    q, k = rng.normal(size=(B, T, 2, 6)), rng.normal(size=(B, T, 2, 6))
+    v, ct = rng.normal(size=(B, T, 2, 4)), rng.normal(size=(B, T, 2, 4))
+    seg = np.zeros((B, T), np.int32)
+    for b, st in enumerate(starts):
+        for i, a in enumerate(st):
+            seg[b, a:] = i + 1
+
+    def alone(q, k, v):
+        outs, mls = [], []
+        for b, st in enumerate(starts):
+            bounds = [*st, T]
+            row, ml = [], []
+            for a, e in zip(bounds[:-1], bounds[1:], strict=True):
+                o, m = causal_attention(q[b:b + 1, a:e], k[b:b + 1, a:e], v[b:b + 1, a:e], scale=0.4, block_size=4)
+                row.append(o)
+                ml.append(m)
+            outs.append(jnp.concatenate(row, axis=1))
+            mls.append(jnp.max(jnp.stack(ml), axis=0))
+        return jnp.concatenate(outs), jnp.concatenate(mls)
+
+    packed = lambda q, k, v: causal_attention(q, k, v, scale=0.4, block_size=block,  # noqa: E731
+                                              segment_ids=jnp.asarray(seg))
+    args = tuple(map(jnp.asarray, (q, k, v)))
+    (o, ml), (o_ref, ml_ref) = packed(*args), alone(*args)
+    assert_close(o, o_ref, TOL["fp64_vs_fp64"], name="o")
+    assert_close(ml, ml_ref, TOL["fp64_vs_fp64"], name="max logit")
+    got = jax.grad(lambda *a: jnp.sum(packed(*a)[0] * ct), argnums=(0, 1, 2))(*args)
+    want = jax.grad(lambda *a: jnp.sum(alone(*a)[0] * ct), argnums=(0, 1, 2))(*args)
+    for a, b, n in zip(got, want, "qkv", strict=True):
+        assert_close(a, b, TOL["fp64_vs_fp64"], name=f"d{n}")

@@ -245,3 +245,101 @@ def test_long_sequence_grad_memory_is_per_chunk():
     temp = compiled.memory_analysis().temp_size_in_bytes
     per_token_states = T * N * K * K * 4
     assert temp < per_token_states / 8, f"temp {temp / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------- packed documents (§4.7)
+
+# Per row, the first token of each document: boundaries mid-chunk, at a chunk start (64, 16), on the last token,
+# length-1 documents and a row that is one document. T = 150 is not a multiple of the chunk.
+DOC_STARTS = ([0, 1, 2, 40, 64, 65, 128, 149], [0, 70, 71, 140], [0])
+
+
+def _packed(seed, gate, dtype=np.float64):
+    B, T = len(DOC_STARTS), 150
+    x = ref.random_inputs(seed, B=B, T=T, N=2, K=32, V=16, gate=gate)
+    seg = np.zeros((B, T), np.int32)
+    for b, starts in enumerate(DOC_STARTS):
+        for i, a in enumerate(starts):
+            seg[b, a:] = 7 * i + 3          # any labelling: only changes between neighbours count
+    return x, seg
+
+
+def _each_alone(x):
+    """The fp64 oracle on every document by itself (zero state; the row's first document continues h0)."""
+    B, T = x["q"].shape[:2]
+    o = np.zeros(x["v"].shape)
+    finals = []
+    for b, starts in enumerate(DOC_STARTS):
+        bounds = [*starts, T]
+        for a, e in zip(bounds[:-1], bounds[1:], strict=True):
+            h0 = x["h0"][b:b + 1] if a == 0 else None
+            o[b:b + 1, a:e], s = ref.kda_recurrent(*(x[n][b:b + 1, a:e] for n in ARGS), initial_state=h0)
+        finals.append(s[0])
+    return o, np.stack(finals)
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_packed_documents_equal_each_document_alone(gate):
+    """recurrent and chunked (C = 16, 64) with segment_ids == the fp64 oracle run on each document by itself."""
+    x, seg = _packed(21, gate)
+    o_ref, s_ref = _each_alone(x)
+    j = as_jax(x)
+    o, s = kda.kda_recurrent(*(j[a] for a in ARGS), initial_state=j["h0"], segment_ids=jnp.asarray(seg))
+    assert_close(o, o_ref, TOL["fp32_vs_fp64"], name="recurrent o")
+    assert_close(s, s_ref, TOL["fp32_vs_fp64"], name="recurrent state")
+    for C in (16, 64):
+        o, s = kda.kda_chunked(*(j[a] for a in ARGS), initial_state=j["h0"], segment_ids=jnp.asarray(seg),
+                               chunk_size=C, gate_lower_bound=bound_for(gate))
+        assert_close(o, o_ref, TOL["fp32_vs_fp64"], name=f"chunked o C={C}")
+        assert_close(s, s_ref, TOL["fp32_vs_fp64"], name=f"chunked state C={C}")
+
+
+def test_packed_documents_fp64_exact(x64):
+    x, seg = _packed(22, "safe")
+    o_ref, s_ref = _each_alone(x)
+    j = as_jax(x, jnp.float64)
+    o, s = kda.kda_chunked(*(j[a] for a in ARGS), initial_state=j["h0"], segment_ids=jnp.asarray(seg),
+                           gate_lower_bound=-5.0)
+    assert_close(o, o_ref, TOL["fp64_vs_fp64"], name="o")
+    assert_close(s, s_ref, TOL["fp64_vs_fp64"], name="state")
+
+
+def test_packed_documents_chunked_grads_match_recurrent():
+    x, seg = _packed(23, "safe")
+    j = as_jax(x)
+    seg = jnp.asarray(seg)
+    rng = np.random.default_rng(2)
+    w_o = jnp.asarray(rng.standard_normal(x["v"].shape), jnp.float32)
+    w_s = jnp.asarray(rng.standard_normal(x["h0"].shape), jnp.float32)
+
+    def loss(fn, *a):
+        o, s = fn(*a[:5], initial_state=a[5], segment_ids=seg)
+        return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+
+    chunked = lambda *a, **kw: kda.kda_chunked(*a, gate_lower_bound=-5.0, chunk_size=16, **kw)  # noqa: E731
+    names = (*ARGS, "h0")
+    args = [j[a] for a in names]
+    g_rec = jax.jit(jax.grad(lambda *a: loss(kda.kda_recurrent, *a), argnums=range(6)))(*args)
+    g_chk = jax.jit(jax.grad(lambda *a: loss(chunked, *a), argnums=range(6)))(*args)
+    for name, a, b in zip(names, g_chk, g_rec, strict=True):
+        assert_close(a, b, TOL["fp32_grad"], name=f"d{name}")
+
+
+def test_packed_conv_restarts_at_each_document():
+    """causal_conv_silu with run ids == the fp64 conv on each document alone (the tail feeds the first only)."""
+    rng = np.random.default_rng(24)
+    B, T, X, Wc = 2, 12, 6, 4
+    u, w, tail = rng.standard_normal((B, T, X)), rng.standard_normal((X, Wc)), rng.standard_normal((B, Wc - 1, X))
+    starts = ([0, 1, 5, 11], [0, 2, 3])
+    seg = np.zeros((B, T), np.int32)
+    want = np.zeros((B, T, X))
+    for b, st in enumerate(starts):
+        bounds = [*st, T]
+        for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            seg[b, a:e] = i
+            want[b:b + 1, a:e] = ref.short_conv(u[b:b + 1, a:e], w, tail[b:b + 1] if a == 0 else None)[0]
+    from k3jax.ops.segments import runs
+
+    y, _ = kda.causal_conv_silu(jnp.asarray(u, jnp.float32), jnp.asarray(w, jnp.float32),
+                                jnp.asarray(tail, jnp.float32), run=runs(jnp.asarray(seg)))
+    assert_close(y, want, TOL["fp32_vs_fp64"], name="conv")

@@ -5,7 +5,8 @@
 
 Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 3584], w2 [3584, 3072]), M = 256 rows
 (the grouped entry point also through its VJP: the forward kernel, then the transposed one for the rows' gradient);
-KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks). The platform comes from the mesh each test enters
+KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks), also with packed documents (segment_ids: the
+kernel's three mask inputs). The platform comes from the mesh each test enters
 (``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry point lowered
 for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with K3's bounded
 gate); the other combinations run in the slow pass. The TPU schedules' numerics are checked here too (slow pass),
@@ -45,10 +46,11 @@ def _mxfp4_args(N, K, grouped, sharding=None):
     return args + [S((G,), jnp.int32)] if grouped else args
 
 
-def _kda_args(sharding=None):
+def _kda_args(sharding=None, segments=False):
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     qkv = [S((B, T, H, DK), jnp.bfloat16) for _ in range(3)]
-    return qkv + [S((B, T, H, DK), jnp.float32), S((B, T, H), jnp.float32), S((B, H, DK, DK), jnp.float32)]
+    seg = [S((B, T), jnp.int32)] if segments else []
+    return qkv + [S((B, T, H, DK), jnp.float32), S((B, T, H), jnp.float32), S((B, H, DK, DK), jnp.float32), *seg]
 
 
 def _dense(x, packed, scale):
@@ -68,10 +70,13 @@ def _grouped_bwd(x, packed, scale, group_sizes):
 ENTRY = {"dense": _dense, "grouped": _grouped, "grouped_bwd": _grouped_bwd}
 
 
-def _kda(lb):
+def _kda(lb, segments=False):
     def f(q, k, v, g, beta, h0):
         return kda_chunk(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb)
-    return f
+
+    def f_segments(q, k, v, g, beta, h0, segment_ids):
+        return kda_chunk(q, k, v, g, beta, initial_state=h0, gate_lower_bound=lb, segment_ids=segment_ids)
+    return f_segments if segments else f
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,9 +108,11 @@ def test_mxfp4_lowers_for_cuda(h200_mesh, kind, weight):
     assert ("mxfp4_gmm_bwd_x" in text) == (kind == "grouped_bwd")  # the rows' gradient: the transposed kernel
 
 
-@pytest.mark.parametrize("lb", [-5.0, pytest.param(None, marks=pytest.mark.slow)], ids=["bounded", "softplus"])
-def test_kda_lowers_for_cuda(h200_mesh, lb):
-    text = _lower_cuda(h200_mesh, _kda(lb), _kda_args())
+@pytest.mark.parametrize("lb,segments", [
+    (-5.0, False), (-5.0, True), pytest.param(None, False, marks=pytest.mark.slow)],
+    ids=["bounded", "bounded-segments", "softplus"])
+def test_kda_lowers_for_cuda(h200_mesh, lb, segments):
+    text = _lower_cuda(h200_mesh, _kda(lb, segments), _kda_args(segments=segments))
     assert f"stablehlo.custom_call @{TRITON_CALL}" in text and "kda_chunk_fwd" in text
 
 
@@ -123,13 +130,15 @@ TPU_CASES = {
     "grouped-v5p-w2": ("grouped", "v5p", "w2"), "grouped-v6e-w13": ("grouped", "v6e", "w13"),
     "kda-v5p-bounded": ("kda", "v5p", -5.0), "kda-v6e-bounded": ("kda", "v6e", -5.0),  # K3's gate (kimi-k3: -5)
     "grouped_bwd-v5p-w13": ("grouped_bwd", "v5p", "w13"),
+    "kda_segments-v5p-bounded": ("kda_segments", "v5p", -5.0),  # packed documents (~4 s)
     "dense-v5p-w2": ("dense", "v5p", "w2"), "dense-v6e-w13": ("dense", "v6e", "w13"),
     "grouped-v5p-w13": ("grouped", "v5p", "w13"), "grouped-v6e-w2": ("grouped", "v6e", "w2"),
     "kda-v5p-softplus": ("kda", "v5p", None), "kda-v6e-softplus": ("kda", "v6e", None),
-    "grouped_bwd-v6e-w2": ("grouped_bwd", "v6e", "w2"),
+    "grouped_bwd-v6e-w2": ("grouped_bwd", "v6e", "w2"), "kda_segments-v6e-softplus": ("kda_segments", "v6e", None),
 }
-# default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it)
-TPU_TIERS = {"default": list(TPU_CASES)[:7], "slow": list(TPU_CASES)[7:]}
+# default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
+# KDA with packed documents once (~4 s more)
+TPU_TIERS = {"default": list(TPU_CASES)[:8], "slow": list(TPU_CASES)[8:]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
 
@@ -142,8 +151,10 @@ def _tpu_compile(name) -> dict:
     # One chip: a Mosaic kernel is not auto-partitioned (several chips would need a shard_map around it).
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    if kind == "kda":
-        f, args, out_bytes = _kda(arg), _kda_args(sharding), B * T * H * DK * 2 + B * H * DK * DK * 4
+    if kind in ("kda", "kda_segments"):
+        segments = kind == "kda_segments"
+        f, args = _kda(arg, segments), _kda_args(sharding, segments)
+        out_bytes = B * T * H * DK * 2 + B * H * DK * DK * 4
     else:
         N, K = WEIGHTS[arg]
         f, args = ENTRY[kind], _mxfp4_args(N, K, kind != "dense", sharding)

@@ -56,6 +56,19 @@ def test_compiled_arguments_match_the_closed_form(mode, state):
         assert out["optimizer_collectives"]["bytes"] > 0
 
 
+@pytest.mark.slow
+def test_lora_plan_trains_the_adapters_alone_over_a_packed_base():
+    """--mode lora (the QLoRA step) on 8 XLA:CPU devices: argument bytes = the BF16 base + packed experts + fp32
+    adapters with AdamW's two moments (the closed form), no Newton–Schulz, the optimizer state the adapters' alone."""
+    spec = plan_spec.PlanSpec(mode="lora", mesh="data=2,expert=4", batch=8, seq_len=32, lora_rank=4)
+    out = aot.compile_plan(TINY, hardware.parse_target("cpu:8"), spec)
+    assert out["argument_over_estimate"] == pytest.approx(1.0, rel=1e-3), out["estimate"]
+    e = out["estimate"]
+    assert e["packed_experts"] > 0 and e["optimizer"] == 2 * e["gradient_bytes"] > 0
+    assert "newton_schulz" not in out["flops"] and "optimizer_collectives" not in out
+    assert out["flops"]["compiled_per_device"] > 0
+
+
 def test_estimate_by_hand_for_kimi_k3():
     """The closed form at full size, against a count by hand: under ep over 64 devices every tensor with an experts
     dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything

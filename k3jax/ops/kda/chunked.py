@@ -16,6 +16,7 @@ import numpy as np
 
 from k3jax.ops.kda.common import SUB_CHUNK, check_chunking, validate_inputs
 from k3jax.ops.norms import acc_dtype
+from k3jax.ops.segments import runs
 
 
 def _masks(c: int, n: int, dtype):
@@ -134,12 +135,19 @@ def _diag_blocks(qs, ks, gs, L_r0, msk, gate_lower_bound):
     return a, diag_k, diag_q
 
 
-def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUNK):
+def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUNK, docs=None):
     """State-independent per-chunk quantities (SPEC §4.4, §4.5), batched over any leading axes, all as matmuls.
 
     q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (compute dtype). Returns a dict with
       G_last [..., K], qg = s (Q ⊙ Γ) [..., C, K], kd = K ⊙ exp(G_last - G) [..., C, K],
       A_qk [..., C, C], W [..., C, K], U [..., C, V].
+    docs (packed rows, ``_doc_masks``): {"run": [..., C] document index, "carry": [..., C] 1 where a row continues
+      the document of the chunk's incoming state, "last": [..., C] 1 where a row is in the chunk's last document}
+      (any leading axes that broadcast). Pairs across documents drop out of A_kk and A_qk, rows of a new document
+      see no incoming state (Γ = 0 there: qg and W's K part are zero) and only the last document writes the
+      outgoing state (kd = 0 elsewhere); the caller zeroes the state's decay when the chunk's last row does not
+      carry. The gates are untouched (K3's bounded gate never decays to zero), so every factor stays finite and
+      the masks only multiply by exact zeros and ones.
 
     Steps, with c-row sub-chunks I, J (c = 16) and r0(I) the first row of I:
       1. In-chunk sums of g: "after r0" and "after j" within each sub-chunk by shifted adds (``_prefix_sum``),
@@ -192,16 +200,24 @@ def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUN
 
     # 4.
     jj = np.arange(C)
-    A_kk = jnp.where(jnp.asarray(jj[:, None] > jj[None, :]), beta[..., :, None] * full(ks, diag_k), 0.0)
-    A_qk = jnp.where(jnp.asarray(jj[:, None] >= jj[None, :]), full(qs, diag_q), 0.0)
+    lower, lower_eq = jnp.asarray(jj[:, None] > jj[None, :]), jnp.asarray(jj[:, None] >= jj[None, :])
+    if docs is not None:
+        same = docs["run"][..., :, None] == docs["run"][..., None, :]
+        lower, lower_eq = lower & same, lower_eq & same
+    A_kk = jnp.where(lower, beta[..., :, None] * full(ks, diag_k), 0.0)
+    A_qk = jnp.where(lower_eq, full(qs, diag_q), 0.0)
     # 5.
     gam = _flush(_exp_flushed(pre + gs[..., :, 0, :])[..., None, :] * a)   # exp(G_i), chunk-inclusive
+    if docs is not None:
+        carry = docs["carry"]
+        gam = gam * carry.reshape(*carry.shape[:-1], n, c, 1).astype(ct)
     R = jnp.concatenate([bs[..., None] * ks * gam, bs[..., None] * vs], axis=-1)   # [..., n, c, K + V]
     WU = _unit_lower_solve(A_kk, R, c)
+    kd = (kf * _exp_flushed(suf)[..., None, :]).reshape(*lead, C, K)     # k exp(G_last - G)
     return {
         "G_last": G_last,
         "qg": (qs * gam).reshape(*lead, C, K),
-        "kd": (kf * _exp_flushed(suf)[..., None, :]).reshape(*lead, C, K),   # k exp(G_last - G)
+        "kd": kd if docs is None else kd * docs["last"][..., None].astype(ct),
         "A_qk": A_qk,
         "W": WU[..., :K],
         "U": WU[..., K:],
@@ -223,8 +239,24 @@ def _pad_time(x, T_pad, value=0.0):
     return jnp.pad(x, pad, constant_values=value)
 
 
+def _doc_masks(segment_ids, T_pad: int, C: int):
+    """Per-token document masks of packed rows for ``chunk_intra`` (``docs``), each [B, T_pad] int32: the run index
+    (``k3jax.ops.segments.runs``; padding continues the last run), ``carry`` (1 where a token is in the document
+    the state entering its chunk belongs to: the run of the token before the chunk, 0 for the first chunk, as
+    the initial state continues run 0) and ``last`` (1 where a token is in its chunk's last document)."""
+    run = runs(segment_ids)
+    run = jnp.pad(run, [(0, 0), (0, T_pad - run.shape[1])], mode="edge")
+    B = run.shape[0]
+    chunks = run.reshape(B, T_pad // C, C)
+    before = jnp.concatenate([jnp.zeros_like(chunks[:, :1, -1]), chunks[:, :-1, -1]], axis=1)   # [B, NC]
+    carry = (chunks == before[:, :, None]).astype(jnp.int32).reshape(B, T_pad)
+    last = (chunks == chunks[:, :, -1:]).astype(jnp.int32).reshape(B, T_pad)
+    return run, carry, last
+
+
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
-                gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK, chunks_per_group: int = 4):
+                gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK, chunks_per_group: int = 4,
+                segment_ids=None):
     """Chunked (UT/WY) KDA, SPEC §4.4 with the 16-token sub-chunk factorisation of §4.5.
 
     Args:
@@ -237,6 +269,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
         pairwise decays on the diagonal sub-blocks.
       chunks_per_group: chunks processed together (see Structure); changes speed and memory, not results. The
         default 4 was the fastest of 2/4/8/16 on the CI CPU at T = 1024, 4096 and 16384 (experiments/LOG.md).
+      segment_ids: None, or [B, T] document ids of packed rows (SPEC §4.7, ``k3jax.ops.segments``): every document
+        runs from a zero state (the initial state continues the first), by exact masks inside each chunk
+        (``chunk_intra``'s ``docs``) and a zeroed decay where a chunk ends in a later document than it started;
+        the final state is the last document's.
     Returns: o [B, T, N, V] in q.dtype; final state [B, N, K, V] in ``acc_dtype(q.dtype)``.
 
     Structure: chunks are taken in groups of up to ``chunks_per_group``. Inside a group, all state-independent
@@ -272,9 +308,15 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
         def head_major(x):                                                  # [B, G C, N, X] -> [B, N, G, C, X]
             return jnp.moveaxis(x.reshape(B, G_, C, N, x.shape[-1]), 3, 1)
 
-        q_, k_, v_, g_, b_ = map(head_major, xs)
-        intra = intra_fn(q_, k_, v_, g_, b_[..., 0])
-        steps = (intra["W"], intra["U"], jnp.swapaxes(intra["kd"], -1, -2), _exp_flushed(intra["G_last"]))
+        q_, k_, v_, g_, b_ = map(head_major, xs[:5])
+        docs = None
+        if len(xs) > 5:                                                     # [B, G C] -> [B, 1, G, C]
+            docs = dict(zip(("run", "carry", "last"), (d.reshape(B, 1, G_, C) for d in xs[5:]), strict=True))
+        intra = intra_fn(q_, k_, v_, g_, b_[..., 0], docs=docs)
+        decay = _exp_flushed(intra["G_last"])
+        if docs is not None:                                                # a new document: no incoming state
+            decay = decay * docs["carry"][..., -1:].astype(ct)
+        steps = (intra["W"], intra["U"], jnp.swapaxes(intra["kd"], -1, -2), decay)
         steps = tuple(jnp.moveaxis(x, 2, 0) for x in steps)
         S_next, (S_start, v_new) = jax.lax.scan(_chunk_state_step, S, steps, unroll=True)
         S_start = jnp.moveaxis(S_start, 0, 2)                               # [B, N, G, K, V]
@@ -284,6 +326,10 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
         return S_next, jnp.moveaxis(o, 1, 3).reshape(B, G_ * C, N, V)
 
     xs = tuple(_pad_time(x.astype(ct), Tp) for x in (q, k, v, g, beta[..., None]))
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must be [B, T] = {(B, T)}")
+        xs = (*xs, *_doc_masks(segment_ids, Tp, C))
     if NG == 1:
         S_final, o = group(S0, xs)
     else:

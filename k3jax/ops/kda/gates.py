@@ -26,12 +26,14 @@ def gate_softplus(raw, dt_bias, A_log):
     return -a * jax.nn.softplus(raw.astype(ct) + dt_bias.astype(ct))
 
 
-def causal_conv_silu(u, w, tail=None, lengths=None):
+def causal_conv_silu(u, w, tail=None, lengths=None, run=None):
     """Causal depthwise conv (tap Wc-1 hits the current token) + SiLU, with an optional cache.
 
     u: [B, T, X] pre-conv inputs, X channels (N K or N V, head-major); w: [X, Wc], Wc taps; tail: [B, Wc-1, X] the
     previous Wc-1 inputs, oldest first (zeros when None); lengths: [B] int, the number of real (not right-padding)
-    tokens of each row (default T): the new tail then ends at each row's last real token.
+    tokens of each row (default T): the new tail then ends at each row's last real token. run: None, or [B, T] the
+    packed row's document index (``k3jax.ops.segments.runs``): a tap reaching into another document reads zero, as
+    at a sequence start (the tail continues run 0).
     Returns (y [B, T, X] in >= fp32, new tail [B, Wc-1, X]: the last Wc-1 inputs of tail ++ u[:, :lengths]).
     """
     ct = acc_dtype(jnp.promote_types(u.dtype, w.dtype))
@@ -43,7 +45,13 @@ def causal_conv_silu(u, w, tail=None, lengths=None):
         raise ValueError(f"conv cache shape {tuple(tail.shape)} must be [B, Wc-1, X] = {(B, Wc - 1, X)}")
     ext = jnp.concatenate([tail.astype(ct), u.astype(ct)], axis=1)   # [B, T + Wc - 1, X]
     w = w.astype(ct)
-    y = sum(w[:, i] * ext[:, i:i + T, :] for i in range(Wc))
+    if run is not None:                                              # zero the taps of earlier documents
+        run = jnp.asarray(run, jnp.int32)
+        run_ext = jnp.concatenate([jnp.zeros((B, Wc - 1), jnp.int32), run], axis=1)
+        taps = [jnp.where((run_ext[:, i:i + T] == run)[..., None], ext[:, i:i + T, :], 0.0) for i in range(Wc)]
+    else:
+        taps = [ext[:, i:i + T, :] for i in range(Wc)]
+    y = sum(w[:, i] * tap for i, tap in enumerate(taps))
     if lengths is None:
         return jax.nn.silu(y), ext[:, T:, :]
     idx = jnp.asarray(lengths, jnp.int32)[:, None] + jnp.arange(Wc - 1, dtype=jnp.int32)[None, :]   # ext rows

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from k3jax.ops.kda.common import validate_inputs
 from k3jax.ops.norms import acc_dtype
+from k3jax.ops.segments import runs
 
 
 def _step(S, q, k, v, g, beta, scale):
@@ -22,11 +23,12 @@ def _step(S, q, k, v, g, beta, scale):
     return S, o
 
 
-def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
+def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
     """Token-by-token KDA (SPEC §4.3) as one ``lax.scan`` over T; each step updates every (B, N) at once.
 
     Args: q, k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N]; initial_state [B, N, K, V] K-first, fp32 or wider
-      (zeros if None). ``scale`` defaults to K^-0.5.
+      (zeros if None). ``scale`` defaults to K^-0.5. ``segment_ids`` [B, T] (packed rows, SPEC §4.7): the state is
+      zeroed before the first token of every document after the row's first (``k3jax.ops.segments``).
     Returns: o [B, T, N, V] in q.dtype, final state [B, N, K, V] in ``acc_dtype(q.dtype)``.
     Memory under autodiff is one state per token (the scan saves them); use ``kda_chunked`` for training.
     """
@@ -37,9 +39,17 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
     scale = K ** -0.5 if scale is None else scale
     S0 = jnp.zeros((B, N, K, V), ct) if initial_state is None else initial_state.astype(ct)
     xs = tuple(jnp.moveaxis(a.astype(ct), 1, 0) for a in (q, k, v, g, beta))
+    if segment_ids is None:
+        def body(S, x):
+            return _step(S, *x, scale)
+    else:
+        run = runs(segment_ids)
+        start = jnp.concatenate([jnp.zeros_like(run[:, :1], bool), run[:, 1:] != run[:, :-1]], axis=1)
+        xs = (*xs, start.T)
 
-    def body(S, x):
-        return _step(S, *x, scale)
+        def body(S, x):
+            *x, new_doc = x
+            return _step(jnp.where(new_doc[:, None, None, None], jnp.zeros((), S.dtype), S), *x, scale)
 
     S, o = jax.lax.scan(body, S0, xs)
     return jnp.moveaxis(o, 0, 1).astype(q.dtype), S

@@ -1,0 +1,150 @@
+"""LoRA adapters on the blocks, the one home (the arithmetic: k3jax/ops/lora.py).
+
+    add_adapters(block, rank=16, scale=2.0, rngs=rngs)      # every leaf in block.LORA gets W_lora_a / W_lora_b
+    y = proj(block, "wq", "btd,dnk->btnk", x, w, acc)      # einsum(x, w) + scale (x A) B if wq is adapted
+    w_eff = merged(block, "kv_b")                           # W + scale A B, where a weight is consumed whole
+
+Each block class lists the leaves an adapter may target in ``LORA`` beside its ``HF`` table; the model picks the
+blocks by ``LoRAConfig.targets`` (k3jax/model/decoder.py). An adapted leaf ``W`` (input dims first: the HF table's
+``in_axes``; a routed-expert stack [E, in, out] per expert) gets two Params beside it:
+
+    W_lora_a  [*in, r]     logical axes: W's input axes + "lora_rank"    PEFT lora_A [r, prod(in)]
+    W_lora_b  [r, *out]    "lora_rank" + W's output axes, zeros at init  PEFT lora_B [prod(out), r]
+
+(experts: [E, in, r] and [E, r, out]), in at least fp32 over any base dtype. A follows PEFT's init (kaiming-uniform
+with a = sqrt(5): U(±1/sqrt(fan_in))) and B = 0, so a fresh adapter gives the base outputs bit for bit (x A 0 = 0
+exactly). They are Params: they stack into the scanned group, take their base's sharding (rules.py: lora_rank is
+never split) and train; what stays frozen is the train loop's choice (``split_adapters``: with LoRA the whole base;
+k3jax/train/loop.py). Routed-expert adapters run beside the stacks' own products (k3jax/ops/lora_experts.py), also
+over the packed MXFP4 bytes (QLoRA); PEFT's layout on disk is k3jax/checkpoint/peft.py. qwix's LoRA provider
+(tests/model/test_qwix_lora.py) intercepts dot_general / einsum, so it never sees the routed experts' grouped
+matmuls (``ragged_dot`` or the MXFP4 kernel) and cannot reach inside the scanned stack: hence adapters of our own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.common import param
+from k3jax.ops.lora import LoraWeight, lora_einsum, lora_weight
+from k3jax.ops.norms import acc_dtype
+
+SUFFIXES = ("lora_a", "lora_b")
+
+
+def adapter_names(name: str) -> tuple[str, str]:
+    """``"wq"`` → ``("wq_lora_a", "wq_lora_b")``."""
+    return tuple(f"{name}_{s}" for s in SUFFIXES)
+
+
+def is_adapter(key) -> bool:
+    """Whether a state key names an adapter leaf."""
+    return isinstance(key, str) and key.endswith(tuple(f"_{s}" for s in SUFFIXES))
+
+
+def _lead_and_in(block, name: str, axes: tuple) -> tuple[int, int]:
+    """(leading axes W, A and B share — a stacked group's "layers", a routed stack's experts —, W's input dims):
+    the HF table's ``in_axes``, 1 for an expert stack [..., E, in, out]."""
+    lead = sum(1 for a in axes[:2] if a == "layers")
+    if block.HF[name].transform == "expert":
+        return lead + 1, 1
+    return lead, block.HF[name].in_axes
+
+
+def add_adapters(block, *, rank: int, scale: float, rngs: nnx.Rngs, names=None) -> None:
+    """Adapters on every leaf of ``block.LORA`` the block has (or on ``names``); the block may sit in a stacked
+    group (leaves with a leading "layers" axis: each layer gets its own factors)."""
+    block.lora_scale = float(scale)
+    for name in names or block.LORA:
+        if not hasattr(block, name):
+            continue
+        var = getattr(block, name)
+        axes = tuple(var.get_metadata()["axes"])
+        shape = var.shape
+        lead, n_in = _lead_and_in(block, name, axes)
+        ins, outs = slice(lead, lead + n_in), slice(lead + n_in, None)
+        fan_in = math.prod(shape[ins])
+        bound = 1.0 / math.sqrt(fan_in)
+        a_shape = (*shape[:lead], *shape[ins], rank)
+        b_shape = (*shape[:lead], rank, *shape[outs])
+        dtype = acc_dtype(var[...].dtype)          # adapters train: at least fp32, whatever their (frozen) base
+        a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound).astype(dtype)
+        na, nb = adapter_names(name)
+        setattr(block, na, param(a, (*axes[:lead], *axes[ins], "lora_rank")))
+        setattr(block, nb, param(jnp.zeros(b_shape, dtype), (*axes[:lead], "lora_rank", *axes[outs])))
+
+
+def split_adapters(params) -> tuple[dict, dict]:
+    """(only the adapter leaves, everything else) of a params tree; ``layers.experts.merge_trees`` joins them."""
+    def walk(node):
+        if not isinstance(node, dict):
+            return None, node
+        ad, rest = {}, {}
+        for k, v in node.items():
+            if is_adapter(k):
+                ad[k] = v
+                continue
+            a, r = walk(v)
+            if a:
+                ad[k] = a
+            if not (isinstance(r, dict) and not r):
+                rest[k] = r
+        return ad, rest
+
+    return walk(params)
+
+
+def has_adapters(tree) -> bool:
+    """Whether a params tree (arrays, shapes or shardings) holds any adapter leaf."""
+    return any(is_adapter(getattr(k, "key", None)) for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+               for k in path[-1:])
+
+
+def has_adapter(block, name: str) -> bool:
+    """Whether leaf ``name`` of ``block`` carries one of these adapters (``lora_scale`` marks the block: qwix's LoRA
+    provider names its own factors ``<name>_lora_a`` too, and runs them itself)."""
+    return hasattr(block, "lora_scale") and hasattr(block, adapter_names(name)[0])
+
+
+def _factors(block, name: str):
+    na, nb = adapter_names(name)
+    return getattr(block, na)[...], getattr(block, nb)[...]
+
+
+def proj(block, name: str, eq: str, x, w, acc):
+    """``einsum(eq, x, w)`` for block leaf ``name`` (``w``: the leaf as the caller prepared it, e.g. cast), plus its
+    adapter's low-rank path when it has one."""
+    if not has_adapter(block, name):
+        return jnp.einsum(eq, x, w, preferred_element_type=acc)
+    a, b = _factors(block, name)
+    return lora_einsum(eq, x, w, a, b, scale=block.lora_scale, acc=acc)
+
+
+def merged(block, name: str):
+    """Leaf ``name`` with its adapter merged in (W + scale A B), or the leaf itself."""
+    w = getattr(block, name)[...]
+    if not has_adapter(block, name):
+        return w
+    a, b = _factors(block, name)
+    return lora_weight(w, a, b, block.lora_scale)
+
+
+def expert_stacks(experts, stacks):
+    """The routed-expert stacks as the MoE's expert functions take them: each adapted one as a ``LoraWeight``
+    (base, A, scale · B)."""
+    out = []
+    for name, w in zip(("w1", "w3", "w2"), stacks, strict=True):
+        if has_adapter(experts, name):
+            a, b = _factors(experts, name)
+            w = LoraWeight(w, a, b * jnp.asarray(experts.lora_scale, b.dtype))
+        out.append(w)
+    return tuple(out)
+
+
+__all__ = ["SUFFIXES", "add_adapters", "adapter_names", "expert_stacks", "has_adapter", "has_adapters", "is_adapter",
+           "merged",
+           "proj", "split_adapters"]

@@ -1,0 +1,121 @@
+"""Routed experts with per-expert LoRA adapters (QLoRA when the stacks are the checkpoint's MXFP4 bytes).
+
+Each adapted stack is a ``k3jax.ops.lora.LoraWeight`` (base [E, in, out] — an array or a ``PackedWeight`` —,
+A [E, in, r], B [E, r, out] with the scale folded in); an unadapted one is its plain stack. On the expert-sorted rows
+(``grouped_matmul.experts_grouped``: replicate, sort, FFN, un-sort, weighted sum) the FFN is
+
+    a = x W1_e + (x A1_e) B1_e       b = x W3_e + (x A3_e) B3_e       h = act(a, b)       y = h W2_e + (h A2_e) B2_e
+
+with every product grouped by expert: the base one by ``_base`` (GPU/TPU: ``lax.ragged_dot``, or the grouped MXFP4
+kernel ``gmm`` from the packed bytes; CPU: a loop over per-expert row tiles, ``grouped_matmul.tile_rows``, that
+decodes one expert's bytes for its tile and multiplies, under ``jax.checkpoint`` so nothing decoded is kept for the
+backward — never a dequantized stack), the adapter's by gathering each tile's factors (r columns: small) into one
+batched product. Gradients reach the rows and A, B (and a float base when it is differentiated); the packed bytes
+have none. The base products are the frozen weights' own, so with B = 0 the outputs equal the unadapted experts'
+to the summation order of the FFN (the fused paths of grouped_matmul / packed_experts add the same products in
+another order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from k3jax.ops.grouped_matmul import Act, default_tile, experts_grouped, tile_rows
+from k3jax.ops.lora import LoraWeight
+from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
+
+LORA_IMPLS = ("auto", "tiles", "grouped")
+
+
+def _unwrap(w):
+    return w.base if isinstance(w, LoraWeight) else w
+
+
+def _dense_expert(w, e, dtype):
+    """Expert e of a stack as [in, out] in ``dtype``: a slice of a float stack, or one expert's bytes decoded."""
+    if isinstance(w, PackedWeight):
+        one = PackedWeight(*(lax.dynamic_index_in_dim(x, e, keepdims=True) for x in w))
+        return dequantize_stack(one, dtype)[0]
+    return lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dtype)
+
+
+def _base_tiles(xt, tile_expert, w, acc):
+    """[V, t, in] tiles → [V, t, out]: tile v times its expert's base weight, one tile at a time."""
+    @jax.checkpoint
+    def one(x, e):
+        return jnp.dot(x, _dense_expert(w, e, x.dtype), preferred_element_type=acc)
+
+    return lax.map(lambda v: one(*v), (xt, tile_expert))
+
+
+def _base(xs, group_sizes, w, acc, gmm, tile, impl="auto"):
+    """xs [R, in] sorted by expert → [R, out] (acc) = rows times their expert's base weight (module docstring);
+    ``impl``: "tiles", "grouped" or "auto" (platform choice)."""
+    def tiles(xs, group_sizes):
+        xt, te, back = tile_rows(xs, group_sizes, tile)
+        return _base_tiles(xt, te, w, acc).reshape(-1, _out(w))[back]
+
+    def grouped(xs, group_sizes):
+        if isinstance(w, PackedWeight):
+            return gmm(xs, w.packed, w.scale, group_sizes).astype(acc)
+        return lax.ragged_dot(xs, w.astype(xs.dtype), group_sizes, preferred_element_type=acc)
+
+    if impl == "tiles" or (isinstance(w, PackedWeight) and gmm is None):
+        return tiles(xs, group_sizes)
+    if impl == "grouped":
+        return grouped(xs, group_sizes)
+    return lax.platform_dependent(xs, group_sizes, cpu=tiles, default=grouped)
+
+
+def _out(w) -> int:
+    return w.packed.shape[1] if isinstance(w, PackedWeight) else w.shape[-1]
+
+
+def _adapter(xs, group_sizes, a, b, acc, tile):
+    """xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e, each tile's factors gathered (r columns)."""
+    xt, te, back = tile_rows(xs, group_sizes, tile)
+    cdt = xs.dtype
+    xa = jnp.einsum("vti,vir->vtr", xt, a.astype(cdt)[te], preferred_element_type=acc)
+    d = jnp.einsum("vtr,vro->vto", xa.astype(cdt), b.astype(cdt)[te], preferred_element_type=acc)
+    return d.reshape(-1, d.shape[-1])[back]
+
+
+def _product(xs, group_sizes, w, acc, gmm, tile, impl):
+    if not isinstance(w, LoraWeight):
+        return _base(xs, group_sizes, w, acc, gmm, tile, impl)
+    return _base(xs, group_sizes, w.base, acc, gmm, tile, impl) + _adapter(xs, group_sizes, w.a, w.b, acc, tile)
+
+
+def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, impl="auto"):
+    tile = tile or default_tile(xs.shape[0], group_sizes.shape[0])
+    if act_quant is not None:
+        xs = act_quant(xs)
+    a = _product(xs, group_sizes, w1, acc, gmm, tile, impl)
+    b = _product(xs, group_sizes, w3, acc, gmm, tile, impl)
+    h = act(a, b).astype(xs.dtype)
+    if act_quant is not None:
+        h = act_quant(h)
+    return _product(h, group_sizes, w2, acc, gmm, tile, impl)
+
+
+def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: Callable | None = None,
+                 gmm: Callable | None = None, tile: int | None = None, impl: str = "auto"):
+    """Dropless routed experts whose stacks may carry per-expert adapters: Σ_a weights[m, a] · E_{ids[m, a]}(z[m])
+    → [M, P] (acc dtype), the MoE layer's experts_fn contract. ``gmm``: the grouped MXFP4 matmul for packed bases
+    on GPU/TPU (``layers.backends.mxfp4_gmm``; None: the CPU tile loop everywhere). ``impl``: the base products'
+    path — "auto" (the tile loop on CPU, the grouped one elsewhere), "tiles", or "grouped" (``lax.ragged_dot``, or
+    ``gmm`` for a packed base, on any platform: ``ExpertParallel(packed_kernel="pallas")`` and the CPU tests)."""
+    if impl not in LORA_IMPLS:
+        raise ValueError(f"impl must be one of {LORA_IMPLS}, got {impl!r}")
+    if impl == "grouped" and gmm is None and isinstance(_unwrap(w1), PackedWeight):
+        raise ValueError("impl='grouped' over a packed base needs the grouped MXFP4 matmul gmm")
+    ffn = partial(_lora_ffn, gmm=gmm, tile=tile, impl=impl)
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant)
+
+
+__all__ = ["LORA_IMPLS", "experts_lora"]

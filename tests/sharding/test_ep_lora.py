@@ -1,0 +1,147 @@
+"""Per-expert LoRA under expert parallelism (issue #31 item 3): ``ExpertParallel`` on 8 simulated CPU devices running
+``LoraWeight`` stacks — over the packed MXFP4 bytes (QLoRA) or a float base — equals the one-device ``experts_lora``
+and LoRA over the dequantized experts: forward and the gradients w.r.t. the rows and every adapter factor."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from k3jax.ops.activations import glu_activation
+from k3jax.ops.lora import LoraWeight
+from k3jax.ops.lora_experts import experts_lora
+from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
+from k3jax.sharding.expert_parallel import ExpertParallel
+from k3jax.sharding.mesh import make_mesh
+from k3jax.testing import TOL, assert_close
+
+ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
+M, A, E, Pd, F, R = 64, 2, 8, 32, 64, 4
+
+
+def packed_stacks(rng, shapes):
+    """Random MXFP4 stacks (``PackedWeight``: any fp4 codes, E8M0 scales 2^-5 … 2^-3) for float shapes [E, in, out],
+    and their dequantized floats: the bytes straight from NumPy (as tests/ops/test_lora_experts.py)."""
+    packed = tuple(PackedWeight(jnp.asarray(rng.integers(0, 256, (e, o, i // 2), np.uint8)),
+                                jnp.asarray(rng.integers(122, 125, (e, o, i // 32), np.uint8))) for e, i, o in shapes)
+    return packed, jax.jit(lambda ws: tuple(dequantize_stack(w) for w in ws))(packed)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """Rows, skewed routing (expert 5 on every token; shard 0's experts 0, 1 idle), gates, packed stacks, their
+    dequantized floats, factors A [E, in, r] / B [E, r, out] (B nonzero), a fixed cotangent — and the one-device
+    references (``experts_lora`` over the packed bytes and over the dequantized floats, the CPU tile loop)."""
+    rng = np.random.default_rng(0)
+    shapes = ((E, Pd, F), (E, Pd, F), (E, F, Pd))
+    packed, floats = packed_stacks(rng, shapes)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    a = tuple(f32(rng.standard_normal((E, s[1], R)) / np.sqrt(s[1])) for s in shapes)
+    b = tuple(f32(0.5 * rng.standard_normal((E, R, s[2]))) for s in shapes)
+    ids = jnp.asarray(np.stack([np.full(M, 5), rng.choice([2, 3, 4, 6, 7], M)], axis=1), jnp.int32)
+    g = np.exp(rng.standard_normal((M, A)))
+    p = dict(z=f32(rng.standard_normal((M, Pd))), ids=ids, wts=f32(g / g.sum(-1, keepdims=True)), packed=packed,
+             floats=floats, a=a, b=b, ct=f32(rng.standard_normal((M, Pd))))
+    p["ref_packed"] = _run(partial(experts_lora, impl="tiles"), p, packed)
+    p["ref_float"] = _run(partial(experts_lora, impl="tiles"), p, floats)
+    return p
+
+
+def _run(fn, p, ws, a=None, b=None):
+    """fn's output and the VJP of p["ct"] w.r.t. the rows z and the factors A, B (jit; inputs as given)."""
+    a, b = a or p["a"], b or p["b"]
+
+    def f(z, a, b):
+        return fn(z, p["ids"], p["wts"], *(LoraWeight(*t) for t in zip(ws, a, b, strict=True)), ACT)
+
+    def both(z, a, b):
+        y, vjp = jax.vjp(f, z, a, b)
+        return y, vjp(p["ct"])
+
+    return jax.jit(both)(p["z"], a, b)
+
+
+def _compare(got, ref, tol, what):
+    (y, (dz, da, db)), (y_ref, (dz_ref, da_ref, db_ref)) = got, ref
+    assert_close(y, y_ref, tol, name=f"{what} fwd")
+    assert_close(dz, dz_ref, tol, name=f"{what} dz")
+    for i in range(3):
+        assert_close(da[i], da_ref[i], tol, name=f"{what} dA{i}")
+        assert_close(db[i], db_ref[i], tol, name=f"{what} dB{i}")
+
+
+# (mesh, rules, ExpertParallel options): every exchange path the adapters ride
+CASES = {
+    "data2-expert4-bucketed": ({"data": 2, "expert": 4}, "ep", {"impl": "bucketed"}),
+    "data2-expert4-replicated": ({"data": 2, "expert": 4}, "ep", {"replicate_tokens": True}),
+    "expert4-tensor2": ({"expert": 4, "tensor": 2}, "ep_tp", {"impl": "bucketed"}),
+    "data2-expert4-pallas": ({"data": 2, "expert": 4}, "ep", {"impl": "bucketed", "packed_kernel": "pallas"}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep_qlora_equals_one_device(problem, case):
+    """Packed MXFP4 base + adapters under ExpertParallel (8 devices) against the one-device ``experts_lora`` over the
+    bytes and over the dequantized floats (the same numbers: the tile loop decodes exactly). Tolerance fp32_shallow
+    (1e-6): the per-row products are the same, only the gradient sums over rows run in another order (per-device
+    partial sums, then a psum over the token axes; ep_tp also splits F: two partial sums per output, psum'd; the
+    Pallas kernel sums its products in its own order; seen ≤ 2.4e-7). "replicated" is the small-batch rule
+    (every device holds every row: no exchange)."""
+    axes, rules, kw = CASES[case]
+    ep = ExpertParallel(make_mesh(axes), rules, **kw)
+    got = _run(ep, problem, problem["packed"])
+    if kw.get("packed_kernel") == "pallas":  # the local experts' base products really run the grouped MXFP4 kernel
+        stacks = (LoraWeight(*t) for t in zip(problem["packed"], problem["a"], problem["b"], strict=True))
+        jaxpr = str(jax.make_jaxpr(partial(ep, act=ACT))(problem["z"], problem["ids"], problem["wts"], *stacks))
+        assert jaxpr.count("name=mxfp4_gmm_tpu_fwd") >= 3
+    _compare(got, problem["ref_packed"], TOL["fp32_shallow"], f"{case} vs one-device QLoRA")
+    _compare(got, problem["ref_float"], TOL["fp32_shallow"], f"{case} vs LoRA over dequantized")
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """``lax.ragged_all_to_all`` from its documented semantics (as tests/sharding/test_expert_parallel.py): chunk i =
+    operand[input_offsets[i] : + send_sizes[i]] lands at output_offsets[i] of peer i."""
+    n = operand.shape[0]
+    c = jnp.arange(n)
+    valid = c[None, :] < send_sizes[:, None]
+    src = jnp.clip(input_offsets[:, None] + c[None, :], 0, n - 1)
+    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
+    chunks = jnp.where(mask, operand[src], jnp.zeros((), operand.dtype))
+    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    pos = jnp.where(c[None, :] < recv_sizes[:, None], off[:, None] + c[None, :], output.shape[0])
+    return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
+
+
+def test_ep_lora_ragged_path_with_emulated_collective(problem, monkeypatch):
+    """The GPU/TPU exchange (impl="ragged", the collective emulated: XLA:CPU cannot run it) with adapters."""
+    import k3jax.sharding.expert_parallel as ep_mod
+
+    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    ep = ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged")
+    _compare(_run(ep, problem, problem["packed"]), problem["ref_packed"], TOL["fp32_shallow"], "ragged")
+
+
+def test_ep_lora_float_base_width_split_gathers_inside(problem):
+    """``fsdp_ep_tp``: a float base and the factors along P (A1/A3 [E, P, r], B2 [E, r, P]) stored split over fsdp
+    enter the shard_map so and are all-gathered inside; their gradients leave in that sharding (the gather's
+    transpose, a reduce-scatter). Values and gradients equal the one-device float LoRA (fp32_shallow)."""
+    mesh = make_mesh({"fsdp": 2, "expert": 4})
+    ep = ExpertParallel(mesh, "fsdp_ep_tp")
+    assert ep.width_axes == ("fsdp",)
+    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
+    ws = tuple(put(w, "expert", *s) for w, s in zip(problem["floats"], (("fsdp",), ("fsdp",), (None, "fsdp"))))
+    a_specs = (("expert", "fsdp"), ("expert", "fsdp"), ("expert",))
+    b_specs = (("expert",), ("expert",), ("expert", None, "fsdp"))
+    a = tuple(put(x, *s) for x, s in zip(problem["a"], a_specs, strict=True))
+    b = tuple(put(x, *s) for x, s in zip(problem["b"], b_specs, strict=True))
+    got = _run(ep, problem, ws, a, b)
+    _compare(got, problem["ref_float"], TOL["fp32_shallow"], "fsdp width split")
+    _, (_, da, db) = got
+    for g, s in zip((*da, *db), (*a_specs, *b_specs), strict=True):
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), g.ndim), (g.sharding, s)

@@ -1,0 +1,90 @@
+"""LoRA / QLoRA fine-tuning (`k3 train --init CKPT --lora ...`, issue #31): only the adapters get gradients and
+optimizer state, the base checkpoint's files are untouched, an MXFP4 base stays packed, and --export writes the
+adapters in PEFT's layout, which `k3 logits --adapter` applies."""
+
+import hashlib
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from k3jax.checkpoint import save
+from k3jax.checkpoint.peft import ADAPTER_CONFIG, load_adapter
+from k3jax.cli.main import main
+from k3jax.config import LoRAConfig, default_run, get_preset
+from k3jax.layers.experts import merge_trees, split_packed
+from k3jax.layers.lora import is_adapter, split_adapters
+from k3jax.model import forward, init_params
+from k3jax.train.loop import build, train
+from k3jax.train.settings import TrainConfig
+
+TINY = get_preset("k3-tiny")
+CHAT = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "sft", "chat_train.jsonl")
+
+
+def _sha(d) -> dict:
+    return {f: hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest() for f in sorted(os.listdir(d))}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    save(init_params(TINY, jax.random.key(0)), TINY, d, overwrite=True)     # MXFP4 experts (k3-tiny's format)
+    return str(d)
+
+
+def _paths(tree) -> set:
+    return {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_qlora_trains_adapters_only_and_leaves_the_base_untouched(base, tmp_path):
+    before = _sha(base)
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("attn", "shared", "dense", "experts"))
+    tc = TrainConfig(preset=None, init=base, lora=lora, optimizer="adamw", steps=3, batch=4, seq_len=64,
+                     data=(CHAT,), max_bytes=60_000, devices=1, eval_every=100, progress=False, peak_flops=1e9,
+                     export=str(tmp_path / "adapter"))
+    run = build(tc)
+    trained, frozen = run.state["params"], run.state["frozen"]
+    assert all("_lora_" in p for p in _paths(trained))                       # the adapters alone train
+    assert not any("_lora_" in p for p in _paths(frozen))
+    assert split_packed(frozen)[1]                                          # QLoRA: the experts stay packed bytes
+    per_leaf = {jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(run.state["opt"])
+                if ".mu[" in jax.tree_util.keystr(p) or ".nu[" in jax.tree_util.keystr(p)}
+    assert per_leaf and all("_lora_" in p for p in per_leaf)                 # AdamW moments of the adapters only
+    assert len(per_leaf) == 2 * len(_paths(trained))
+    summary = train(tc)
+    assert _sha(base) == before                                             # the base checkpoint's files unchanged
+    ad = split_adapters(summary["params"])[0]
+    assert any(np.any(np.asarray(x) != 0) for p, x in jax.tree_util.tree_leaves_with_path(ad)
+               if jax.tree_util.keystr(p).endswith("_lora_b']"))            # B moved off zero
+    assert os.path.exists(tmp_path / "adapter" / ADAPTER_CONFIG)
+    got_lora, leaves = load_adapter(str(tmp_path / "adapter"), TINY, default_run(TINY))
+    assert got_lora == lora
+    for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(leaves), jax.tree.leaves(ad), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(p)
+    # the exported adapter over the loaded base reproduces the trained model's logits
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 16))
+    run_l = default_run(TINY).replace(lora=lora)
+    want = forward(summary["params"], tokens, TINY, run_l)
+    from k3jax.cli.source import load_model
+
+    cfg, run2, params = load_model(ckpt=base, preset=None, adapter=str(tmp_path / "adapter"))
+    np.testing.assert_allclose(forward(merge_trees(params, {}), tokens, cfg, run2), want, rtol=0, atol=1e-5)
+    assert not any(is_adapter(k) for k in frozen)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--lora", "rank=0"], "rank"),
+    (["--lora", "targets=attn+mlp"], "targets"),
+    (["--lora", "rank=4,beta=1"], "beta"),
+], ids=["rank", "target", "key"])
+def test_bad_lora_exits_2_before_compute(argv, msg, capsys, monkeypatch):
+    import k3jax.train.loop as loop_mod
+
+    def boom(*a, **k):
+        raise AssertionError("initialised parameters despite bad input")
+
+    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    assert main(["train", "--preset", "k3-tiny", *argv, "--no-progress"]) == 2
+    assert msg in capsys.readouterr().err
