@@ -189,9 +189,11 @@ def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) 
         with np.load(ckpt) as z:
             return arm_params(arm, plan, z)
 
+    # packing_masks False: a study trains on the plain token windows its records were made with (and its own
+    # held-out windows, window_losses, are plain ones); document masks are not an ablation factor (yet)
     tc = TrainConfig(preset=None, model=arm.cfg, seed=job.seed, ckpt_dir=os.path.join(d, "ckpt"),
                      ckpt_every=spec.output["ckpt_every"], keep=1, metrics=os.path.join(d, "metrics.jsonl"),
-                     progress=progress, init_fn=init_fn, **arm.train)
+                     progress=progress, init_fn=init_fn, **({"packing_masks": False} | arm.train))
     t0 = time.perf_counter()
     summary = train(tc, log=lambda m: log(f"[{job.label}] {m}"))
     wall = time.perf_counter() - t0
