@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from k3jax.errors import InputError
+from k3jax.lora_config import LORA_TARGETS, LoRAConfig
 
 Act = Literal["situ", "silu"]
 MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
@@ -223,32 +224,6 @@ def validate(c: K3Config) -> None:
     need(c.latent_moe_use_norm is False or c.is_latent_moe, "latent_moe_use_norm",
          "a latent norm needs routed_expert_hidden_size")
     need(c.routed_scaling_factor > 0, "routed_scaling_factor", "must be > 0")
-
-
-LORA_TARGETS = ("attn", "shared", "dense", "experts")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """LoRA adapters (k3jax/layers/lora.py): W x + (alpha / rank) B A x on the projections of ``targets`` —
-    "attn" (KDA, MLA), "shared" / "dense" (those FFNs), "experts" (per-expert factors over each routed stack)."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    targets: tuple[str, ...] = ("attn", "shared", "experts")
-    dropout: float = 0.0
-
-    def __post_init__(self):
-        _need(self, isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0, "rank",
-              "must be a positive integer")
-        _need(self, self.alpha > 0, "alpha", "must be > 0")
-        _need(self, bool(self.targets) and all(t in LORA_TARGETS for t in self.targets), "targets",
-              f"must be a non-empty subset of {LORA_TARGETS}")
-        _need(self, self.dropout == 0.0, "dropout", "not implemented (the model takes no dropout key): only 0")
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,22 @@ def free_port() -> int:
         sk.bind(("localhost", 0))
         return sk.getsockname()[1]
 
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """``lax.ragged_all_to_all`` (which XLA:CPU cannot run) written from its documented semantics with a padded
+    all_to_all, one slice per peer, for CPU tests of the GPU/TPU expert exchange: chunk i =
+    operand[input_offsets[i] : + send_sizes[i]] lands at output_offsets[i] of peer i."""
+    import jax
+    import jax.numpy as jnp
+
+    n = operand.shape[0]
+    c = jnp.arange(n)
+    valid = c[None, :] < send_sizes[:, None]  # [X, n]
+    src = jnp.clip(input_offsets[:, None] + c[None, :], 0, n - 1)
+    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
+    chunks = jnp.where(mask, operand[src], jnp.zeros((), operand.dtype))
+    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    pos = jnp.where(c[None, :] < recv_sizes[:, None], off[:, None] + c[None, :], output.shape[0])
+    return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # k3jax's top-level modules and packages by level: each may import its own and lower levels' only.
 LEVELS = (
     {"notation", "errors", "pytree"},
-    {"config", "hf_config", "hf_keys", "data", "tokenizer", "chat"},  # config, hf_config, hf_keys: one unit (SAME_UNIT)
+    {"config", "hf_config", "hf_keys", "lora_config", "data", "tokenizer", "chat"},  # config + hf_*: one unit
     {"ops", "reference"},
     {"layers"},
     {"model"},
@@ -24,7 +24,8 @@ LEVELS = (
     {"cli"},
 )
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
-SAME_UNIT = {frozenset(p) for p in (("config", "hf_config"), ("config", "hf_keys"), ("hf_config", "hf_keys"))}
+SAME_UNIT = {frozenset(p) for p in (("config", "hf_config"), ("config", "hf_keys"), ("hf_config", "hf_keys"),
+                                    ("config", "lora_config"))}
 
 
 def _imports(path: Path) -> set[str]:

@@ -53,11 +53,11 @@ def _base_tiles(xt, tile_expert, w, acc):
     return lax.map(lambda v: one(*v), (xt, tile_expert))
 
 
-def _base(xs, group_sizes, w, acc, gmm, tile, impl="auto"):
+def _base(xs, group_sizes, tiled, w, acc, gmm, impl="auto"):
     """xs [R, in] sorted by expert → [R, out] (acc) = rows times their expert's base weight (module docstring);
-    ``impl``: "tiles", "grouped" or "auto" (platform choice)."""
+    ``tiled``: ``tile_rows`` of xs; ``impl``: "tiles", "grouped" or "auto" (platform choice)."""
     def tiles(xs, group_sizes):
-        xt, te, back = tile_rows(xs, group_sizes, tile)
+        xt, te, back = tiled
         return _base_tiles(xt, te, w, acc).reshape(-1, _out(w))[back]
 
     def grouped(xs, group_sizes):
@@ -76,31 +76,33 @@ def _out(w) -> int:
     return w.packed.shape[1] if isinstance(w, PackedWeight) else w.shape[-1]
 
 
-def _adapter(xs, group_sizes, a, b, acc, tile):
-    """xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e, each tile's factors gathered (r columns)."""
-    xt, te, back = tile_rows(xs, group_sizes, tile)
-    cdt = xs.dtype
+def _adapter(tiled, a, b, acc):
+    """``tile_rows`` of xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e, each tile's factors gathered
+    (r columns)."""
+    xt, te, back = tiled
+    cdt = xt.dtype
     xa = jnp.einsum("vti,vir->vtr", xt, a.astype(cdt)[te], preferred_element_type=acc)
     d = jnp.einsum("vtr,vro->vto", xa.astype(cdt), b.astype(cdt)[te], preferred_element_type=acc)
     return d.reshape(-1, d.shape[-1])[back]
 
 
-def _product(xs, group_sizes, w, acc, gmm, tile, impl):
+def _product(xs, group_sizes, tiled, w, acc, gmm, impl):
     if not isinstance(w, LoraWeight):
-        return _base(xs, group_sizes, w, acc, gmm, tile, impl)
-    return _base(xs, group_sizes, w.base, acc, gmm, tile, impl) + _adapter(xs, group_sizes, w.a, w.b, acc, tile)
+        return _base(xs, group_sizes, tiled, w, acc, gmm, impl)
+    return _base(xs, group_sizes, tiled, w.base, acc, gmm, impl) + _adapter(tiled, w.a, w.b, acc)
 
 
 def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, impl="auto"):
     tile = tile or default_tile(xs.shape[0], group_sizes.shape[0])
     if act_quant is not None:
         xs = act_quant(xs)
-    a = _product(xs, group_sizes, w1, acc, gmm, tile, impl)
-    b = _product(xs, group_sizes, w3, acc, gmm, tile, impl)
+    tiled = tile_rows(xs, group_sizes, tile)            # one tiling per input, shared by its products
+    a = _product(xs, group_sizes, tiled, w1, acc, gmm, impl)
+    b = _product(xs, group_sizes, tiled, w3, acc, gmm, impl)
     h = act(a, b).astype(xs.dtype)
     if act_quant is not None:
         h = act_quant(h)
-    return _product(h, group_sizes, w2, acc, gmm, tile, impl)
+    return _product(h, group_sizes, tile_rows(h, group_sizes, tile), w2, acc, gmm, impl)
 
 
 def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: Callable | None = None,

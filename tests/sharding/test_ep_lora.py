@@ -17,7 +17,7 @@ from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import make_mesh
-from k3jax.testing import TOL, assert_close
+from k3jax.testing import TOL, assert_close, emulated_ragged_all_to_all
 
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 M, A, E, Pd, F, R = 64, 2, 8, 32, 64, 4
@@ -102,27 +102,11 @@ def test_ep_qlora_equals_one_device(problem, case):
     _compare(got, problem["ref_float"], TOL["fp32_shallow"], f"{case} vs LoRA over dequantized")
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                                axis_name):
-    """``lax.ragged_all_to_all`` from its documented semantics (as tests/sharding/test_expert_parallel.py): chunk i =
-    operand[input_offsets[i] : + send_sizes[i]] lands at output_offsets[i] of peer i."""
-    n = operand.shape[0]
-    c = jnp.arange(n)
-    valid = c[None, :] < send_sizes[:, None]
-    src = jnp.clip(input_offsets[:, None] + c[None, :], 0, n - 1)
-    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
-    chunks = jnp.where(mask, operand[src], jnp.zeros((), operand.dtype))
-    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
-    off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    pos = jnp.where(c[None, :] < recv_sizes[:, None], off[:, None] + c[None, :], output.shape[0])
-    return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
-
-
 def test_ep_lora_ragged_path_with_emulated_collective(problem, monkeypatch):
     """The GPU/TPU exchange (impl="ragged", the collective emulated: XLA:CPU cannot run it) with adapters."""
     import k3jax.sharding.expert_parallel as ep_mod
 
-    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", emulated_ragged_all_to_all)
     ep = ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged")
     _compare(_run(ep, problem, problem["packed"]), problem["ref_packed"], TOL["fp32_shallow"], "ragged")
 

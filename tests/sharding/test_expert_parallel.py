@@ -16,7 +16,7 @@ from k3jax.pytree import key_names, path_str
 from k3jax.sharding.expert_parallel import ExpertParallel, bucket_capacity
 from k3jax.sharding.mesh import make_mesh
 from k3jax.sharding.rules import param_shardings
-from k3jax.testing import TOL, assert_close
+from k3jax.testing import TOL, assert_close, emulated_ragged_all_to_all
 
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 M, A, E, Pd, F = 64, 2, 8, 16, 12
@@ -142,28 +142,12 @@ def test_model_forward_and_grad_through_ep(num_layers):
     assert moe_grads == 3 * (num_layers - 1)  # w1, w3, w2 of every MoE layer were checked
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                                axis_name):
-    """``lax.ragged_all_to_all`` written from its documented semantics with a padded all_to_all (one slice per
-    peer): chunk i = operand[input_offsets[i] : + send_sizes[i]] lands at output_offsets[i] of peer i."""
-    n = operand.shape[0]
-    c = jnp.arange(n)
-    valid = c[None, :] < send_sizes[:, None]  # [X, n]
-    src = jnp.clip(input_offsets[:, None] + c[None, :], 0, n - 1)
-    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
-    chunks = jnp.where(mask, operand[src], jnp.zeros((), operand.dtype))
-    recv = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
-    off = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-    pos = jnp.where(c[None, :] < recv_sizes[:, None], off[:, None] + c[None, :], output.shape[0])
-    return output.at[pos.reshape(-1)].set(recv.reshape((-1,) + operand.shape[1:]), mode="drop")
-
-
 def test_ragged_path_bookkeeping_with_emulated_collective(monkeypatch):
     """The GPU/TPU path (impl="ragged") cannot run on XLA:CPU; with the collective emulated from its documented
     semantics, its offsets (send/recv sizes, output and return offsets, un-sort) give the dense result and grads."""
     import k3jax.sharding.expert_parallel as ep_mod
 
-    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", emulated_ragged_all_to_all)
     _check(ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="ragged"), "skewed")
 
 
@@ -173,7 +157,7 @@ def test_ragged_path_capacity_drops_the_rows_the_bucketed_path_drops(monkeypatch
     buffer is X·C rows instead of the worst case's X·m·min(A, El)."""
     import k3jax.sharding.expert_parallel as ep_mod
 
-    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setattr(ep_mod, "_ragged_all_to_all", emulated_ragged_all_to_all)
     mesh = make_mesh({"data": 2, "expert": 4})
     z, ids, wts, w1, w3, w2 = _problem("skewed")
     run = lambda impl: jax.jit(lambda *a: ExpertParallel(mesh, "ep", capacity_factor=1.0, impl=impl)  # noqa: E731

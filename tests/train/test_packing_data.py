@@ -126,10 +126,20 @@ def test_packing_masks_is_a_resume_key_older_checkpoints_ran_without():
 
 
 def test_no_packing_masks_keeps_todays_batches():
-    c = tdata.load_documents(None, max_bytes=50_000)
-    d = tdata.TrainData(c, None, 0.0, 97, packing=False)
-    assert np.array_equal(d.batch(seed=2, step=5, batch=4, seq_len=32),
-                          tdata.batch_at(c.tokens, seed=2, step=5, batch=4, seq_len=32, vocab=97))
+    """--no-packing-masks: the run's data hands the step plain token windows, those of the pipeline before document
+    masks (the stdlib bytes, the stream's tail held out, ``batch_at``), and plain held-out windows."""
+    from k3jax.data import stdlib_bytes
+
+    tc = TrainConfig(preset="k3-tiny", seq_len=32, max_bytes=50_000, packing_masks=False)
+    d = tdata.prepare(tc, get_preset("k3-tiny"), 1, lambda m: None)
+    train = stdlib_bytes(50_000)[: 50_000 - int(50_000 * tc.heldout_frac)]
+    x = d.batch(seed=2, step=5, batch=4, seq_len=32)
+    assert isinstance(x, np.ndarray)
+    assert np.array_equal(x, tdata.batch_at(train, seed=2, step=5, batch=4, seq_len=32, vocab=97))
+    assert d.eval_set.segments is None and d.eval_set.mask is None
+    masked = tdata.prepare(tc.replace(packing_masks=True), get_preset("k3-tiny"), 1, lambda m: None)
+    y = masked.batch(seed=2, step=5, batch=4, seq_len=32)
+    assert np.array_equal(y["tokens"], x) and masked.eval_set.segments is not None
 
 
 def test_mixed_chat_and_text_and_missing_template_are_input_errors(tmp_path):
