@@ -47,31 +47,32 @@ def check_layers(cfg, layers: Sequence[int] | None) -> list[int]:
     return sorted(set(int(l) for l in layers))
 
 
-def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] = ("ids",), run=None):
+def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] = ("ids",), run=None, dispatch=None):
     """A jitted ``(params, tokens [B, T]) -> {layer: {field: array}}`` over ``forward(..., return_aux=True)``.
 
     Fields: ``ids`` [B, T, k] int32 (best first), ``weights`` [B, T, k] combine weights, ``scores`` [B, T, E]
     unbiased sigmoid scores, ``biased`` [B, T, E] scores + bias (what selects), ``cutoff`` [B, T] the (k+1)-th
     biased score. Unrequested outputs (logits, other layers' routing) are dead code and not computed past the
-    last requested layer. One function per (config, layers, fields, run settings) in a process, so its compiles
-    are reused by every later call with the same shapes."""
+    last requested layer. One function per (config, layers, fields, run settings, dispatch) in a process, so its
+    compiles are reused by every later call with the same shapes. ``dispatch``: the model's (e.g. a
+    ``ContextParallel``: each window's sequence split over a context axis)."""
     layers = check_layers(cfg, layers)
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown routing field(s) {bad}; known: {FIELDS}")
     from k3jax.config import default_run
 
-    return _routing_fn(cfg, tuple(layers), tuple(fields), default_run(cfg) if run is None else run)
+    return _routing_fn(cfg, tuple(layers), tuple(fields), default_run(cfg) if run is None else run, dispatch)
 
 
 @functools.cache
-def _routing_fn(cfg, layers: tuple[int, ...], fields: tuple[str, ...], run):
+def _routing_fn(cfg, layers: tuple[int, ...], fields: tuple[str, ...], run, dispatch):
     from k3jax.model import forward, layer_view
 
     order = moe_layers(cfg)
 
     def route(params, tokens):
-        _, aux = forward(params, tokens, cfg, run, return_aux=True)
+        _, aux = forward(params, tokens, cfg, run, return_aux=True, dispatch=dispatch)
         out = {}
         for l in layers:
             r = aux["routing"][order.index(l)]
@@ -111,7 +112,7 @@ def row_lengths(tokens, max_tokens: int | None = None) -> np.ndarray:
     return n
 
 
-def _plan(tokens, seq_len: int, max_tokens: int | None):
+def _plan(tokens, seq_len: int, max_tokens: int | None, width_multiple_of: int = 1):
     """(rows, window row ids, starts, lengths, width) of every window, rows in order, each row's windows in order."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -124,7 +125,7 @@ def _plan(tokens, seq_len: int, max_tokens: int | None):
     start = (np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)) * seq_len
     length = np.minimum(seq_len, n[row] - start)
     width = seq_len if np.ndim(tokens) == 1 else int(min(seq_len, n.max()))
-    return t, row, start, length, width
+    return t, row, start, length, -(-width // width_multiple_of) * width_multiple_of
 
 
 def num_batches(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1) -> int:
@@ -133,11 +134,12 @@ def num_batches(tokens, seq_len: int, batch: int, *, max_tokens: int | None = No
     return -(-_plan(tokens, seq_len, max_tokens)[1].size // batch)
 
 
-def windows(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1
-            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def windows(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, multiple_of: int = 1,
+            width_multiple_of: int = 1) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Cut token sequences into windows of at most ``seq_len`` → [batch, W] int32 (tokens, mask) pairs; each window
     is an independent sequence, padded with token 0 under ``mask == False``, and the last batch is filled with
-    empty windows. ``batch`` is rounded up to ``multiple_of``.
+    empty windows. ``batch`` is rounded up to ``multiple_of``, W to ``width_multiple_of`` (masked padding: the model
+    is causal, so a real position never sees it).
 
     ``tokens`` [T]: one stream, cut into consecutive windows of ``seq_len`` (W = seq_len). ``tokens`` [B, T]: B
     independent sequences right-padded with -1; each row starts its own window, a row longer than ``seq_len`` is cut
@@ -146,7 +148,7 @@ def windows(tokens, seq_len: int, batch: int, *, max_tokens: int | None = None, 
     order (``row_lengths``)."""
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    t, row, start, length, width = _plan(tokens, seq_len, max_tokens)
+    t, row, start, length, width = _plan(tokens, seq_len, max_tokens, width_multiple_of)
     batch = -(-batch // multiple_of) * multiple_of
     for i in range(0, row.size, batch):
         tok = np.zeros((batch, width), np.int32)
@@ -273,28 +275,37 @@ def collect(params, cfg, tokens, *, layers=None, seq_len: int = 128, batch: int 
     "mask": [N] bool, layer: {field: [N, ...]}} of every routed window (only for small runs: it grows with the tokens).
     ``compare_params``: a second parameter tree of the same config (e.g. after a QAT fine-tune); the report then
     has ``drift`` per layer ({saturation, top1}, ``metrics.drift``) on the same windows.
-    ``mesh``: windows are sharded over its first axis (params replicated), batch rounded up to its size.
+    ``mesh``: windows are sharded over its first axis (params replicated), batch rounded up to its size; with a
+    ``context`` axis each window's sequence is split over it too (``ContextParallel``: the window width is rounded
+    up to a multiple of its ways, with masked padding; a stream's ``seq_len`` must be one).
     """
     from jax.sharding import NamedSharding, PartitionSpec
 
     layers = check_layers(cfg, layers)
     fields = tuple(dict.fromkeys(("ids", *fields)))
-    fn = routing_fn(cfg, layers, fields, run)
-    stats = RoutingStats(cfg, layers)
-    mult = 1
+    dispatch, mult, wmult = None, 1, 1
     put = jnp.asarray
     if mesh is not None:
         ax = mesh.axis_names[0]
         mult = mesh.shape[ax]
+        if mesh.shape.get("context", 1) > 1:
+            from k3jax.sharding.context_parallel import ContextParallel
+
+            dispatch = ContextParallel(mesh, "fsdp", batch=-(-batch // mult) * mult)
+            wmult = dispatch.n
+            if np.ndim(tokens) == 1:
+                dispatch.check(seq_len, "--seq-len")
         sh = NamedSharding(mesh, PartitionSpec(ax))
         put = lambda t: jax.device_put(t, sh)  # noqa: E731
         rep = NamedSharding(mesh, PartitionSpec())
         params = jax.device_put(params, rep)
         if compare_params is not None:
             compare_params = jax.device_put(compare_params, rep)
+    fn = routing_fn(cfg, layers, fields, run, dispatch)
+    stats = RoutingStats(cfg, layers)
     kept = {"tokens": [], "mask": [], **{l: {f: [] for f in fields} for l in layers}} if keep else None
     drift = np.zeros((len(layers), 3))
-    it = windows(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult)
+    it = windows(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult, width_multiple_of=wmult)
     if progress:
         from tqdm import tqdm
         it = tqdm(it, total=num_batches(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult),

@@ -10,6 +10,10 @@ are written as NaN, so that nobody mistakes them for values.
     k3 logits ckpt/ --tokens tokens.npy --out logits.npy --dtype float32
     k3 logits --ckpt ckpt/ --tokens tokens.npy --adapter lora/ --out logits.npy     # with a PEFT LoRA adapter
 
+``--mesh data=N,context=M`` runs the forward on N·M devices: rows split over ``data`` (padded with empty rows to a
+multiple of N) and each sequence over ``context`` (padded on the right to a multiple of M shards of at least 3
+tokens; k3jax/sharding/context_parallel.py); parameters stay whole on every device. The logits equal one device's.
+
 ``--adapter DIR`` applies a LoRA adapter in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``,
 k3jax/checkpoint/peft.py); it is checked against the checkpoint's config before any weight is read, and a bad one
 exits 2 naming its file, with nothing written.
@@ -32,6 +36,7 @@ def add_parser(sub) -> None:
                         "there); [T]: one sequence")
     p.add_argument("--out", required=True, help="output .npy path for logits [B, T, V] float32")
     p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
+    p.add_argument("--mesh", default=None, help="e.g. context=4: each sequence split over 4 devices; data=2,context=4")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
     p.set_defaults(func=run)
@@ -41,23 +46,47 @@ def run(args) -> int:
     import jax
 
     from k3jax.cli.inspect import checkpoint_dir
+    from k3jax.cli.route import parse_mesh_arg
     from k3jax.cli.source import load_model, load_token_file, model_config
     from k3jax.config import default_run
     from k3jax.model import forward
 
     ckpt = checkpoint_dir(args)
+    mesh = parse_mesh_arg(args.mesh)
     rows = load_token_file(args.tokens, model_config(ckpt=ckpt, preset=None, strict_config=args.strict_config)
                            .vocab_size)                # checked before any weight is read
     cfg, settings, params = load_model(ckpt=ckpt, preset=None, dtype=args.dtype, strict_config=args.strict_config,
                                        adapter=args.adapter)
     run_cfg = default_run(cfg).replace(lora=settings.lora)  # --dtype is the parameter dtype; compute as before
     mask = rows.mask
-    logits = jax.jit(lambda p, t: forward(p, t, cfg, run_cfg))(params, np.where(mask, rows.tokens, 0))
-    logits = np.array(logits, np.float32)
+    tokens = np.where(mask, rows.tokens, 0)
+    dispatch = None
+    if mesh is not None:
+        tokens, params, dispatch = _on_mesh(mesh, tokens, params, cfg)
+    logits = jax.jit(lambda p, t: forward(p, t, cfg, run_cfg, dispatch=dispatch))(params, tokens)
+    logits = np.array(logits, np.float32)[: mask.shape[0], : mask.shape[1]]
     logits[~mask] = np.nan
     np.save(args.out, logits, allow_pickle=False)
     pad = f", NaN at {int((~mask).sum())} padding positions" if not mask.all() else ""
     lora = f", adapter {args.adapter} (rank {settings.lora.rank}, {'+'.join(settings.lora.targets)})" \
         if settings.lora else ""
-    print(f"wrote {args.out}: logits {list(logits.shape)} float32{pad}{lora}")
+    on = f", on mesh {args.mesh}" if mesh is not None else ""
+    print(f"wrote {args.out}: logits {list(logits.shape)} float32{pad}{lora}{on}")
     return 0
+
+
+def _on_mesh(mesh, tokens, params, cfg):
+    """(tokens padded to the mesh's split and placed, params replicated, the model's dispatch)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from k3jax.sharding.context_parallel import ContextParallel
+
+    rows = -(-tokens.shape[0] // mesh.shape["data"]) * mesh.shape["data"]
+    dispatch, width = None, tokens.shape[1]
+    if mesh.shape["context"] > 1:
+        dispatch = ContextParallel(mesh, "fsdp", batch=rows)
+        width = max(-(-width // dispatch.n), dispatch.min_shard) * dispatch.n
+    tokens = np.pad(tokens, ((0, rows - tokens.shape[0]), (0, width - tokens.shape[1])))
+    placed = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec("data" if mesh.shape["data"] > 1 else None)))
+    return placed, jax.device_put(params, NamedSharding(mesh, PartitionSpec())), dispatch

@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
                    help=f"devices of the formula planner like 8xB300 (repeatable; default {' '.join(DEFAULT_HARDWARE)})"
                         f"; known GPUs: {', '.join(GPU_BYTES)}")
     p.add_argument("--mesh", action="append", default=None, metavar="AXES",
-                   help="mesh axes of --compile, e.g. fsdp=8,expert=64 (the product = the target's devices)")
+                   help="mesh axes of --compile, e.g. fsdp=8,expert=64 (the product = the target's devices); "
+                        "context=N splits the sequence (a batch smaller than the token axes lends them to it)")
     p.add_argument("--context", type=int, default=None, help="tokens per sequence for the caches (formula planner: "
                    f"default {DEFAULT_CONTEXT:,}); --compile --mode decode: the keys each row attends to (the cache "
                    "holds context - 1), --mode prefill: the cache's length (default --seq-len)")

@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128,
                    help="window length: a stream's windows, and the longest a --tokens row is routed whole")
     p.add_argument("--batch", type=int, default=8, help="windows (sequences) per forward pass")
-    p.add_argument("--mesh", default=None, help="e.g. data=8: windows sharded over the devices")
+    p.add_argument("--mesh", default=None, help="e.g. data=8: windows sharded over the devices; context=4: each "
+                   "window's sequence split over 4 devices (both: data=2,context=4)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
     p.add_argument("--static", action="store_true", help="router/bias tensor statistics only (no forward pass)")
@@ -73,7 +74,8 @@ def parse_layers(s: str | None) -> list[int] | None:
 
 
 def parse_mesh_arg(s: str | None):
-    """The data mesh the windows are split over (``--mesh data=N``; route shards nothing else)."""
+    """The mesh a forward-only command splits its rows (``data``) and their sequences (``context``) over
+    (``--mesh data=N,context=M``; parameters stay whole on every device). ``k3 route`` and ``k3 logits`` use it."""
     if s is None:
         return None
     import jax
@@ -81,8 +83,8 @@ def parse_mesh_arg(s: str | None):
     from k3jax.sharding.mesh import make_mesh
     from k3jax.sharding.placement import resolve_mesh
 
-    sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data",))
-    return make_mesh({"data": sizes["data"]})
+    sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data", "context"))
+    return make_mesh({"data": sizes["data"], "context": sizes["context"]})
 
 
 def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
@@ -143,6 +145,10 @@ def run(args) -> int:
         if (long := int((n > args.seq_len).sum())):
             print(f"k3 route: {long} of {len(n)} rows are longer than --seq-len {args.seq_len}: each is cut into "
                   f"windows of {args.seq_len} tokens, routed as independent sequences", file=sys.stderr)
+    if mesh is not None and mesh.shape["context"] > 1 and tokens.ndim == 1:   # a stream's windows are --seq-len wide
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        ContextParallel(mesh, "fsdp", batch=mesh.shape["data"]).check(args.seq_len, "--seq-len")
     if args.compare:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
         if diff:

@@ -62,8 +62,9 @@ def add_parser(sub) -> None:
     run.add_argument("--devices", type=int, default=None, help="data-parallel devices (default: all); "
                      "the same as --mesh data=N")
     run.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                     help="device mesh over data, fsdp, expert, tensor (e.g. data=2,expert=4); parameters, "
-                          "optimizer state and batches are placed by the sharding rules")
+                     help="device mesh over data, fsdp, expert, context, tensor (e.g. data=2,expert=4); parameters, "
+                          "optimizer state and batches are placed by the sharding rules; context=N splits each "
+                          "sequence N ways (--seq-len a multiple of N, >= 3 tokens per shard)")
     run.add_argument("--lora", default=None, metavar="rank=R,alpha=A,targets=T+T",
                      help="train LoRA adapters only, over the frozen base (targets: attn, shared, dense, experts; "
                           "default rank=16,alpha=32,targets=attn+shared+experts); an MXFP4 --init keeps its routed "

@@ -27,6 +27,7 @@ outputs are not meaningful.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -146,14 +147,16 @@ class KDA(nnx.Module):
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
     def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
-                 lengths=None, start=None, segment_ids=None):
+                 lengths=None, start=None, segment_ids=None, context=None):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
         (interpret mode off-GPU); cache: None or a cache dict (module docstring); lengths: None (every token is
         real) or [B] int, the real tokens of each right-padded row. segment_ids: None, or [B, T] document ids of
         packed rows (``k3jax.ops.segments``): the state and the conv windows restart at every document boundary
-        (training and scoring; not with a cache)."""
+        (training and scoring; not with a cache). context: None, or a ``ContextParallel`` (T split over devices:
+        the convs and the core run per shard and combine their states, k3jax/sharding/context_parallel.py; a
+        cached piece then continues the cache from any ``start`` on the shards' own chunk grids)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if segment_ids is not None and (cache or lengths is not None or start is not None):
@@ -168,19 +171,10 @@ class KDA(nnx.Module):
         ct = acc_dtype(x.dtype)
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
-
-        run = None if segment_ids is None else runs(segment_ids)
-
-        def conv_branch(name, w_conv, tail):
-            u = lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
-            return kda_ops.causal_conv_silu(u, w_conv[...], tail, lengths, run)   # head-major columns (SPEC §2.1)
-
-        q, tq = conv_branch("wq", self.conv_q, cache.get("conv_q"))
-        k, tk = conv_branch("wk", self.conv_k, cache.get("conv_k"))
-        v, tv = conv_branch("wv", self.conv_v, cache.get("conv_v"))
-        q = kda_ops.l2norm(q.reshape(B, T, N, K))
-        k = kda_ops.l2norm(k.reshape(B, T, N, K))
-        v = v.reshape(B, T, N, -1)
+        us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
+              for name in ("wq", "wk", "wv")]                                # head-major columns (SPEC §2.1)
+        ws = [w[...] for w in (self.conv_q, self.conv_k, self.conv_v)]
+        tails = [cache.get(n) for n in ("conv_q", "conv_k", "conv_v")]
         raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],
                          preferred_element_type=ct)                                  # no activation between
         if self.gate_lower_bound is None:
@@ -194,13 +188,29 @@ class KDA(nnx.Module):
             beta = jnp.where(real[:, :, None], beta, 0.0)
         scale = K ** -0.5
         state = cache.get("state")
-        if state is not None and T == 1:
-            o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
-        elif start is not None and impl != "recurrent":
-            o, S = _aligned(impl, q, k, v, g, beta, start, scale=scale, initial_state=state, chunk_size=chunk_size)
+        if context is not None and not (state is not None and T == 1):
+            if impl == "pallas":   # its pallas_call declares no varying mesh axes, so it cannot run in shard_map
+                raise ValueError("kda_impl='pallas' does not run under context parallelism (inside the sequence "
+                                 "shard_map); use 'chunked' (what plans and training use) or 'recurrent'")
+            core = functools.partial(_core, impl, scale=scale, chunk_size=chunk_size,
+                                     gate_lower_bound=self.gate_lower_bound)
+            o, S, (tq, tk, tv) = context.kda(core, us, ws, g, beta, heads=N, tails=None if not cache else tails,
+                                             state=state, lengths=lengths, segment_ids=segment_ids)
         else:
-            o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
-                         gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
+            run = None if segment_ids is None else runs(segment_ids)
+            (q, tq), (k, tk), (v, tv) = (kda_ops.causal_conv_silu(u, w, tail, lengths, run)
+                                         for u, w, tail in zip(us, ws, tails, strict=True))
+            q = kda_ops.l2norm(q.reshape(B, T, N, K))
+            k = kda_ops.l2norm(k.reshape(B, T, N, K))
+            v = v.reshape(B, T, N, -1)
+            if state is not None and T == 1:
+                o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
+            elif start is not None and impl != "recurrent":
+                o, S = _aligned(impl, q, k, v, g, beta, start, scale=scale, initial_state=state,
+                                chunk_size=chunk_size)
+            else:
+                o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
+                             gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
         o = o.astype(ct)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
         if hasattr(self, "w_gate"):

@@ -14,6 +14,7 @@ element-wise per head and value channel, applied before ``wo``: that is why W_UV
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -102,25 +103,29 @@ class MLA(nnx.Module):
         y = lora.proj(self, "wo", "btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), acc)
         return y.astype(cdt)
 
-    def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None):
+    def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None):
         """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip.
         ``segment_ids`` [B, T]: packed documents; each token attends within its own (``k3jax.ops.segments``).
-        K3's MLA is NoPE (SPEC §5.1): there are no positions to restart at a boundary."""
+        K3's MLA is NoPE (SPEC §5.1): there are no positions to restart at a boundary. ``context``: None, or a
+        ``ContextParallel`` (T split over devices): the latent is all-gathered along the sequence and each shard
+        attends from its own queries (k3jax/sharding/context_parallel.py)."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         N, Hn, Hr, V = self.dims
         q, c_kv, k_rope = self._project(x, norm_eps)
+        if context is not None:                     # the latent (R + Hr per token) is what crosses the shards
+            c_kv, k_rope = context.gather_seq(c_kv), context.gather_seq(k_rope)
         kv = lora.proj(self, "kv_b", "btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), acc)
         k_nope, v = kv[..., :Hn], kv[..., Hn:]
         B, T = x.shape[:2]
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (B, T, N, Hr))], axis=-1)
-        o, max_logit = causal_attention(q.astype(acc), k.astype(acc), v.astype(acc),
-                                        scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size,
-                                        segment_ids=segment_ids)
+        attend = causal_attention if context is None else context.attention
+        o, max_logit = attend(q.astype(acc), k.astype(acc), v.astype(acc), scale=1.0 / math.sqrt(Hn + Hr),
+                              block_size=block_size, segment_ids=segment_ids)
         return self._output(x, o), max_logit
 
     def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
-               layer=None):
+               layer=None, context=None):
         """Append a right-padded piece to the latent cache and attend over it (prefill pieces and decode steps).
 
         x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R] (x.dtype), "k_rope": [B, S, Hr]
@@ -130,6 +135,8 @@ class MLA(nnx.Module):
         absorbed: the absorbed form (decode) or the materialized one (the reference; ``ops.latent_attention``).
         layer: None, or an index into a cache stacked over the scanned groups ([G, B, S, ...]: the new tokens are
         scattered into the stack in place and the keys read from it block by block).
+        context: None, or a ``ContextParallel`` (the piece split over devices): each shard's queries read the layer's
+        whole latent cache, gathered along S (k3jax/sharding/context_parallel.py).
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
@@ -146,9 +153,16 @@ class MLA(nnx.Module):
                "k_rope": cache["k_rope"].at[at].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
         kv_b = lora.merged(self, "kv_b")                    # the absorbed form reads W_UK / W_UV blocks whole
         big = big_key_block(T, block_size)
-        o = latent_attention(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
-                             q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,
-                             big_block=big, absorbed=absorbed, layer=layer)
+        attend = functools.partial(latent_attention, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,
+                                   big_block=big, absorbed=absorbed)
+        if context is not None:
+            context.check(T, "piece length")
+            lay = (lambda c: c) if layer is None else (lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, False))
+            o = context.latent_attention(attend, q[..., :Hn], q[..., Hn:], lay(new["c_kv"]), lay(new["k_rope"]),
+                                         kv_b[..., :Hn], kv_b[..., Hn:], q_pos=pos, kv_len=start + lengths)
+        else:
+            o = attend(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
+                       q_pos=pos, kv_len=start + lengths, layer=layer)
         return self._output(x, o), new
 
 

@@ -174,7 +174,7 @@ def advance(params, tokens, lengths, cache, *, cfg: K3Config, run: RunConfig, ab
     return logits, {**cache, "layers": dict(enumerate(new)), "lengths": start + lengths}
 
 
-_STATIC = ("cfg", "run", "absorbed", "last_only")
+_STATIC = ("cfg", "run", "absorbed", "last_only", "dispatch")
 _extend = jax.jit(advance, static_argnames=_STATIC)
 _extend_donated = jax.jit(advance, static_argnames=_STATIC, donate_argnames=("cache",))
 
@@ -208,15 +208,18 @@ def _check_piece(tokens, lengths, cache, cfg: K3Config):
 
 
 def extend(params, tokens, lengths, cache, cfg: K3Config, run: RunConfig | None = None, *, absorbed: bool = False,
-           last_only: bool = False, donate: bool = False):
+           last_only: bool = False, donate: bool = False, dispatch=None):
     """Advance every row by its own number of tokens: tokens [B, T] right-padded, lengths [B] (default all T).
 
     Returns (logits [B, T, W] — or [B, W] at each row's last real token with ``last_only`` — and the new cache).
     ``absorbed`` picks the MLA attention form (``ops.latent_attention``); ``donate`` lets XLA update the cache in
-    place (the old cache must not be used afterwards)."""
+    place (the old cache must not be used afterwards); ``dispatch``: an ``ExpertParallel`` and / or a
+    ``ContextParallel`` (k3jax.sharding.placement.expert_dispatch): the piece split over a mesh's context axis
+    (a context-parallel prefill, whose cache decode then continues with any dispatch)."""
     tokens, lengths = _check_piece(tokens, lengths, cache, cfg)
     fn = _extend_donated if donate else _extend
-    return fn(params, tokens, lengths, cache, cfg=cfg, run=_run(cfg, run), absorbed=absorbed, last_only=last_only)
+    return fn(params, tokens, lengths, cache, cfg=cfg, run=_run(cfg, run), absorbed=absorbed, last_only=last_only,
+              dispatch=dispatch)
 
 
 def _kda_only(layers: dict) -> dict:
@@ -225,14 +228,18 @@ def _kda_only(layers: dict) -> dict:
 
 
 def prefill(params, tokens, lengths, cache, cfg: K3Config, run: RunConfig | None = None, *, marks=None,
-            absorbed: bool = False, last_only: bool = False):
+            absorbed: bool = False, last_only: bool = False, dispatch=None):
     """Prefill (or continue) every row with its piece; the KDA layers run chunked, MLA attends blockwise.
 
     marks: None or [B] absolute positions (-1: none) at which to record each row's KDA state for a snapshot;
     a mark must lie within the row's new tokens, start <= mark <= start + length. Returns (logits, cache) as
-    ``extend``; with marks the cache carries ``"marks": {"position": [B], "kda": {...}}``."""
+    ``extend``; with marks the cache carries ``"marks": {"position": [B], "kda": {...}}``. ``dispatch``: as
+    ``extend``'s (a context-parallel prefill; not with marks)."""
     if marks is None:
-        return extend(params, tokens, lengths, cache, cfg, run, absorbed=absorbed, last_only=last_only)
+        return extend(params, tokens, lengths, cache, cfg, run, absorbed=absorbed, last_only=last_only,
+                      dispatch=dispatch)
+    if dispatch is not None:
+        raise CacheError("marks (snapshots) run a prefill in two parts on one device: no dispatch")
     if "groups" in cache:
         raise CacheError("marks (snapshots) need the flat cache layout: unstack_cache(cache, cfg) first")
     tokens = np.asarray(tokens)

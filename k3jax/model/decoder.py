@@ -74,10 +74,12 @@ class DecoderLayer(nnx.Module):
             if block is not None and target in lora.targets:
                 add_adapters(block, **kw)
 
-    def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None):
+    def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None, context=None):
         """Token mixer on the normed input h → (y, aux). ``segment_ids`` [B, T]: packed documents, each mixed on
-        its own (``k3jax.ops.segments``)."""
+        its own (``k3jax.ops.segments``). ``context``: a ``ContextParallel`` (the sequence split over devices)."""
         docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+        if context is not None:
+            docs["context"] = context
         if hasattr(self, "mla"):
             y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size, **docs)
             return y, {"mla_max_logit": max_logit}
@@ -85,19 +87,19 @@ class DecoderLayer(nnx.Module):
         return y, {}
 
     def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool,
-                     layer=None):
+                     layer=None, context=None):
         """Token mixer on a right-padded piece that continues the layer's cache → (y, the updated layer cache).
 
         start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row. layer: None,
         or the index of this layer's slice in a cache stacked over the scanned groups (``model.cache``): MLA
         writes and reads its latent in the stack in place; KDA's state and tails are small and are sliced out and
-        written back."""
+        written back. context: a ``ContextParallel`` (the piece split over devices), or None."""
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
-                                   block_size=run.mla_block_size, absorbed=absorbed, layer=layer)
+                                   block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context)
         mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
         y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
-                          lengths=lengths, start=start)
+                          lengths=lengths, start=start, context=context)
         if layer is not None:
             new = jax.tree.map(lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), layer, 0),
                                cache, new)

@@ -28,6 +28,13 @@ from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
 from k3jax.ops.norms import acc_dtype, rms_norm
 
+
+def context_of(dispatch):
+    """The ``ContextParallel`` (k3jax/sharding/context_parallel.py) a call runs under: the dispatch itself, an
+    ``ExpertParallel``'s, or None."""
+    return getattr(dispatch, "context", None)
+
+
 # The leaves stacked over the groups, sliced per group: Params, and routed experts held packed (frozen, not Params).
 STACKED = (nnx.Param, PackedExperts)
 
@@ -101,8 +108,12 @@ class K3Model(nnx.Module):
         if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
             raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal tokens' {tuple(tokens.shape)}")
 
+        context = context_of(dispatch)
+        if context is not None:
+            context.check(tokens.shape[1])
+
         def mixer(l, layer, h):
-            return layer.mixer(h, self.cfg, self.run, segment_ids)
+            return layer.mixer(h, self.cfg, self.run, segment_ids, context)
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
 
@@ -350,7 +361,8 @@ class K3Model(nnx.Module):
         real = jnp.arange(T)[None, :] < lengths[:, None]
         tokens = jnp.where(real, tokens, 0)                                 # padding ids are never looked up
         new = dict(layer_caches) if isinstance(layer_caches, dict) else list(layer_caches)
-        kw = dict(start=start, lengths=lengths, absorbed=absorbed)
+        context = context_of(dispatch) if T > 1 else None          # one decode token is not split
+        kw = dict(start=start, lengths=lengths, absorbed=absorbed, context=context)
 
         def mixer(l, layer, h, cache=None, g=None):
             if g is not None:                                   # a stacked layer: its slice of the carried cache

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3jax.ops.grouped_matmul import varying_zeros
 from k3jax.ops.norms import acc_dtype
 
 # Key block of one-token decode steps. A decode query is one row per head, so each block is two skinny matmuls; on
@@ -123,7 +124,9 @@ def latent_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, q_pos, kv_len,
     neg = jnp.finfo(acc).min
     n_keys = jnp.max(kv_len)
     n_big = n_keys // big                                                 # whole big blocks
-    init = (jnp.int32(0), jnp.full((B, N, T), neg, acc), jnp.zeros((B, N, T), acc), jnp.zeros((B, N, T, width), acc))
+    vz = varying_zeros((), acc, q_nope, q_rope, c_kv, q_pos, kv_len)     # inside shard_map: vary like the inputs
+    init = (jnp.int32(0), jnp.full((B, N, T), neg, acc) + vz, jnp.zeros((B, N, T), acc) + vz,
+            jnp.zeros((B, N, T, width), acc) + vz)
     carry = init
     # The loops' trip counts depend on the data (the filled keys): a compiled plan cannot see them, so each loop sits
     # in a named scope that ``k3 plan`` gives the trip count of the cache it plans for (``LOOP_SCOPES``).

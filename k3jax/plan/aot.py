@@ -83,18 +83,24 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
 
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
+    context = None
+    if place.uses_context(strategy, mesh):                     # the sequence split (k3jax/sharding/context_parallel)
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        context = ContextParallel(mesh, strategy, batch=spec.batch)
     small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
     dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor, packed_kernel=spec.packed_kernel,
-                               replicate_tokens=small)
-                if mesh_axes_of("experts", strategy, mesh) else None)
+                               replicate_tokens=small, context=context)
+                if mesh_axes_of("experts", strategy, mesh) else context)
     abstract = plan_params(cfg, spec)
     if spec.mode in ("prefill", "decode"):
-        return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small)
+        return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small,
+                               context=context)
     if spec.mode == "forward":
         p_sh = param_shardings(cfg, strategy, mesh, abstract)
-        tok_sh = place.batch_sharding(strategy, mesh, 2)
+        tok_sh = place.batch_sharding(strategy, mesh, 2) if context is None else context.sharding(2)
         fn = jax.jit(lambda p, t: forward(p, t, cfg, run, dispatch=dispatch), in_shardings=(p_sh, tok_sh),
-                     out_shardings=place.batch_sharding(strategy, mesh, 3))
+                     out_shardings=place.batch_sharding(strategy, mesh, 3) if context is None else context.sharding(3))
         return fn, (_sds(abstract, p_sh), jax.ShapeDtypeStruct((spec.batch, spec.seq_len), jnp.int32,
                                                               sharding=tok_sh))
     lora = spec.mode == "lora"
@@ -106,7 +112,8 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
                            mesh=mesh, specs=param_specs(cfg, strategy, mesh, params))
     shapes = jax.eval_shape(lambda p, f: init_state(p, tx, frozen=f or None), params, frozen)
     st_sh = place.state_shardings(cfg, strategy, mesh, shapes)
-    tok_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
+    tok_sh = (place.batch_sharding(strategy, mesh, 3, batch_dim=1) if context is None else
+              context.sharding(3, batch_dim=1, seq=False))     # [1, B, T + 1]: the model splits the T it runs on
     # lora: the base stays as loaded (k3 train --lora: train.settings.step_spec)
     step = make_train_step(cfg, run, tx, StepSpec(balance="off", qk_clip=False) if lora else StepSpec(),
                            dispatch=dispatch)
@@ -116,12 +123,14 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
                 jax.ShapeDtypeStruct((), jnp.float32))
 
 
-def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool):
+def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool,
+                    context=None):
     """Prefill (tokens [B, T] into an empty cache of --context positions) or one decode step ([B, 1] at --context
     keys): ``model.cache.advance`` on the scanned cache layout (the repeating group compiled once) placed by
     ``CACHE_AXES`` under the rules (replicated by the small-batch rule ``small``) and donated, the last token's
     logits out → (jitted fn(params, tokens, cache), abstract arguments). ``params``: the parameter tree (arrays or
-    ShapeDtypeStructs), for its shardings."""
+    ShapeDtypeStructs), for its shardings. ``context``: a ``ContextParallel`` (a context-parallel prefill: the
+    tokens and the latent cache's positions split over its sequence axes)."""
     from k3jax.model.cache import advance, cache_shapes
     from k3jax.sharding import placement as place
     from k3jax.sharding.rules import param_shardings
@@ -129,8 +138,8 @@ def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, 
     T = spec.seq_len
     p_sh = param_shardings(cfg, strategy, mesh, params)
     shapes = cache_shapes(cfg, spec.batch, spec.context, run, stacked=True)  # the scanned group: one group compiled
-    c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small)
-    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small)
+    c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small, context=context)
+    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small) if context is None else context.sharding(2)
     decode = spec.mode == "decode"
 
     def step(p, tokens, cache):

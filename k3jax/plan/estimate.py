@@ -90,13 +90,19 @@ def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> di
     from k3jax.sharding.rules import logical_to_spec
 
     spec = with_defaults(spec)[0]
-    small = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    context = None
+    if place.uses_context(strategy, sizes):                  # a context-parallel prefill: the sequence's split
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        context = ContextParallel(sizes, strategy, batch=spec.batch)
+    rules = place.cache_rules(strategy, context)
+    small = context is None and spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
     shapes = cache_shapes(cfg, spec.batch, spec.context, run_settings(cfg, spec), stacked=True)
     out = {"global": 0.0, "per_device": 0.0, "kda_per_device": 0.0, "mla_per_device": 0.0}
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = key_names(path)[-1]
         logical = tuple(None if small and a == "batch" else a for a in cache_leaf_axes(key_names(path), x.ndim))
-        n = _per_device(x.shape, logical_to_spec(logical, x.shape, strategy, sizes), sizes) * x.dtype.itemsize
+        n = _per_device(x.shape, logical_to_spec(logical, x.shape, rules, sizes), sizes) * x.dtype.itemsize
         out["global"] += math.prod(x.shape) * x.dtype.itemsize
         out["per_device"] += n
         if name in ("c_kv", "k_rope"):

@@ -176,7 +176,14 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     plan_lora(spec)  # a positive rank, or a ConfigError naming it
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
-    if spec.mode == "decode":
+    if place.uses_context(strategy, sizes):                   # the batch takes the token axes it divides
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        if spec.mode == "decode":
+            raise InputError(f"--mesh {spec.mesh} --mode decode: a context axis splits sequences, and a decode step "
+                             "is one token per row (plan the prefill with it: --mode prefill)")
+        ContextParallel(sizes, strategy, batch=spec.batch).check(spec.seq_len, "--seq-len")
+    elif spec.mode == "decode":
         place.small_batch(strategy, sizes, spec.batch)       # divides, or the small-batch rule, or InputError
     else:
         ways = place.token_parallel(strategy, sizes)

@@ -1,18 +1,21 @@
 """k3jax.sharding — all code that knows a mesh exists (STYLE.md §2).
 
-    mesh.py             make_mesh({"data": 2, "expert": 4}); axes data, fsdp, expert, tensor (Auto axis types)
+    mesh.py             make_mesh({"data": 2, "expert": 4}); axes data, fsdp, expert, context, tensor (Auto axis types)
     rules.py            the logical-axis → mesh-axis table (a column per strategy); per-parameter logical axes come
                         from the Params' metadata;
                         param_specs / param_shardings
     expert_parallel.py  ExpertParallel: shard_map all-to-all MoE dispatch, passed to the MoE layer as dispatch=
+    context_parallel.py ContextParallel: one sequence split over the context axis (KDA state scan, gathered MLA
+                        latent), passed to the model as dispatch= (or inside an ExpertParallel)
     qb.py               Quantile Balancing histogram with one integer all-reduce per layer
 """
 
+from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.sharding.expert_parallel import ExpertParallel, bucket_capacity
 from k3jax.sharding.mesh import MESH_AXES, make_mesh
 from k3jax.sharding.qb import qb_bias_exact, qb_bias_from_hist, qb_histogram, qb_update, qb_update_sharded
 from k3jax.sharding.rules import RULES, STRATEGIES, get_rules, param_shardings, param_specs
 
-__all__ = ["ExpertParallel", "bucket_capacity", "MESH_AXES", "make_mesh", "qb_bias_exact", "qb_bias_from_hist",
-           "qb_histogram", "qb_update", "qb_update_sharded", "RULES", "STRATEGIES", "get_rules",
+__all__ = ["ContextParallel", "ExpertParallel", "bucket_capacity", "MESH_AXES", "make_mesh", "qb_bias_exact",
+           "qb_bias_from_hist", "qb_histogram", "qb_update", "qb_update_sharded", "RULES", "STRATEGIES", "get_rules",
            "param_shardings", "param_specs"]

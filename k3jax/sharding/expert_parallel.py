@@ -23,6 +23,10 @@ token axes' ways, e.g. one sequence decoded on 64 chips): every device holds eve
 own experts (the others take the pad id) and one psum over the expert and tensor axes combines them (``_replicated``:
 no exchange, no capacity, nothing dropped).
 
+Context parallelism (``context=``, k3jax/sharding/context_parallel.py): the [B·T] rows are split over the batch
+axes and the sequence axes of the ``ContextParallel`` (a batch of one 1M-token sequence: T / devices rows per chip);
+with an expert axis of size 1 (a ``ContextParallel``'s own MoE) each device runs every expert on its own rows.
+
 The path is chosen with ``lax.platform_dependent(cpu=bucketed, default=ragged)`` (``impl="auto"``), or forced with
 ``impl="bucketed" | "ragged"``. XLA:CPU cannot run ragged_all_to_all: on CPU the bucketed path is tested for real and
 the ragged path's offset bookkeeping against an all_to_all emulation of the primitive's documented semantics.
@@ -220,7 +224,7 @@ class ExpertParallel:
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
-                 packed_kernel: str = "auto", replicate_tokens: bool = False):
+                 packed_kernel: str = "auto", replicate_tokens: bool = False, context=None):
         if impl not in ("auto", "bucketed", "ragged"):
             raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
         if packed_kernel not in PACKED_KERNELS:
@@ -234,6 +238,13 @@ class ExpertParallel:
         self.expert_axis = ex[0] if ex else "expert"
         self.tensor_axes = mesh_axes_of("expert_mlp", rules, mesh)
         self.token_axes = tuple(a for a in mesh_axes_of("batch", rules, mesh) if a not in self.tensor_axes)
+        # context parallelism (k3jax/sharding/context_parallel.py): the [B·T] rows split as its batch x sequence
+        self.context = context
+        if context is not None:
+            if replicate_tokens:
+                raise ValueError("replicate_tokens (the small-batch rule) and context parallelism exclude each "
+                                 "other: under context parallelism the sequence takes the token axes")
+            self.token_axes = context.row_axes
         # the axes the rules split a float expert stack's width P over (its "latent" — or, for the standard MoE,
         # "embed": every column maps the two alike — less the expert and tensor axes): the stacks enter the
         # shard_map split as stored and are all-gathered inside (``_gather_width``)
@@ -249,7 +260,9 @@ class ExpertParallel:
 
     def constrain_tokens(self, x, batch_dim: int = 0):
         """``x`` with its batch dimension pinned to the token axes (the rest replicated), when it divides; the
-        model calls this on its residual stream (``K3Model._walk``)."""
+        model calls this on its residual stream (``K3Model._walk``). Under context parallelism: its split."""
+        if self.context is not None:
+            return self.context.constrain_tokens(x, batch_dim)
         if self.replicate_tokens or not self.token_axes or x.shape[batch_dim] % self.n_token_shards:
             return x
         spec = P(*([None] * batch_dim), self.token_axes if len(self.token_axes) > 1 else self.token_axes[0])
@@ -300,6 +313,9 @@ class ExpertParallel:
             w1, w3, w2 = self._gather_width(w1, w3, w2)
             bucketed, ragged = partial(_bucketed, **kw, gmm=gmm), partial(_ragged, **kw, gmm=gmm)
             args = (z, ids, wts, w1, w3, w2)
+            if X == 1:          # no expert axis (a ContextParallel's MoE): every expert here, on this shard's rows
+                y = _local_experts(z, ids, w1, w3, w2, act, act_quant, self.tensor_axes, gmm, weights=wts)
+                return y, jnp.int32(0) if not reduce_axes else lax.psum(jnp.int32(0), reduce_axes)
             if self.impl == "bucketed":
                 y, d = bucketed(*args)
             elif self.impl == "ragged":
@@ -325,7 +341,7 @@ class ExpertParallel:
         that the psum over the tensor axes completes: Σ_t (h_t A2_t) B2 = (h A2) B2."""
         t = self.tensor_axes or None
         p = self.width_axes or None
-        e = self.expert_axis
+        e = self.expert_axis if self.n_shards > 1 else None     # a size-1 axis in a spec would mark them varying
         if isinstance(_base(w1), PackedWeight):  # torch orientation [E, out, in/2]: F is w1/w3's dim 1, w2's dim 2
             base_in, base_out = P(e, t, None), P(e, None, t)
         else:

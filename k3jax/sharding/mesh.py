@@ -1,6 +1,7 @@
-"""Device meshes with the four k3jax axis names (STYLE.md §2, SPEC §14.6).
+"""Device meshes with the five k3jax axis names (STYLE.md §2, SPEC §14.6).
 
-    mesh = make_mesh({"data": 2, "expert": 4})      # fsdp and tensor default to size 1
+    mesh = make_mesh({"data": 2, "expert": 4})      # fsdp, context and tensor default to size 1
+    mesh = make_mesh({"data": 2, "context": 4})     # the sequence split 4 ways (k3jax/sharding/context_parallel.py)
 
 Every mesh has all of ``MESH_AXES`` in that order (outer → inner; ``tensor`` innermost because it talks most), so
 rule tables may name any of them on any mesh. Sizes not given are 1.
@@ -23,7 +24,7 @@ import numpy as np
 
 from k3jax.errors import InputError
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 
 _AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
 

@@ -68,6 +68,10 @@ def resolve_mesh(spec: str, *, devices: int, exact: bool = False, where: str = "
     if not exact and n > devices:
         raise InputError(f"--mesh {spec}: needs {n} devices, {devices} available")
     strategy = check_strategy(strategy or default_strategy(sizes))
+    if sizes["context"] > 1 and not uses_context(strategy, sizes):
+        raise InputError(f"--mesh {spec}: strategy {strategy} does not split sequences, so the context axis (size "
+                         f"{sizes['context']}) would only repeat the work; use a strategy whose rules map seq to "
+                         f"context ({', '.join(s for s in STRATEGIES if s != 'single')})")
     if cfg is not None:
         try:
             param_specs(cfg, strategy, sizes, params)  # names the parameter, dimension and axes that do not divide
@@ -138,28 +142,53 @@ def batch_sharding(strategy: str, mesh, ndim: int, batch_dim: int = 0, replicate
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def expert_dispatch(strategy: str, mesh):
-    """The expert-parallel MoE dispatch when ``strategy`` shards the expert stacks over a mesh axis of size > 1,
-    else None (the MoE layer's local dispatch)."""
+def uses_context(strategy: str, mesh) -> bool:
+    """True when the mesh splits sequences (a ``context`` axis of size > 1 that ``strategy`` maps ``seq`` to)."""
+    return bool(mesh_axes_of("seq", strategy, mesh))
+
+
+def expert_dispatch(strategy: str, mesh, *, batch: int | None = None, **kw):
+    """What a model call on ``mesh`` takes as ``dispatch``: the expert-parallel MoE dispatch when ``strategy``
+    shards the expert stacks over a mesh axis of size > 1 — built around the context-parallel split of ``batch``
+    rows when the mesh has a context axis (k3jax/sharding/context_parallel.py) —, that split alone when the experts
+    are not sharded, else None (the MoE layer's local dispatch). ``kw``: ``ExpertParallel``'s settings."""
+    context = None
+    if uses_context(strategy, mesh):
+        if batch is None:
+            raise ValueError("a mesh with a context axis needs the batch size to place the sequence")
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        context = ContextParallel(mesh, strategy, batch=batch)
     if not mesh_axes_of("experts", strategy, mesh):
-        return None
+        return context
     from k3jax.sharding.expert_parallel import ExpertParallel
 
-    return ExpertParallel(mesh, strategy)
+    return ExpertParallel(mesh, strategy, context=context, **kw)
 
 
-def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False):
+def cache_rules(strategy: str, context=None):
+    """The rules a cache is placed by: ``strategy``'s, with a ``ContextParallel``'s split of its rows ("batch")
+    and positions ("seq") when given."""
+    if context is None:
+        return strategy
+    return {**get_rules(strategy), "batch": context.batch_axes, "seq": context.seq_axes}
+
+
+def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False, context=None):
     """NamedSharding per leaf of an inference cache (``k3jax.model.cache.cache_shapes``, either layout) from the
     cache's logical axes (``cache.CACHE_AXES``) under the rules: rows over the token axes (``replicated``: the
-    small-batch rule, on every device), the KDA state and conv tails over the heads' axes; a mesh axis the rows
-    already took is not reused."""
+    small-batch rule, on every device), the latent cache's positions over ``context``, the KDA state and conv tails
+    over the heads' axes; a mesh axis the rows already took is not reused. ``context``: a ``ContextParallel`` whose
+    split places the rows (its batch axes) and the positions (its sequence axes: a context-parallel prefill)."""
     from k3jax.model.cache import cache_leaf_axes
+
+    rules = cache_rules(strategy, context)
 
     def one(path, x):
         logical = cache_leaf_axes(key_names(path), x.ndim)
         if replicated:
             logical = tuple(None if a == "batch" else a for a in logical)
-        return NamedSharding(mesh, logical_to_spec(logical, x.shape, strategy, mesh, name=path_str(path)))
+        return NamedSharding(mesh, logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path)))
 
     return jax.tree_util.tree_map_with_path(one, shapes)
 
@@ -248,6 +277,6 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
-__all__ = ["batch_sharding", "bytes_per_device", "cache_shardings", "check_strategy", "default_strategy",
-           "expert_dispatch", "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh", "small_batch",
-           "state_shardings", "token_axes", "token_parallel"]
+__all__ = ["batch_sharding", "bytes_per_device", "cache_rules", "cache_shardings", "check_strategy",
+           "default_strategy", "expert_dispatch", "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh",
+           "small_batch", "state_shardings", "token_axes", "token_parallel", "uses_context"]

@@ -12,6 +12,10 @@ its expert axis too). The routed-expert stacks keep their placement (experts →
 is left fsdp). Full-size K3 training needs it on v5p-512: fp32 master + gradient + optimizer state of the ~57 B
 non-expert parameters is ~100 GB per chip over fsdp = 8 alone (``k3 plan --compile``, experiments/LOG.md).
 
+``seq`` (a sequence's positions) maps to the ``context`` axis in every column but ``single``: a mesh with
+context > 1 splits each sequence (k3jax/sharding/context_parallel.py, which also lends a small batch's unused token
+axes to the sequence); the latent cache's positions follow it.
+
 Rules of the game:
 - every name of ``notation.LOGICAL_AXES`` has a row in every column; a missing or unknown name is a ValueError;
 - every parameter carries one logical axis per dimension (stacked leaves lead with ``layers``); a leaf the model
@@ -47,7 +51,7 @@ _TOK = ("data", "fsdp", "expert")  # tokens are sharded over every non-tensor ax
 _Z3 = ("fsdp", "expert")  # zero3_ep_tp: non-expert weights split over fsdp x expert, not fsdp alone
 _TABLE = {
     "batch":      (None,   ("data", "fsdp"), _TOK,                      _TOK,                      _TOK,      _TOK),
-    "seq":        (None,   None,            None,                      None,                      None,      None),
+    "seq":        (None,   "context",       "context",                 "context",                 "context", "context"),
     "embed":      (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
     "vocab":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
     "heads":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),

@@ -140,6 +140,10 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     axes = place.token_axes(strategy, mesh)
     validate(tc, n_dev, f"ways the batch is split (mesh axes {', '.join(axes)})" if tc.mesh else
              "data-parallel devices")
+    if place.uses_context(strategy, mesh):   # the micro-batch takes the token axes, the sequence the context axis
+        from k3jax.sharding.context_parallel import ContextParallel
+
+        ContextParallel(mesh, strategy, batch=tc.batch // tc.micro_batches).check(tc.seq_len, "--seq-len")
     data = tdata.prepare(tc, cfg, n_dev, log)
     return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log, data=data,
                 train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy)
@@ -163,7 +167,7 @@ class _Programs:
 
 @functools.lru_cache(maxsize=8)
 def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strategy: str, mesh: Mesh,
-              frozen_experts: bool) -> _Programs:
+              frozen_experts: bool, micro_batch: int) -> _Programs:
     """A run's programs, built once per process for each key: runs that differ only in their seed, data, length,
     initial parameters or outputs — `k3 ablate`'s seeds, a resumed run, a notebook's or a test's repeated runs —
     reuse the jitted init, train step and scorer, and JAX reuses their compiled executables (a k3-tiny train step is
@@ -179,7 +183,7 @@ def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strat
     init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
     state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
     batch_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
-    dispatch = place.expert_dispatch(strategy, mesh)
+    dispatch = place.expert_dispatch(strategy, mesh, batch=micro_batch)   # with a context axis: the sequence split
     return _Programs(
         param_sh=param_sh,
         init_params=jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=param_sh),
@@ -220,7 +224,8 @@ def _build(run: _Run) -> None:
     tc, cfg = run.tc, run.cfg
     ocfg = optim_config(tc)
     packed = keeps_packed(tc, cfg)
-    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, packed)
+    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, packed,
+                     tc.batch // tc.micro_batches)
     params = _init_params(cfg, run.settings, tc, prog, run.log)
     params, frozen = _split(params, run.settings)
     if split_packed(frozen)[1] and not packed:

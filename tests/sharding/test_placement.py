@@ -30,7 +30,7 @@ from k3jax.train.step import init_state
 
 
 def test_parse_and_format_mesh():
-    assert parse_mesh("data=2,expert=4") == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert parse_mesh("data=2,expert=4") == {"data": 2, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1}
     assert format_mesh(parse_mesh(" fsdp=2 , tensor=2")) == "fsdp=2,tensor=2"
     assert format_mesh(parse_mesh("data=1")) == "data=1"
     for bad, msg in [("data", "expected axis=size"), ("data=2,data=2", "given twice"), ("gpu=2", "unknown mesh"),

@@ -146,7 +146,8 @@ def test_parameter_without_rule_is_an_error():
 
 def test_make_mesh_and_shardings():
     mesh = make_mesh({"data": 2, "expert": 4})
-    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
+    assert mesh.axis_names == MESH_AXES
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 4, "context": 1, "tensor": 1}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
     assert all(t == jax.sharding.AxisType.Explicit
                for t in make_mesh({"expert": 2}, axis_types="explicit").axis_types)

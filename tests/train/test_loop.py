@@ -138,7 +138,8 @@ def test_data_mesh_comes_from_make_mesh_and_places_like_a_plain_data_mesh():
     from k3jax.train.settings import make_data_mesh
 
     mesh = make_data_mesh(2)
-    assert mesh.axis_names == MESH_AXES and dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "tensor": 1}
+    assert mesh.axis_names == MESH_AXES
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
     plain = Mesh(np.array(jax.devices()[:2]), ("data",))
     for spec, ndim in ((P(), 2), (P("data"), 2), (P(None, "data"), 3)):  # params, eval windows, [M, b, T+1] batches
         assert NamedSharding(mesh, spec).is_equivalent_to(NamedSharding(plain, spec), ndim)
