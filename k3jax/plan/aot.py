@@ -76,22 +76,16 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     from k3jax.layers.lora import split_adapters
     from k3jax.model import forward
     from k3jax.sharding import placement as place
-    from k3jax.sharding.expert_parallel import ExpertParallel
-    from k3jax.sharding.rules import mesh_axes_of, param_shardings, param_specs
+    from k3jax.sharding.rules import param_shardings, param_specs
     from k3jax.train.optim import OptimConfig, make_optimizer
     from k3jax.train.step import StepSpec, init_state, make_train_step
 
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
-    context = None
-    if place.uses_context(strategy, mesh):                     # the sequence split (k3jax/sharding/context_parallel)
-        from k3jax.sharding.context_parallel import ContextParallel
-
-        context = ContextParallel(mesh, strategy, batch=spec.batch)
     small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
-    dispatch = (ExpertParallel(mesh, strategy, capacity_factor=spec.capacity_factor, packed_kernel=spec.packed_kernel,
-                               replicate_tokens=small, context=context)
-                if mesh_axes_of("experts", strategy, mesh) else context)
+    dispatch = place.expert_dispatch(strategy, mesh, batch=spec.batch, capacity_factor=spec.capacity_factor,
+                                     packed_kernel=spec.packed_kernel, replicate_tokens=small)
+    context = getattr(dispatch, "context", None)               # the sequence split (k3jax/sharding/context_parallel)
     abstract = plan_params(cfg, spec)
     if spec.mode in ("prefill", "decode"):
         return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small,

@@ -85,7 +85,7 @@ class ContextParallel:
     (or inside an ``ExpertParallel``: ``ExpertParallel(..., context=cp)``)."""
 
     def __init__(self, mesh: jax.sharding.Mesh, rules="fsdp", *, batch: int, combine: str = "ppermute",
-                 min_shard: int = 3):
+                 min_shard: int = 3, **experts):
         if combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
         if not mesh_axes_of("seq", rules, mesh):
@@ -103,7 +103,7 @@ class ContextParallel:
         # per device as one device; experiments/LOG.md).
         from k3jax.sharding.expert_parallel import ExpertParallel
 
-        self._experts = ExpertParallel(mesh, rules, context=self)
+        self._experts = ExpertParallel(mesh, rules, context=self, **experts)   # experts: its settings (capacity, …)
 
     @property
     def context(self):

@@ -151,14 +151,15 @@ def expert_dispatch(strategy: str, mesh, *, batch: int | None = None, **kw):
     """What a model call on ``mesh`` takes as ``dispatch``: the expert-parallel MoE dispatch when ``strategy``
     shards the expert stacks over a mesh axis of size > 1 — built around the context-parallel split of ``batch``
     rows when the mesh has a context axis (k3jax/sharding/context_parallel.py) —, that split alone when the experts
-    are not sharded, else None (the MoE layer's local dispatch). ``kw``: ``ExpertParallel``'s settings."""
+    are not sharded, else None (the MoE layer's local dispatch). ``kw``: ``ExpertParallel``'s settings (the
+    context split's own MoE takes them too)."""
     context = None
     if uses_context(strategy, mesh):
         if batch is None:
             raise ValueError("a mesh with a context axis needs the batch size to place the sequence")
         from k3jax.sharding.context_parallel import ContextParallel
 
-        context = ContextParallel(mesh, strategy, batch=batch)
+        context = ContextParallel(mesh, strategy, batch=batch, **kw)
     if not mesh_axes_of("experts", strategy, mesh):
         return context
     from k3jax.sharding.expert_parallel import ExpertParallel

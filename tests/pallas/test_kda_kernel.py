@@ -58,13 +58,18 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
 
     @pytest.mark.parametrize("gate,lb", [("safe", -5.0), ("softplus", None)])
     def test_grads_match_chunked(self, gate, lb):
-        j = self.inputs(1, 40, gate)
-        rng = np.random.default_rng(2)
-        w_o = jnp.asarray(rng.standard_normal((1, 40, 2, self.V)), jnp.float32)
-        w_s = jnp.asarray(rng.standard_normal((1, 2, self.K, self.V)), jnp.float32)
+        self._grads_match(self.inputs(1, 40, gate), lb, seed=2)
+
+    def _grads_match(self, j, lb, *, seed, **kw):
+        """The kernel's gradients (its custom VJP) equal the jnp chunked path's, every input and h0 (``kw``: e.g.
+        ``segment_ids``), through a loss of random weights on the output and the final state."""
+        B, T, N = j["q"].shape[:3]
+        rng = np.random.default_rng(seed)
+        w_o = jnp.asarray(rng.standard_normal((B, T, N, self.V)), jnp.float32)
+        w_s = jnp.asarray(rng.standard_normal((B, N, self.K, self.V)), jnp.float32)
 
         def loss(fn, q, k, v, g, beta, h0):
-            o, s = fn(q, k, v, g, beta, initial_state=h0)
+            o, s = fn(q, k, v, g, beta, initial_state=h0, **kw)
             return jnp.sum(o * w_o) + jnp.sum(s * w_s)
 
         names = (*ARGS, "h0")
@@ -149,25 +154,8 @@ class KdaKernelCases:  # no Test prefix: pytest collects only the subclasses
 
     @pytest.mark.parametrize("gate,lb", [("safe", -5.0), ("softplus", None)])
     def test_segment_grads_match_chunked(self, gate, lb):
-        T = 70
-        j = self.inputs(9, T, gate, B=2, N=1)
         seg = jnp.asarray(np.stack([np.repeat([0, 1, 2], [1, 63, 6]), np.repeat([5, 6], [33, 37])]), jnp.int32)
-        rng = np.random.default_rng(3)
-        w_o = jnp.asarray(rng.standard_normal((2, T, 1, self.V)), jnp.float32)
-        w_s = jnp.asarray(rng.standard_normal((2, 1, self.K, self.V)), jnp.float32)
-
-        def loss(fn, q, k, v, g, beta, h0):
-            o, s = fn(q, k, v, g, beta, initial_state=h0, segment_ids=seg)
-            return jnp.sum(o * w_o) + jnp.sum(s * w_s)
-
-        names = (*ARGS, "h0")
-        args = [j[a] for a in names]
-        ref_fn = lambda *a, **kw: kda.kda_chunked(*a, gate_lower_bound=lb, **kw)  # noqa: E731
-        ker_fn = lambda *a, **kw: self.kernel(*a, lb=lb, **kw)  # noqa: E731
-        g_ref = jax.grad(lambda *a: loss(ref_fn, *a), argnums=range(6))(*args)
-        g_ker = jax.jit(jax.grad(lambda *a: loss(ker_fn, *a), argnums=range(6)))(*args)
-        for name, a, b in zip(names, g_ker, g_ref):
-            assert_close(a, b, TOL["fp32_grad"], name=f"d{name}")
+        self._grads_match(self.inputs(9, 70, gate, B=2, N=1), lb, seed=3, segment_ids=seg)
 
     def test_bad_input_raises(self):
         j = self.inputs(5, 20, "safe")
