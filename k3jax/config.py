@@ -26,9 +26,12 @@ MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_m
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
 # Rematerialisation (model/network.py) per decoder layer, or per scanned group of layers: none; "full" =
-# jax.checkpoint without a policy (keep only the unit's inputs); the rest name a jax.checkpoint_policies entry (what
-# of the unit's forward stays saved).
-Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
+# jax.checkpoint without a policy (keep only the unit's inputs; in the scanned AttnRes stack the group's backward
+# also checkpoints each of its layers, so one layer's activations are live at a time); "group" = "full" without
+# that inner checkpoint (the group's backward keeps its layers' activations: one forward fewer, more memory; in the
+# unrolled stack the same as "full"); the rest name a jax.checkpoint_policies entry (what of the unit's forward stays
+# saved).
+Remat = Literal["none", "full", "group", "dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable",
                 "everything_saveable"]
 # The one list of each run-mode family (the Literals above are their single spelling): blocks, the train loop and
 # the CLIs import these.

@@ -16,7 +16,8 @@ devices (the command re-runs itself with that many), and prints the compiler's p
 closed-form estimate, the collectives and loop-corrected FLOPs of the compiled program and the roofline step time
 (``k3jax.plan.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
 (checked before any compile). A plan's defaults are what one deploys at full size: capacity factor 1.25 (dropless
-static buffers hold every token routed to one device), remat ``full`` per scanned group for the train modes, and
+static buffers hold every token routed to one device), remat ``full`` for the train modes (``group`` for
+frozen-experts: the group's backward without a per-layer checkpoint inside it), and
 ``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
 flags override them. ``--mesh`` is the compile's mesh axes; the formula planner's devices are
 ``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
@@ -62,8 +63,8 @@ def add_parser(sub) -> None:
                    "adapters on every target over a BF16 base with packed MXFP4 experts), prefill (the forward "
                    "with the cache written) or decode (one step at --context)")
     c.add_argument("--lora-rank", type=int, default=None, help="--mode lora: the adapters' rank (default 16)")
-    c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, dots_saveable, ...; "
-                   "default full per scanned group; forward: none)")
+    c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, group, "
+                   "dots_saveable, ...; default full, frozen-experts group; serving modes: none)")
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1)")
     c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
                    "expert axes, otherwise the mesh axes' default)")

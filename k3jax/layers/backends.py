@@ -38,3 +38,17 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
 
     target = kernel_target()
     return gmm(x, packed, scale, group_sizes, platform=platform or target, interpret=target == "cpu")
+
+
+def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, platform: str | None = None):
+    """The grouped GLU FFN of MXFP4 expert stacks (``PackedWeight`` pairs w1, w3 [G, F, P/2 | P/32], w2 [G, P, F/2 |
+    F/32]) over expert-sorted rows x [R, P]: the three grouped kernels of ``mxfp4_gmm`` run in tile space, the rows
+    padded into per-expert tiles once (pallas_kernels/mxfp4_matmul/ffn.py); output in x.dtype, VJP with respect to
+    x by the transposed kernel. ``platform``, the interpreter on CPU: as ``mxfp4_gmm``."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn as ffn
+
+    target = kernel_target()
+    return ffn(x, tuple(w1), tuple(w3), tuple(w2), group_sizes, act, act_quant=act_quant,
+               acc=jnp.float32 if acc is None else acc, platform=platform or target, interpret=target == "cpu")

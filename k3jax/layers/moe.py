@@ -114,7 +114,7 @@ class MoE(nnx.Module):
         elif packed:
             from k3jax.ops.packed_experts import experts_packed
 
-            experts_fn = partial(experts_packed, impl=PACKED_DISPATCH[dispatch], gmm=backends.mxfp4_gmm)
+            experts_fn = partial(experts_packed, impl=PACKED_DISPATCH[dispatch], gmm=backends.mxfp4_glu_ffn)
         else:
             experts_fn = EXPERT_IMPLS[dispatch]
         glu = partial(glu_activation, act=act, beta1=beta1, beta2=beta2)

@@ -40,11 +40,11 @@ STACKED = (nnx.Param, PackedExperts)
 
 
 def remat_policy(remat: str):
-    """The ``jax.checkpoint`` policy of a ``RunConfig.remat`` name other than "none" ("full": None, keep only the
-    inputs; otherwise the ``jax.checkpoint_policies`` entry of that name)."""
+    """The ``jax.checkpoint`` policy of a ``RunConfig.remat`` name other than "none" ("full", "group": None, keep
+    only the inputs; otherwise the ``jax.checkpoint_policies`` entry of that name)."""
     if remat not in REMAT_POLICIES or remat == "none":
         raise ValueError(f"remat policy {remat!r}: must be one of {REMAT_POLICIES[1:]}")
-    return None if remat == "full" else getattr(jax.checkpoint_policies, remat)
+    return None if remat in ("full", "group") else getattr(jax.checkpoint_policies, remat)
 
 
 class K3Model(nnx.Module):
@@ -306,10 +306,11 @@ class K3Model(nnx.Module):
         # (88 copies at full K3: 83 GB per chip of the frozen-expert step on v5p-512) and a per-group one once per
         # group; under "full" not even that (``block_scan``: the buffer is rebuilt from its final value). Same math
         # (tests/model: scan == loop under every policy).
-        if attn_res and remat == "full" and side is None and not jax.tree.leaves(grest):
+        # "group" differentiates the recomputed group whole; "full" checkpoints each layer inside it as well
+        if attn_res and remat in ("full", "group") and side is None and not jax.tree.leaves(grest):
             carry, ys = scan_saving_parts(group, gparams, carry0, lay.groups,
                                           lambda g: (lay.start + g * lay.period + S - 1) // S,
-                                          recompute=lambda p, c, g: group(p, c, g, per_layer=True))
+                                          recompute=lambda p, c, g: group(p, c, g, per_layer=remat == "full"))
         else:
             if remat != "none":
                 group = jax.checkpoint(group, policy=remat_policy(remat), prevent_cse=False)

@@ -2,7 +2,8 @@
 grouped path (``lax.ragged_dot``) that the model uses. Both take the same [E, in, out] expert stacks.
 
 Sort-based dispatch, in rows M = tokens × A (notation.py):
-    1. replicate each token A times (broadcast: its VJP is a sum, not a scatter)
+    1. replicate each token A times (broadcast: its VJP is a sum, not a scatter), after QAT's MXFP8 fake-quant of
+       the token (row-wise: once per token, not per copy)
     2. permute rows so they are grouped by expert id (stable argsort) — a permutation whose VJP is the inverse
        permutation (a gather), never a scatter-add (SPEC §7.2)
     3. grouped matmuls w1, w3 → GLU → w2 with group_sizes = bincount(ids, E)
@@ -62,10 +63,9 @@ Act = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def _ragged_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):
-    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with ``lax.ragged_dot``."""
+    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] (already fake-quantized: ``experts_grouped``) with
+    ``lax.ragged_dot``; ``act_quant`` fake-quantizes h."""
     cdt = xs.dtype
-    if act_quant is not None:
-        xs = act_quant(xs)
     g = lax.ragged_dot(xs, w1.astype(cdt), group_sizes, preferred_element_type=acc)
     u = lax.ragged_dot(xs, w3.astype(cdt), group_sizes, preferred_element_type=acc)
     h = act(g, u).astype(cdt)
@@ -201,19 +201,26 @@ def tile_rows(xs, group_sizes, tile: int):
 
 
 def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | None = None):
-    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with per-expert tiles (module docstring)."""
+    """Grouped GLU FFN over expert-sorted rows ``xs`` [R, P] with per-expert tiles (module docstring); xs already
+    fake-quantized (``experts_grouped``), ``act_quant`` on h."""
     R, P = xs.shape
     tile = tile or default_tile(R, w1.shape[0])
     xt, tile_expert, back = tile_rows(xs, group_sizes, tile)
-    if act_quant is not None:
-        xt = act_quant(xt)
     y = _tile_scan_ffn(xt, tile_expert, w1, w3, w2, act, act_quant, acc).reshape(-1, P)
     return y[back]
 
 
-def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None):
+def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None,
+                    quantized_input: bool = False):
     """Steps 1, 2 and 4 of the module docstring around step 3, ``ffn(xs [R, P], group_sizes [E], w1, w3, w2, act,
-    act_quant, acc) → [R, P]`` on the expert-sorted rows."""
+    act_quant, acc) → [R, P]`` on the expert-sorted rows (``act_quant`` there: h's).
+
+    ``act_quant`` (the MXFP8 fake-quant of the GEMM inputs, straight-through) quantizes z here, once per token before
+    its A copies: its blocks lie along P, so the copies' values are the ones quantizing each copy would give, for a
+    1/A of the bytes (at K3 shapes under expert parallelism, the receive buffer is ~20x the tokens). With
+    ``quantized_input`` the caller has done it (``ExpertParallel``, before its exchange)."""
+    if act_quant is not None and not quantized_input:
+        z_mp = act_quant(z_mp)
     M, A = ids_ma.shape
     E = jax.tree.leaves(w1_epf)[0].shape[0]  # an array [E, P, F], or a pytree of per-expert stacks (packed experts)
     acc = acc_dtype(z_mp.dtype)
@@ -225,35 +232,39 @@ def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, 
     return jnp.einsum("map,ma->mp", y, weights_ma.astype(acc))
 
 
-def experts_ragged(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+def experts_ragged(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None,
+                   quantized_input: bool = False):
     """Sort-based dropless experts with ``lax.ragged_dot``: Σ_a weights[m, a] · E_{ids[m, a]}(z[m]) → [M, P]."""
     return experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_ragged_ffn,
-                           act_quant=act_quant)
+                           act_quant=act_quant, quantized_input=quantized_input)
 
 
-def experts_tiled(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+def experts_tiled(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None,
+                  quantized_input: bool = False):
     """Sort-based dropless experts with per-expert row tiles (work follows the rows, not the expert count)."""
     return experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act, ffn=_tiled_ffn,
-                           act_quant=act_quant)
+                           act_quant=act_quant, quantized_input=quantized_input)
 
 
-def experts_sorted(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None):
+def experts_sorted(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None,
+                   quantized_input: bool = False):
     """The default dispatch: tiled on CPU, ragged_dot on GPU/TPU (same result to rounding)."""
     args = (z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp)
+    kw = {"act_quant": act_quant, "quantized_input": quantized_input}
     return lax.platform_dependent(
         *args,
-        cpu=lambda *a: experts_tiled(*a, act, act_quant=act_quant),
-        default=lambda *a: experts_ragged(*a, act, act_quant=act_quant))
+        cpu=lambda *a: experts_tiled(*a, act, **kw),
+        default=lambda *a: experts_ragged(*a, act, **kw))
 
 
 def experts_dense(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *,
-                  act_quant: Callable | None = None):
+                  act_quant: Callable | None = None, quantized_input: bool = False):
     """Dense reference: every expert on every token, combined with a [M, E] weight matrix that is zero for the
     experts a token did not select. O(M·E·F) memory — for tests and tiny models."""
     E = w1_epf.shape[0]
     acc = acc_dtype(z_mp.dtype)
     cdt = z_mp.dtype
-    x = act_quant(z_mp) if act_quant is not None else z_mp
+    x = act_quant(z_mp) if act_quant is not None and not quantized_input else z_mp
     g = jnp.einsum("mp,epf->mef", x, w1_epf.astype(cdt), preferred_element_type=acc)
     u = jnp.einsum("mp,epf->mef", x, w3_epf.astype(cdt), preferred_element_type=acc)
     h = act(g, u).astype(cdt)

@@ -93,9 +93,7 @@ def _product(xs, group_sizes, tiled, w, acc, gmm, impl):
 
 
 def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, impl="auto"):
-    tile = tile or default_tile(xs.shape[0], group_sizes.shape[0])
-    if act_quant is not None:
-        xs = act_quant(xs)
+    tile = tile or default_tile(xs.shape[0], group_sizes.shape[0])  # xs fake-quantized by experts_grouped
     tiled = tile_rows(xs, group_sizes, tile)            # one tiling per input, shared by its products
     a = _product(xs, group_sizes, tiled, w1, acc, gmm, impl)
     b = _product(xs, group_sizes, tiled, w3, acc, gmm, impl)
@@ -106,7 +104,8 @@ def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, im
 
 
 def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: Callable | None = None,
-                 gmm: Callable | None = None, tile: int | None = None, impl: str = "auto"):
+                 gmm: Callable | None = None, tile: int | None = None, impl: str = "auto",
+                 quantized_input: bool = False):
     """Dropless routed experts whose stacks may carry per-expert adapters: Σ_a weights[m, a] · E_{ids[m, a]}(z[m])
     → [M, P] (acc dtype), the MoE layer's experts_fn contract. ``gmm``: the grouped MXFP4 matmul for packed bases
     on GPU/TPU (``layers.backends.mxfp4_gmm``; None: the CPU tile loop everywhere). ``impl``: the base products'
@@ -117,7 +116,8 @@ def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: C
     if impl == "grouped" and gmm is None and isinstance(_unwrap(w1), PackedWeight):
         raise ValueError("impl='grouped' over a packed base needs the grouped MXFP4 matmul gmm")
     ffn = partial(_lora_ffn, gmm=gmm, tile=tile, impl=impl)
-    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant)
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant,
+                           quantized_input=quantized_input)
 
 
 __all__ = ["LORA_IMPLS", "experts_lora"]

@@ -16,17 +16,19 @@ un-sort, weighted sum over the A slots in at-least-fp32) with the FFN step repla
       that slice of the FFN: a = x W1[c]ᵀ, b = x W3[c]ᵀ, y += act(a, b) W2[:, c]ᵀ. act is elementwise and MXFP8 blocks
       of h (act_quant) are 32 wide, so the F split changes only the summation order of y. Each weight byte is decoded
       once per pass; experts without rows are skipped.
-  "gmm" (GPU/TPU): three grouped MXFP4 matmuls, ``gmm(x, packed, scale, group_sizes) → x @ W_gᵀ`` per group — the
-      Pallas kernel, which ops cannot import: ``layers/backends.py`` passes it in. Its outputs are in the rows' dtype,
-      so in bf16 runs a and b are rounded to bf16 before act (the XLA loop keeps them in fp32).
+  "gmm" (GPU/TPU): the grouped GLU FFN of three grouped MXFP4 matmuls, ``gmm(x, w1, w3, w2, group_sizes, act,
+      act_quant=, acc=) → [R, P]`` — the Pallas kernels run in tile space (pallas_kernels/mxfp4_matmul/ffn.py: the
+      rows padded into per-expert tiles once, not once per matmul), which ops cannot import: ``layers/backends.py``
+      passes it in (``mxfp4_glu_ffn``). The kernels' outputs are in the rows' dtype, so in bf16 runs a and b are
+      rounded to bf16 before act (the XLA loop keeps them in fp32).
   "auto": ``lax.platform_dependent(cpu="tiles", default="gmm")`` ("tiles" everywhere when no ``gmm`` is given).
 
 Gradients (custom_vjp): w.r.t. the rows only — the uint8 storage has no cotangent. The backward follows the forward's
 implementation: "tiles" per (e, c) and tile recomputes a, b, then dh = dy W2[:, c], (da, db) = act_vjp(dh),
-dx += da W1[c] + db W3[c]; "gmm" differentiates the three grouped matmuls, whose VJP is the Pallas kernel's transposed
-form (dx = g W, contracting over ``out``, from the packed bytes).
-``act_quant`` on the GEMM inputs is a straight-through estimator, as in grouped_matmul: applied to the rows outside
-the custom_vjp, and passed through unchanged for h.
+dx += da W1[c] + db W3[c]; "gmm" differentiates the FFN kernel (its VJP recomputes a, b and runs the Pallas kernel's
+transposed form, dx = g W contracting over ``out``, from the packed bytes).
+``act_quant`` on the GEMM inputs is a straight-through estimator, as in grouped_matmul: applied to the tokens
+outside the custom_vjp (``experts_grouped``: once per token, before its copies), and passed through unchanged for h.
 """
 
 from __future__ import annotations
@@ -171,14 +173,8 @@ def _tiles_backward(xs, group_sizes, w1, w3, w2, dy, *, act, acc, tile: int, fc:
 
 
 def _gmm_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm):
-    """y [R, P] (acc) with three grouped MXFP4 matmuls (the Pallas kernel on GPU/TPU; its output is in xs.dtype)."""
-    cdt = xs.dtype
-    a = gmm(xs, w1.packed, w1.scale, group_sizes).astype(acc)
-    b = gmm(xs, w3.packed, w3.scale, group_sizes).astype(acc)
-    h = act(a, b).astype(cdt)
-    if act_quant is not None:
-        h = act_quant(h)
-    return gmm(h, w2.packed, w2.scale, group_sizes).astype(acc)
+    """y [R, P] (acc) by the grouped GLU FFN kernel ``gmm`` (the Pallas kernels on GPU/TPU; output in xs.dtype)."""
+    return gmm(xs, w1, w3, w2, group_sizes, act, act_quant=act_quant, acc=acc).astype(acc)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
@@ -204,9 +200,8 @@ def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)
 
 
 def _gmm_backward(xs, group_sizes, w1, w3, w2, dy, *, act, act_quant, acc, gmm):
-    """dx of ``_gmm_forward``: autodiff through it, so a and b are recomputed by the kernel and dh = dy W2,
-    da W1 + db W3 run the kernel's own VJP (the transposed kernel over the packed bytes); act_quant on h is
-    straight-through there too."""
+    """dx of ``_gmm_forward``: the FFN kernel's own VJP (a and b recomputed by the kernel; dh = dy W2, da W1 + db W3
+    by the transposed kernel over the packed bytes); act_quant on h is straight-through there too."""
     fwd = partial(_gmm_forward, group_sizes=group_sizes, w1=w1, w3=w3, w2=w2, act=act, act_quant=act_quant,
                   acc=acc, gmm=gmm)
     _, vjp = jax.vjp(fwd, xs)
@@ -239,12 +234,13 @@ def _check(w: PackedWeight, name: str, n: int, k: int, num: int) -> None:
 
 
 def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight, w2: PackedWeight, act: Act, *,
-                   act_quant: Callable | None = None, gmm: Callable | None = None, impl: str = "auto"):
+                   act_quant: Callable | None = None, gmm: Callable | None = None, impl: str = "auto",
+                   quantized_input: bool = False):
     """``experts_sorted_packed`` with each stack as one ``PackedWeight`` (the MoE layer's experts_fn form)."""
     if impl not in PACKED_IMPLS:
         raise ValueError(f"impl must be one of {PACKED_IMPLS}, got {impl!r}")
     if impl == "gmm" and gmm is None:
-        raise ValueError("impl='gmm' needs the grouped MXFP4 matmul (layers/backends.py: mxfp4_gmm)")
+        raise ValueError("impl='gmm' needs the grouped MXFP4 GLU FFN kernel (layers/backends.py: mxfp4_glu_ffn)")
     E, F, half = w1.packed.shape
     P = 2 * half
     _check(w1, "w1", F, P, E)
@@ -255,14 +251,13 @@ def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight,
     if impl == "dense":
         dt = z_mp.dtype
         return experts_dense(z_mp, ids_ma, weights_ma, *(dequantize_stack(w, dt) for w in (w1, w3, w2)), act,
-                             act_quant=act_quant)
+                             act_quant=act_quant, quantized_input=quantized_input)
 
-    def ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):
-        if act_quant is not None:  # straight-through: differentiated here, outside the custom_vjp
-            xs = act_quant(xs)
+    def ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):  # xs fake-quantized by experts_grouped (STE there)
         return _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)
 
-    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant)
+    return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant,
+                           quantized_input=quantized_input)
 
 
 def experts_sorted_packed(z_mp, ids_ma, weights_ma, w1p, w1s, w3p, w3s, w2p, w2s, act: Act, *,
@@ -275,7 +270,7 @@ def experts_sorted_packed(z_mp, ids_ma, weights_ma, w1p, w1s, w3p, w3s, w2p, w2s
       w1p, w3p: uint8 [E, F, P/2]; w1s, w3s: uint8 [E, F, P/32]; w2p: uint8 [E, P, F/2]; w2s: uint8 [E, P, F/32].
       act: the GLU activation act(a, b) (elementwise).
       act_quant: None, or MXFP8 fake-quant of the GEMM inputs (straight-through), as in experts_sorted.
-      gmm: the grouped MXFP4 matmul for GPU/TPU (``layers.backends.mxfp4_gmm``); None: the XLA loop everywhere.
+      gmm: the grouped MXFP4 GLU FFN for GPU/TPU (``layers.backends.mxfp4_glu_ffn``); None: the XLA loop everywhere.
       impl: "auto" | "tiles" (XLA loop) | "gmm" | "dense" (dequantize, then the dense reference).
     Gradients: w.r.t. z_mp and weights_ma; none for the uint8 stacks.
     """

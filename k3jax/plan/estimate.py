@@ -221,7 +221,7 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     else:
         expected = six
     useful = expected
-    if spec.mode != "forward" and spec.remat in ("full", "nothing_saveable"):
+    if spec.mode != "forward" and spec.remat in ("full", "group", "nothing_saveable"):
         expected += 2.0 * n_active * tokens
     out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
     if sizes is not None and spec.mode != "lora":  # lora: AdamW, no Newton–Schulz

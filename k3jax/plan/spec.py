@@ -70,7 +70,12 @@ PLAN_CAPACITY = 1.25
 # found no effect on the loss (+0.0011 ± 0.0025 nats; experiments/LOG.md 2026-12-05). frozen-experts keeps fp32 (its
 # state is the non-expert weights'); ``k3 train`` keeps fp32 (small models, memory not binding).
 PLAN_OPT_STATE = {"train": "bfloat16"}
-PLAN_REMAT = "full"
+# "full" everywhere but frozen-experts, which takes "group": the group's backward without a checkpoint per layer
+# inside it — one forward fewer (the v5p-512 frozen plan's HBM traffic 51.8 → 42.1 TB per chip, peak 42.0 → 53.6
+# GB), at the memory the train step cannot spare (the QAT step fits v5p-512 only with the per-layer checkpoint) and
+# frozen plans can (experiments/LOG.md, 2026-12-05 session 21).
+PLAN_REMAT = {"frozen-experts": "group"}
+PLAN_REMAT_DEFAULT = "full"
 # Decode runs dropless (-1): its worst-case buffer is small (B = 64 over expert = 16: 4 rows per chip, a 1,024-row
 # receive buffer per MoE layer), and a dropped assignment changes the token a server emits.
 PLAN_DECODE_CAPACITY = -1.0
@@ -93,7 +98,7 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
 
     d = {}
     if spec.remat is None:
-        d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT
+        d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT.get(spec.mode, PLAN_REMAT_DEFAULT)
     if spec.capacity_factor is None:
         d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode == "decode" else PLAN_CAPACITY
     if spec.context is None and spec.mode == "prefill":

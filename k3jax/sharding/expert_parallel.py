@@ -102,23 +102,35 @@ def _base(w):
     return w.base if isinstance(w, LoraWeight) else w
 
 
-def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, gmm, weights=None):
+def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, kernels, weights=None):
     """Run the local experts on rows x [R, P] with local ids [R] (or [R, A] slots combined by ``weights`` [R, A];
     pad id = El → zero output). The stacks are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts:
-    k3jax/ops/packed_experts.py), run by the grouped MXFP4 kernel ``gmm`` (forward and the activation gradient) or,
-    when it is None, the XLA loop; any of them may be a ``LoraWeight`` (per-expert adapters over either base), and
-    then all three run ``experts_lora`` (the same ``gmm`` choice for a packed base)."""
+    k3jax/ops/packed_experts.py), run by the grouped MXFP4 kernels ``kernels`` = (grouped matmul, grouped GLU FFN)
+    (``_packed_kernels``: forward and the activation gradient; the FFN kernel for plain packed stacks) or, when it
+    is None, the XLA loop; any of them may be a ``LoraWeight`` (per-expert adapters over either base), and then all
+    three run ``experts_lora`` (the grouped matmul for a packed base). x comes fake-quantized (``dispatch``
+    quantizes the tokens before the exchange): ``act_quant`` runs on h only.
+
+    The output is in the accumulation dtype, except on the kernel path over one slot per row without a tensor
+    split: the kernel's outputs are already in the rows' dtype and neither the combine over one slot (× 1) nor the
+    un-sort rounds them, so they are returned in that dtype — the same values, and the exchange that sends them back
+    (and its transpose in the backward, whose cotangent the kernel rounds to the rows' dtype anyway) moves half the
+    bytes of fp32 in bf16 runs (experiments/LOG.md, 2026-12-05 session 21)."""
     ids = local_ids[:, None] if local_ids.ndim == 1 else local_ids
+    one_slot = weights is None and ids.shape[1] == 1
     if weights is None:
         weights = jnp.ones(ids.shape, acc_dtype(x.dtype))
+    gmm, glu_ffn = kernels or (None, None)
+    q = {"act_quant": act_quant, "quantized_input": True}  # x was fake-quantized before the exchange (dispatch)
     if any(isinstance(w, LoraWeight) for w in (w1, w3, w2)):
-        out = experts_lora(x, ids, weights, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
-                           impl="auto" if gmm is None else "grouped")
+        out = experts_lora(x, ids, weights, w1, w3, w2, act, **q, gmm=gmm, impl="auto" if gmm is None else "grouped")
     elif isinstance(w1, PackedWeight):
-        out = experts_packed(x, ids, weights, w1, w3, w2, act, act_quant=act_quant, gmm=gmm,
-                             impl="tiles" if gmm is None else "gmm")
+        out = experts_packed(x, ids, weights, w1, w3, w2, act, **q, gmm=glu_ffn,
+                             impl="tiles" if glu_ffn is None else "gmm")
+        if glu_ffn is not None and one_slot and not tensor_axes:
+            return out.astype(x.dtype)
     else:
-        out = experts_sorted(x, ids, weights, w1, w3, w2, act, act_quant=act_quant)
+        out = experts_sorted(x, ids, weights, w1, w3, w2, act, **q)
     return lax.psum(out, tensor_axes) if tensor_axes else out
 
 
@@ -129,7 +141,7 @@ def _varying(x, axes):
     return lax.pvary(x, axes)                                            # jax 0.11
 
 
-def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, gmm):
+def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, kernels):
     """The small-batch rule (``placement.small_batch``): every device holds every token row; it runs the slots
     routed to its own experts (the others take the pad id: zero) and the shards' partial sums meet in one psum over
     the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Returns (y [m, P] acc, 0)."""
@@ -141,11 +153,11 @@ def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, g
     # the devices (the cast's transpose, a psum). Left invariant, the custom VJPs of the sorted path
     # (grouped_matmul.permute_rows) hand back one device's partial cotangent as the whole: dz was off (rel-RMS 1.4)
     z, wts = _varying(z, (axis, *tensor_axes)), _varying(wts, (axis, *tensor_axes))
-    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), gmm, weights=wts)
+    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), kernels, weights=wts)
     return lax.psum(y, (axis, *tensor_axes)), jnp.int32(0)
 
 
-def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, gmm):
+def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, kernels):
     """CPU path: fixed-size buckets + all_to_all. Returns (y [m, P] acc, dropped int32 local count)."""
     m, A = ids.shape
     El = num_experts(w1)
@@ -161,16 +173,17 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)
     recv_id = lax.all_to_all(send_id, axis, 0, 0, tiled=True)
     out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes,
-                         gmm)
+                         kernels)
     back = lax.all_to_all(out.reshape(X, C, -1), axis, 0, 0, tiled=True)  # [X, C, P], slots as sent
     rank = jnp.arange(m * A, dtype=jnp.int32)[inverse] - starts[dest]  # position of each row in its bucket
     kept = rank < C
-    y_rows = jnp.where(kept[:, None], back[dest, jnp.minimum(rank, C - 1)], jnp.zeros((), back.dtype))
-    y = jnp.einsum("map,ma->mp", y_rows.reshape(m, A, -1), wts.astype(back.dtype))
+    acc = acc_dtype(z.dtype)
+    y_rows = jnp.where(kept[:, None], back[dest, jnp.minimum(rank, C - 1)], jnp.zeros((), back.dtype)).astype(acc)
+    y = jnp.einsum("map,ma->mp", y_rows.reshape(m, A, -1), wts.astype(acc))
     return y, jnp.sum(~kept).astype(jnp.int32)
 
 
-def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, gmm):
+def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, kernels):
     """GPU/TPU path: ragged_all_to_all of the sorted rows. Each source sends a destination at most ``capacity``
     rows (the first ones in sorted order, as the bucketed path keeps), so the receive buffer is X · capacity rows;
     at the worst-case capacity nothing is dropped. Returns (y [m, P] acc, dropped int32 local count)."""
@@ -190,27 +203,29 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
                                  recv_sizes, axis_name=axis)
     recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
                                     recv_sizes, axis_name=axis)
-    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, gmm)
+    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, kernels)
     back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
     back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
                                  send_sizes, axis_name=axis)
-    y = jnp.einsum("map,ma->mp", back[inverse].reshape(m, A, -1), wts.astype(back.dtype))
+    acc = acc_dtype(z.dtype)
+    y = jnp.einsum("map,ma->mp", back[inverse].reshape(m, A, -1).astype(acc), wts.astype(acc))
     return y, jnp.sum(counts - send_sizes).astype(jnp.int32)
 
 
 PACKED_KERNELS = ("auto", "pallas", "tiles")
 
 
-def _packed_gmm(packed_kernel: str):
-    """The grouped MXFP4 matmul the local packed experts run, or None for the XLA loop: "tiles" never; "pallas"
-    always (for a CPU target the TPU schedule in the TPU interpreter: the code TPUs run, as tests run it);
-    "auto" when compiling for a GPU or TPU."""
+def _packed_kernels(packed_kernel: str):
+    """The grouped MXFP4 kernels the local packed experts run — (grouped matmul, grouped GLU FFN) — or None for the
+    XLA loop: "tiles" never; "pallas" always (for a CPU target the TPU schedule in the TPU interpreter: the code
+    TPUs run, as tests run it); "auto" when compiling for a GPU or TPU."""
     from k3jax.layers import backends
 
     target = backends.kernel_target()
     if packed_kernel == "tiles" or (packed_kernel == "auto" and target == "cpu"):
         return None
-    return partial(backends.mxfp4_gmm, platform="tpu" if target == "cpu" else None)
+    platform = "tpu" if target == "cpu" else None
+    return partial(backends.mxfp4_gmm, platform=platform), partial(backends.mxfp4_glu_ffn, platform=platform)
 
 
 class ExpertParallel:
@@ -219,7 +234,7 @@ class ExpertParallel:
 
     Token rows are sharded over the mesh axes that ``rules`` maps "batch" to (minus ``tensor``); expert stacks over
     the axes of "experts" (one axis) and, when mapped, their hidden F over the axes of "expert_mlp". Frozen MXFP4
-    stacks run on each device by ``packed_kernel`` (``_packed_gmm``): "auto" (the Pallas kernel when compiling for
+    stacks run on each device by ``packed_kernel`` (``_packed_kernels``): "auto" (the Pallas kernel when compiling for
     GPU/TPU, the XLA loop for CPU), "pallas" or "tiles".
     """
 
@@ -296,6 +311,11 @@ class ExpertParallel:
         if E % X:
             raise InputError(f"num_experts={E} is not divisible by the expert mesh axis {self.expert_axis!r} "
                              f"(size {X})")
+        if act_quant is not None:
+            # the experts' MXFP8 input quantized once per token, before the exchange replicates it to its A slots
+            # (row-wise blocks along P: the same values; ~1/20 of the bytes of quantizing the receive buffer at K3's
+            # shapes); the local experts then quantize only h (``quantized_input``, ``_local_experts``)
+            z = act_quant(z)
         if self.replicate_tokens:
             return self._dispatch_replicated(z, ids, weights, w1, w3, w2, act, act_quant)
         if M % T:
@@ -309,12 +329,12 @@ class ExpertParallel:
 
         def local(z, ids, wts, w1, w3, w2):
             # chosen in here, where the current mesh is shard_map's (its device: the platform being compiled for)
-            gmm = _packed_gmm(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
+            kernels = _packed_kernels(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
             w1, w3, w2 = self._gather_width(w1, w3, w2)
-            bucketed, ragged = partial(_bucketed, **kw, gmm=gmm), partial(_ragged, **kw, gmm=gmm)
+            bucketed, ragged = partial(_bucketed, **kw, kernels=kernels), partial(_ragged, **kw, kernels=kernels)
             args = (z, ids, wts, w1, w3, w2)
             if X == 1:          # no expert axis (a ContextParallel's MoE): every expert here, on this shard's rows
-                y = _local_experts(z, ids, w1, w3, w2, act, act_quant, self.tensor_axes, gmm, weights=wts)
+                y = _local_experts(z, ids, w1, w3, w2, act, act_quant, self.tensor_axes, kernels, weights=wts)
                 return y, jnp.int32(0) if not reduce_axes else lax.psum(jnp.int32(0), reduce_axes)
             if self.impl == "bucketed":
                 y, d = bucketed(*args)
@@ -375,10 +395,10 @@ class ExpertParallel:
 
     def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
         def local(z, ids, wts, w1, w3, w2):
-            gmm = _packed_gmm(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
+            kernels = _packed_kernels(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
             w1, w3, w2 = self._gather_width(w1, w3, w2)
             return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
-                               tensor_axes=self.tensor_axes, gmm=gmm)
+                               tensor_axes=self.tensor_axes, kernels=kernels)
 
         rep = P()
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rep, rep, rep, *self._weight_specs(w1, w3, w2)),

@@ -67,9 +67,9 @@ def test_packed_matches_float64_and_dequantized_reference(impl, monkeypatch, x64
     flat = [a for pair in packed for a in pair]
     gmm = None
     if impl == "gmm":
-        from pallas_kernels.mxfp4_matmul import mxfp4_gmm
+        from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn
 
-        gmm = partial(mxfp4_gmm, interpret=True)
+        gmm = partial(mxfp4_glu_ffn, interpret=True)
 
     def packed_fn(z, wts):
         return pe.experts_sorted_packed(z, ids, wts, *flat, ACT, impl=impl, gmm=gmm)
@@ -118,7 +118,7 @@ def test_packed_input_checks():
     (w1p, w1s), (w3p, w3s), (w2p, w2s) = packed
     with pytest.raises(ValueError, match="w2: expected packed uint8"):
         pe.experts_sorted_packed(z, ids, wts, w1p, w1s, w3p, w3s, w1p, w1s, ACT)
-    with pytest.raises(ValueError, match="needs the grouped MXFP4 matmul"):
+    with pytest.raises(ValueError, match="needs the grouped MXFP4 GLU FFN kernel"):
         pe.experts_sorted_packed(z, ids, wts, w1p, w1s, w3p, w3s, w2p, w2s, ACT, impl="gmm")
     with pytest.raises(ValueError, match="z \\[M, P\\] has P"):
         pe.experts_sorted_packed(z[:, :32], ids, wts, w1p, w1s, w3p, w3s, w2p, w2s, ACT)

@@ -91,16 +91,16 @@ def test_estimate_by_hand_for_kimi_k3():
 
 
 def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
-    """Unset fields get what one deploys at full size (capacity 1.25, remat full per group in the train modes,
-    zero3_ep_tp on fsdp x expert meshes, bf16 moments in train mode), each reported; a flag given is kept as given
-    (-1: dropless)."""
+    """Unset fields get what one deploys at full size (capacity 1.25, remat full in the train modes but group in
+    frozen-experts, zero3_ep_tp on fsdp x expert meshes, bf16 moments in train mode), each reported; a flag given is
+    kept as given (-1: dropless)."""
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
                                              seq_len=4096))
-    assert d == {"remat": "full", "capacity_factor": 1.25, "strategy": "zero3_ep_tp", "opt_state_dtype": "float32"}
-    assert (spec.remat, spec.capacity_factor, spec.strategy) == ("full", 1.25, "zero3_ep_tp")
+    assert d == {"remat": "group", "capacity_factor": 1.25, "strategy": "zero3_ep_tp", "opt_state_dtype": "float32"}
+    assert (spec.remat, spec.capacity_factor, spec.strategy) == ("group", 1.25, "zero3_ep_tp")
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="train", mesh="fsdp=8,expert=64", batch=512,
                                                          seq_len=4096))
-    assert d["opt_state_dtype"] == spec.opt_state_dtype == "bfloat16"
+    assert d["opt_state_dtype"] == spec.opt_state_dtype == "bfloat16" and d["remat"] == "full"
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
     assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"} and spec.opt_state_dtype == "float32"
     given = plan_spec.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",

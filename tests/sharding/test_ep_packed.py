@@ -84,3 +84,71 @@ def test_ep_pallas_kernel_equals_xla_tile_loop(axes, rules):
     assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
     assert_close(dz, dz_ref, TOL["fp32_shallow"], name="dz")
     assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
+
+
+def test_ep_kernel_path_sends_bf16_expert_outputs_back_with_the_same_values():
+    """bf16 rows on the kernel path (data 2 × expert 4, no tensor split): the experts' outputs go back through the
+    exchange in bf16 — the kernel's own output dtype, not the fp32 accumulation dtype — and the MoE output equals the
+    single-device kernel path's (whose combine reads the same bf16 outputs in fp32): the narrower exchange changes
+    no value (seen 0 / ~1e-8). The rows' gradient is compared at bf16's tolerance: the two paths sum a token's slot
+    gradients in bf16 in different orders."""
+    from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn
+
+    z, ids, wts, w1, w3, w2 = _problem(2)
+    z = z.astype(jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(7), z.shape)
+    ep = ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="bucketed", packed_kernel="pallas")
+    local = partial(experts_packed, impl="gmm", gmm=partial(mxfp4_glu_ffn, platform="tpu", interpret=True))
+
+    def run(fn):
+        def both(z, wts):
+            loss = lambda z, w: jnp.sum(ct * fn(z, ids, w, w1, w3, w2, ACT))  # noqa: E731
+            return fn(z, ids, wts, w1, w3, w2, ACT), jax.grad(loss, argnums=(0, 1))(z, wts)
+
+        return jax.jit(both)(z, wts), str(jax.make_jaxpr(both)(z, wts))
+
+    (y, (dz, dw)), jaxpr = run(ep)
+    (y_ref, (dz_ref, dw_ref)), _ = run(local)
+    exchanged = [line for line in jaxpr.splitlines() if "all_to_all" in line and f",{Pd}]" in line]
+    assert exchanged and all("bf16[" in line and "f32[" not in line for line in exchanged), exchanged
+    assert y.dtype == jnp.float32 and dz.dtype == jnp.bfloat16
+    assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
+    assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
+    assert_close(dz, dz_ref, TOL["bf16"], name="dz")
+
+
+@pytest.mark.parametrize("kernel", ["tiles", "pallas"])
+def test_ep_quantizes_each_token_once_before_the_exchange(kernel):
+    """QAT's MXFP8 fake-quant of the experts' input runs on the tokens z [M, P] before the exchange (never on the
+    exchanged [X·C, P] rows: the A copies of a token are the same quantized row), then on h; the output and the
+    gradients equal the single-device packed experts under the same fake-quant (data 4 × expert 2, f32: a receive
+    buffer of X·C = 2 · 16 rows per device, where the tokens are M = 64)."""
+    from k3jax.ops import mx
+
+    z, ids, wts, w1, w3, w2 = _problem(3)
+    ct = jax.random.normal(jax.random.key(7), z.shape)
+    seen = []
+
+    def aq(x):
+        seen.append(x.shape)
+        return mx.fake_quant_mxfp8(x, axis=-1)
+
+    ep = ExpertParallel(make_mesh({"data": 4, "expert": 2}), "ep", impl="bucketed", packed_kernel=kernel)
+
+    def run(fn):
+        def both(z, wts):
+            loss = lambda z, w: jnp.sum(ct * fn(z, ids, w, w1, w3, w2, ACT, act_quant=aq))  # noqa: E731
+            return fn(z, ids, wts, w1, w3, w2, ACT, act_quant=aq), jax.grad(loss, argnums=(0, 1))(z, wts)
+
+        return jax.jit(both)(z, wts)
+
+    y, (dz, dw) = run(ep)
+    x_calls = {s for s in seen if s[-1] == Pd}
+    assert x_calls == {(M, Pd)}, seen  # the tokens, whole, before the shard_map; no [X·C, Pd] receive buffer
+    assert any(s[-1] == F for s in seen), seen  # h
+    seen.clear()
+    y_ref, (dz_ref, dw_ref) = run(partial(experts_packed, impl="tiles"))
+    assert {s for s in seen if s[-1] == Pd} == {(M, Pd)}, seen  # one device: z before its A copies, too
+    assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
+    assert_close(dz, dz_ref, TOL["fp32_shallow"], name="dz")
+    assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")

@@ -1,0 +1,114 @@
+"""The grouped GLU FFN of MXFP4 experts run in tile space: three grouped kernels around one padding of the rows.
+
+    y = mxfp4_glu_ffn(x, (w1p, w1s), (w3p, w3s), (w2p, w2s), group_sizes, act)     rows of x sorted by expert
+
+y [M, P] = (act(x W1ᵀ, x W3ᵀ) [→ act_quant]) W2ᵀ per group — what three ``mxfp4_gmm`` calls compute (values and the
+gradient with respect to x equal theirs), without the row traffic between them. ``mxfp4_gmm`` pads the rows of
+each call into whole per-group tiles and gathers the result back: for the FFN that is three pads, three even / odd
+splits and three un-pads in the forward and five of each in the backward, each a full pass over [M, P] or [M, F]
+rows (at K3's expert shapes on v5p-512, ~4 TB of the frozen-experts step's HBM traffic per chip; experiments/LOG.md,
+2026-12-05 session 21). Here the rows are padded and split once; a, b, h and the cotangents stay in the padded
+layout between the kernels (the GLU and the MXFP8 fake-quant of h are row-wise, so padding rows, zero in x, never
+reach a real row), and one gather un-pads y (and dx in the backward).
+
+Dtypes follow the three-call form exactly: the kernels return the rows' dtype, act runs in ``acc`` on their outputs
+and h is rounded to the rows' dtype (then ``act_quant``, straight-through); in the backward dh comes from the
+transposed kernel in the rows' dtype, act's VJP runs in ``acc`` and da, db are rounded before their transposed
+kernels, whose two dx are summed in the rows' dtype. Gradients: with respect to x only (frozen uint8 storage).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.ops.grouped_matmul import match_varying
+from pallas_kernels.mxfp4_matmul import api
+from pallas_kernels.mxfp4_matmul import kernel as _k
+from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
+from pallas_kernels.platform import target_platform
+
+
+def _launch(platform: str, t: bool):
+    if t:
+        return _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
+    return _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
+
+
+def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret):
+    """a = x W1ᵀ, b = x W3ᵀ [T·bm, F] in the rows' dtype, in tile space."""
+    fwd = _launch(platform, False)
+    return fwd(tg, xe, xo, *w1, bs, interpret=interpret), fwd(tg, xe, xo, *w3, bs, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13: BlockSizes, bs2: BlockSizes, platform: str,
+         interpret):
+    return _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret)[0]
+
+
+def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret):
+    tg, src_rows, dst_rows, _ = api.group_tile_metadata(group_sizes, x.shape[0], bs13.block_m)
+    xe, xo = api._split_even_odd(api.pad_rows(x, src_rows))
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret)
+    h = act(a.astype(acc), b.astype(acc)).astype(x.dtype)
+    if act_quant is not None:
+        h = act_quant(h)
+    y_pad = _launch(platform, False)(tg, *api._split_even_odd(h), *w2, bs2, interpret=interpret)
+    # rows past the groups read the unused last tile's zeros; x[:0] carries x's type (its varying mesh axes)
+    return y_pad[dst_rows], (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
+
+
+def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, res, dy):
+    xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x_type = res
+    dt = x_type.dtype
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret)
+    bwd = _launch(platform, True)
+    dh = api.interleave_columns(*bwd(tg, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2, interpret=interpret))
+    _, act_vjp = jax.vjp(act, a.astype(acc), b.astype(acc))
+    da, db = act_vjp(dh.astype(acc))  # the STE passes dh through act_quant
+    e1, o1 = bwd(tg, da.astype(dt), *w1, bs13, interpret=interpret)
+    e3, o3 = bwd(tg, db.astype(dt), *w3, bs13, interpret=interpret)
+    dx = api.interleave_columns((e1 + e3)[dst_rows], (o1 + o3)[dst_rows])  # past the groups: the last tile's zeros
+    # with W's F split over a mesh axis (tensor-parallel experts), each device's dx is a partial sum over its slice
+    return match_varying(dx, x_type), None, None, None, None
+
+
+_ffn.defvjp(_ffn_fwd, _ffn_bwd)
+
+
+def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.float32, block_m: int | None = None,
+                  block_n: int | None = None, block_k: int | None = None, platform: str | None = None,
+                  interpret: bool = False):
+    """Grouped GLU FFN over expert-sorted rows with MXFP4 expert stacks (module docstring).
+
+    Args:
+      x: [M, P] float32/bfloat16, rows sorted by expert (group_sizes [G], sum <= M; rows past the sum give zeros).
+      w1, w3: (packed uint8 [G, F, P/2], scale uint8 [G, F, P/32]); w2: (packed [G, P, F/2], scale [G, P, F/32]).
+      act: the GLU activation act(a, b), elementwise (run in ``acc``).
+      act_quant: None, or a function applied to h (the MXFP8 fake-quant of the GEMM input; straight-through).
+      block_m, block_n, block_k, platform, interpret: as ``api.mxfp4_gmm`` (one block_m for the three kernels; n
+        and k fit each weight).
+    Returns: y [M, P] in x.dtype. Gradient with respect to x only.
+    """
+    w1, w3, w2 = (tuple(w) for w in (w1, w3, w2))
+    G, F, _ = w1[0].shape
+    api._check(x, *w1, grouped=True)
+    api._check(x, *w3, grouped=True)
+    if w3[0].shape != w1[0].shape or w2[0].shape[:2] != (G, x.shape[1]):
+        raise ValueError(f"w1 {w1[0].shape}, w3 {w3[0].shape} and w2 {w2[0].shape} are not one GLU FFN over x "
+                         f"{x.shape}")
+    api._check(jnp.zeros((0, F), x.dtype), *w2, grouped=True)
+    if group_sizes.shape != (G,):
+        raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{G}]")
+    platform = target_platform(platform)
+    rows = -(-x.shape[0] // G)  # block_m follows the rows per group, as in mxfp4_gmm: the same for the three
+    bs13 = api._blocks(platform, rows, F, x.shape[1], block_m, block_n, block_k)
+    bs2 = api._blocks(platform, rows, x.shape[1], F, block_m, block_n, block_k)
+    return _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform,
+                api._interpret(interpret, x, *w1, *w3, *w2))
+
+
+__all__ = ["mxfp4_glu_ffn"]

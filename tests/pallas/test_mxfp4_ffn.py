@@ -1,0 +1,89 @@
+"""The grouped GLU FFN in tile space (pallas_kernels/mxfp4_matmul/ffn.py): the same values and rows' gradient as the
+three ``mxfp4_gmm`` calls it replaces (bit for bit: the same kernels on the same tiles, the same roundings), with
+the MXFP8 fake-quant of h and without, in fp32 and bf16, on the loop schedule and on the TPU schedule in the TPU
+interpreter; against float64 NumPy; and its input checks."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops import mx
+from k3jax.ops.activations import glu_activation
+from k3jax.quant import mxfp4_pack
+from k3jax.testing import TOL, assert_close
+from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn, mxfp4_gmm
+from pallas_kernels.mxfp4_matmul.reference import dequantize_packed
+
+ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
+G, P, F, M = 3, 256, 512, 40
+GS = np.array([5, 0, 23])  # an empty expert; 12 rows past the groups
+
+
+def _problem(dtype):
+    k = jax.random.split(jax.random.key(3), 5)
+    w = [mxfp4_pack(0.05 * jax.random.normal(k[i], s)) for i, s in zip((0, 1, 2), ((G, F, P), (G, F, P), (G, P, F)),
+                                                                       strict=True)]
+    x = jax.random.normal(k[3], (M, P)).astype(dtype)
+    ct = jax.random.normal(k[4], (M, P))
+    return x, w, ct
+
+
+def _three_calls(x, w, gs, act_quant, **kw):
+    (p1, s1), (p3, s3), (p2, s2) = w
+    a = mxfp4_gmm(x, p1, s1, gs, **kw).astype(jnp.float32)
+    b = mxfp4_gmm(x, p3, s3, gs, **kw).astype(jnp.float32)
+    h = ACT(a, b).astype(x.dtype)
+    if act_quant is not None:
+        h = act_quant(h)
+    return mxfp4_gmm(h, p2, s2, gs, **kw)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"], ids=["loop", "tpu"])
+@pytest.mark.parametrize("dtype,quant", [(jnp.float32, False), (jnp.bfloat16, True)], ids=["f32", "bf16-mxfp8"])
+def test_ffn_equals_three_grouped_matmuls(platform, dtype, quant):
+    x, w, ct = _problem(dtype)
+    gs = jnp.asarray(GS, jnp.int32)
+    aq = partial(mx.fake_quant_mxfp8, axis=-1) if quant else None
+    kw = {"block_m": 16, "block_n": 128, "block_k": 256, "platform": platform, "interpret": True}
+
+    def vjp(fn):
+        y, back = jax.vjp(fn, x)
+        return y, back(ct.astype(y.dtype))[0]
+
+    y, dx = vjp(lambda x: mxfp4_glu_ffn(x, *w, gs, ACT, act_quant=aq, **kw))
+    y_ref, dx_ref = vjp(lambda x: _three_calls(x, w, gs, aq, **kw))
+    assert y.dtype == dx.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[GS.sum():], 0.0)  # rows past the groups
+    np.testing.assert_array_equal(np.asarray(dx, np.float32)[GS.sum():], 0.0)
+
+
+def test_ffn_matches_float64(x64):
+    """fp32, the TPU schedule in the interpreter, against the FFN of the exactly decoded stacks in float64."""
+    x, w, ct = _problem(jnp.float32)
+    y = mxfp4_glu_ffn(x, *w, jnp.asarray(GS, jnp.int32), ACT, block_m=16, block_n=128, block_k=256,
+                      platform="tpu", interpret=True)
+    w64 = [np.asarray(dequantize_packed(*p), np.float64) for p in w]  # [G, N, K], exact
+    xd = np.asarray(x, np.float64)
+    want = np.zeros((M, P))
+    for g, (lo, hi) in enumerate(zip(np.cumsum(GS) - GS, np.cumsum(GS), strict=True)):
+        a, b = xd[lo:hi] @ w64[0][g].T, xd[lo:hi] @ w64[1][g].T
+        h = np.asarray(ACT(jnp.asarray(a), jnp.asarray(b)))
+        assert h.dtype == np.float64
+        want[lo:hi] = h @ w64[2][g].T
+    assert_close(y, want, TOL["fp32_vs_fp64"], name="ffn vs float64")
+
+
+def test_ffn_input_checks():
+    x, w, _ = _problem(jnp.float32)
+    gs = jnp.asarray(GS, jnp.int32)
+    with pytest.raises(ValueError, match="not one GLU FFN"):
+        mxfp4_glu_ffn(x, w[0], w[0], w[0], gs, ACT, interpret=True)
+    with pytest.raises(ValueError, match=r"group_sizes \(2,\)"):
+        mxfp4_glu_ffn(x, *w, gs[:2], ACT, interpret=True)
+    with pytest.raises(ValueError, match="do not match x"):
+        mxfp4_glu_ffn(x[:, :64], *w, gs, ACT, interpret=True)
