@@ -6,10 +6,11 @@ y [M, P] = (act(x W1ᵀ, x W3ᵀ) [→ act_quant]) W2ᵀ per group — what thre
 gradient with respect to x equal theirs), without the row traffic between them. ``mxfp4_gmm`` pads the rows of
 each call into whole per-group tiles and gathers the result back: for the FFN that is three pads, three even / odd
 splits and three un-pads in the forward and five of each in the backward, each a full pass over [M, P] or [M, F]
-rows (at K3's expert shapes on v5p-512, ~4 TB of the frozen-experts step's HBM traffic per chip; experiments/LOG.md,
-2026-12-05 session 21). Here the rows are padded and split once; a, b, h and the cotangents stay in the padded
-layout between the kernels (the GLU and the MXFP8 fake-quant of h are row-wise, so padding rows, zero in x, never
-reach a real row), and one gather un-pads y (and dx in the backward).
+rows (at K3's expert shapes this and the bf16 return exchange of ``ExpertParallel`` took 3.9 TB off the v5p-512
+frozen-experts step's HBM traffic per chip; experiments/LOG.md, 2026-12-05 session 21). Here the rows are padded and
+split once; a, b, h and the cotangents stay in the padded layout between the kernels (the GLU and the MXFP8
+fake-quant of h are row-wise, so a padding row — a copy of a real one, ``api.pad_rows`` — never reaches a real row),
+and one gather un-pads y (and dx in the backward).
 
 Dtypes follow the three-call form exactly: the kernels return the rows' dtype, act runs in ``acc`` on their outputs
 and h is rounded to the rows' dtype (then ``act_quant``, straight-through); in the backward dh comes from the
