@@ -20,8 +20,7 @@ import re
 from collections import defaultdict
 
 from k3jax.plan.hlo import multiplicities, parse
-from k3jax.plan.hlo_bytes import instr_io
-from k3jax.plan.hlo_cost import _NO_TRAFFIC, _NO_TRAFFIC_TARGETS, custom_call_cost, custom_call_target, instr_flops
+from k3jax.plan.hlo_cost import custom_call_cost, custom_call_target, instr_flops, instr_traffic
 
 
 def _strip(shape: str) -> str:
@@ -74,12 +73,8 @@ def _source(ins, frames: dict[int, list[str]], depth: int) -> str:
 
 def _bytes(ins, c, comps) -> tuple[float, list]:
     """(HBM bytes, [(operand, bytes read)]) of a top-level instruction, as program_stats counts them."""
-    target = custom_call_target(ins)
-    if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done") or target in _NO_TRAFFIC_TARGETS:
-        return 0.0, []
-    written, reads = instr_io(ins, c, comps)
-    est = custom_call_cost(ins) if target else None
-    return (est["bytes"] if est else written + sum(r for _, r in reads)), reads
+    traffic = instr_traffic(ins, c, comps, custom_call_cost(ins) if custom_call_target(ins) else None)
+    return traffic if traffic is not None else (0.0, [])
 
 
 def groups(text: str, by: str = "op", grep: str | None = None, cost: str = "flops", depth: int = 2

@@ -92,7 +92,8 @@ def combine():
     for how in ("ppermute", "gather"):
         cp = ContextParallel(make_mesh({"context": 8}), batch=1, combine=how)
         p, tok = _abstract(cfg, run, cp, 1025)
-        st, temp = _stats(jax.grad(lambda p, t: lm_loss(p, t[:, :-1], t[:, 1:], cfg, run, dispatch=cp)), (p, tok))
+        st, temp = _stats(jax.grad(lambda p, t, cp=cp: lm_loss(p, t[:, :-1], t[:, 1:], cfg, run, dispatch=cp)),
+                          (p, tok))
         coll = ", ".join(f"{k} {v['count']} / {v['bytes'] / 1e6:.2f} MB" for k, v in sorted(st.collectives.items()))
         print(f"{how}: {coll}; temp {temp / 1e6:.1f} MB")
 

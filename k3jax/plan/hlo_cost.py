@@ -236,6 +236,17 @@ def scope_members(comps: dict[str, Computation], entry: str, scope: str) -> set[
     return out
 
 
+def instr_traffic(ins: Instr, c: Computation, comps: dict[str, Computation], est: dict | None = None
+                  ) -> tuple[float, list[tuple[str, float]]] | None:
+    """HBM bytes of one top-level instruction and its [(operand, bytes read)] (``hlo_bytes.instr_io``), or None for
+    one that moves no data; a kernel with a cost estimate (``est``, ``custom_call_cost``) is charged the estimate."""
+    target = custom_call_target(ins)
+    if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done") or target in _NO_TRAFFIC_TARGETS:
+        return None
+    written, reads = instr_io(ins, c, comps)
+    return (est["bytes"] if est else written + sum(r for _, r in reads)), reads
+
+
 def program_stats(text: str, hints: dict[str, int] | None = None, scopes: tuple[str, ...] = ()) -> ProgramStats:
     """The costs of a compiled program's HLO text; ``hints``: trip counts of data-dependent loops by named scope
     (``hlo.hinted_trip_count``); ``scopes``: named scopes (``jax.named_scope``) whose FLOPs and collectives are
@@ -280,12 +291,11 @@ def program_stats(text: str, hints: dict[str, int] | None = None, scopes: tuple[
                 continue
             if target:
                 calls[target] += m
-            if ins.opcode in _NO_TRAFFIC or ins.opcode.endswith("-done") or target in _NO_TRAFFIC_TARGETS:
+            traffic = instr_traffic(ins, c, comps, est)
+            if traffic is None:
                 continue
-            written, reads = instr_io(ins, c, comps)
-            t = written + sum(r for _, r in reads)
+            t, reads = traffic
             if target in KERNEL_TARGETS or est is not None:
-                t = est["bytes"] if est else t
                 k = kernels[kernel_name(ins)]
                 k["count"] += m
                 k["flops"] += m * f
@@ -308,4 +318,4 @@ def program_stats(text: str, hints: dict[str, int] | None = None, scopes: tuple[
 
 
 __all__ = ["COLLECTIVES", "KERNEL_TARGETS", "ProgramStats", "custom_call_cost", "custom_call_target",
-           "instr_flops", "kernel_name", "largest_values", "program_stats", "scope_members"]
+           "instr_flops", "instr_traffic", "kernel_name", "largest_values", "program_stats", "scope_members"]

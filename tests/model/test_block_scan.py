@@ -32,8 +32,13 @@ def test_rebuilt_buffer_gives_the_gradients_of_the_unrolled_stack(block, remat, 
     used = []
     real = network.scan_saving_parts
     monkeypatch.setattr(network, "scan_saving_parts", lambda *a, **k: used.append(1) or real(*a, **k))
+    names = []  # the remat of every layer checkpoint made: "full" inside a group's backward only under "full"
+    real_ckpt = network.K3Model._checkpointed
+    monkeypatch.setattr(network.K3Model, "_checkpointed",
+                        staticmethod(lambda fn, name: names.append(name) or real_ckpt(fn, name)))
     got_fn = compile_train_grad(cfg, default_run(cfg, layer_stack="scan", remat=remat), batch=B, seq_len=T)
     assert used, f"remat={remat!r} on the scanned AttnRes stack did not take block_scan's path"
+    assert ("full" in names) == (remat == "full"), names
     ref_fn = compile_train_grad(cfg, default_run(cfg, layer_stack="loop", remat="none"), batch=B, seq_len=T)
     ((got_loss, _), got), ((ref_loss, _), ref) = got_fn(params, toks), ref_fn(params, toks)
     assert_close(got_loss, ref_loss, TOL["fp32_vs_fp64"], name="loss")
