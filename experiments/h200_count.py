@@ -1,4 +1,4 @@
-"""#30 item 4: the smallest H200 count a full-size K3 QAT step needs by the closed form — fp32 master weights, fp32
+"""The smallest H200 count a full-size K3 QAT step needs by the closed form — fp32 master weights, fp32
 gradients and the optimizer state (``k3jax.plan.estimate.estimate_arguments`` over one device), before any
 activation — for fp32 and bf16 optimizer moments.
 

@@ -3,9 +3,9 @@
 Two commands (frozen weights of a checkpoint, stdlib corpus train split, 64-byte windows at seeded random starts):
 
   fit   route POOL windows with bias b, fit b on those fixed scores with the exact QB update (sort-based order
-        statistic, §8.1) iterated INNER times per layer, re-route with the new b, and repeat OUTER times (re-routing
-        matters: changing layer l's bias changes every later layer's inputs). Saves the final scores S [L, m, E]
-        (routed with the final b) and b to NPZ.
+        statistic, docs/model.md §8.1) iterated INNER times per layer, re-route with the new b, and repeat OUTER
+        times (re-routing matters: changing layer l's bias changes every later layer's inputs). Saves the final
+        scores S [L, m, E] (routed with the final b) and b to NPZ.
             python experiments/qb_pool_sim.py fit CKPT OUT.npz [--windows 4096 --outer 4 --inner 40]
 
   sim   on the saved scores (no forward passes):

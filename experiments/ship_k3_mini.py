@@ -1,4 +1,4 @@
-"""Finish the shipped k3-mini (issue #17): its init checkpoint's routing statistics, and the numbers for the LOG.
+"""Finish the shipped k3-mini: its init checkpoint's routing statistics, and the numbers for the LOG.
 
     python experiments/ship_k3_mini.py k3jax/assets/k3-mini-stdlib --metrics /work/runs/k3mini/metrics.jsonl
 

@@ -1,4 +1,4 @@
-"""The smallest slice for K3 (#29 item 4): prefill 8K, decode (B = 1 at 8K; B = 64 at 128K) and frozen-experts
+"""The smallest slice for K3: prefill 8K, decode (B = 1 at 8K; B = 64 at 128K) and frozen-experts
 fine-tune plans of kimi-k3 over v5p-{64, 128, 256, 512} and v6e-{64, 128, 256}, each through the deviceless TPU
 compiler (`k3 plan --compile --json`), one libtpu process at a time.
 

@@ -2,8 +2,8 @@
 (``RunConfig``: dtypes, kernels, dispatch, QAT, block sizes), named presets and ``from_hf``.
 
 Only the model (``k3jax/model/network.py``, ``decoder.py``) reads a ``K3Config``; blocks get plain arguments
-(STYLE.md §3.4).
-Family switches (SPEC §13) are fields, not code forks; they double as ablation knobs.
+(docs/design.md §3.4).
+Family switches (docs/model.md §13) are fields, not code forks; they double as ablation knobs.
 
     >>> cfg = get_preset("kimi-k3")
     >>> cfg.mla_layers[-2:], cfg.num_mla_layers
@@ -75,7 +75,7 @@ class K3Config:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     mla_output_gate: bool = True
-    mla_norm_eps: float = 1e-6  # SPEC §2.3: Moonshot/HF use 1e-6; torchtitan uses rms_norm_eps
+    mla_norm_eps: float = 1e-6  # docs/model.md §2.3: Moonshot/HF use 1e-6; torchtitan uses rms_norm_eps
     # -- FFN
     hidden_act: Act = "situ"
     situ_beta: float = 4.0
@@ -271,8 +271,8 @@ RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 
 # ---------------------------------------------------------------------------------------------- architectures
 
-# K3Config fields an HF config does not carry: the config's name, and mla_norm_eps (fixed at Moonshot's 1e-6; SPEC
-# §2.3). Run settings are not K3Config fields at all (RunConfig).
+# K3Config fields an HF config does not carry: the config's name, and mla_norm_eps (fixed at Moonshot's 1e-6;
+# docs/model.md §2.3). Run settings are not K3Config fields at all (RunConfig).
 NOT_IN_HF_CONFIG = ("name", "mla_norm_eps")
 
 

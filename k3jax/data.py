@@ -2,11 +2,17 @@
 
     tokens = stdlib_bytes(max_bytes=1 << 20)   # uint8 array, deterministic file order
     docs = stdlib_documents(max_bytes=1 << 20)  # the same bytes, one document per file
+    text_identity(tokens)   # {"sha256", "bytes", "python"}: which text a figure was measured on
+
+The corpus is the running interpreter's own standard library, so it differs between Python versions (and builds):
+a figure measured on it names its text with ``text_identity``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sysconfig
 
 import numpy as np
@@ -39,3 +45,11 @@ def stdlib_documents(max_bytes: int = 1 << 20) -> list[bytes]:
 def stdlib_bytes(max_bytes: int = 1 << 20) -> np.ndarray:
     """The first ``max_bytes`` bytes of the concatenated stdlib sources (sorted paths) as uint8 tokens."""
     return np.frombuffer(b"".join(stdlib_documents(max_bytes)), dtype=np.uint8).copy()
+
+
+def text_identity(tokens) -> dict:
+    """Which bytes a figure was measured on, so that two machines' figures can be compared: the sha256 of
+    ``tokens`` (uint8 byte tokens) and their count, and the Python version whose standard library is the corpus
+    (``stdlib_files``: the running interpreter's)."""
+    b = np.ascontiguousarray(tokens, dtype=np.uint8).tobytes()
+    return {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b), "python": platform.python_version()}

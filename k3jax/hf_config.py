@@ -1,4 +1,5 @@
-"""HF ``config.json`` <-> ``K3Config`` through one table of keys (SPEC §1.1, §13; the table: ``k3jax.hf_keys``).
+"""HF ``config.json`` <-> ``K3Config`` through one table of keys (docs/model.md §1.1, §13; the table:
+``k3jax.hf_keys``).
 
 ``KEYS`` drives both directions: ``from_hf`` parses and validates with it, and ``to_hf_dict`` (the writer's
 ``config.json``) emits from it, so parse and emit cannot drift. Every key of a text config is in one of three
@@ -14,17 +15,22 @@ classes:
   ``K3Config.extra``, e.g. ``max_position_embeddings``) and runtime / tokenizer / RoPE settings other writers add
   (``IRRELEVANT``: accepted, listed in the report as ``ignored_keys``). RoPE settings are irrelevant because only
   NoPE MLA (``mla_use_nope: true``) is accepted: nothing is ever rotated.
-- **derived** — what transformers' ``KimiLinearConfig`` derives from the used keys and serializes beside them
-  (``DERIVED``: ``layer_types``, ``mlp_layer_types``, ``linear_{num_heads,head_dim,conv_kernel_dim}``,
-  ``qk_head_dim``). transformers builds its model from some of them *instead of* the used keys (``layer_types``
-  over ``linear_attn_config``, ``mlp_layer_types`` over ``first_k_dense_replace``), so each must equal what k3jax
-  derives: a disagreement is a ``ConfigError`` naming the key and both values. Present and agreeing, they are
-  listed in the report as ``derived_keys``.
+- **derived** (transformers' form) — what transformers' ``KimiLinearConfig`` derives from the used keys and
+  serializes (``DERIVED``: ``layer_types``, ``mlp_layer_types``, ``linear_{num_heads,head_dim,conv_kernel_dim}``,
+  ``qk_head_dim``): beside the used keys when it read a release file, alone when it built the config itself (then
+  the file has no ``linear_attn_config`` and no ``first_k_dense_replace``). transformers builds its model from them
+  *instead of* the used keys (``layer_types`` over ``linear_attn_config``, ``mlp_layer_types`` over
+  ``first_k_dense_replace``), so where the file lacks the used key k3jax reads it from its derived key
+  (``stands_for``; a value k3jax does not implement, e.g. a ``sliding_attention`` layer or a dense MLP after an MoE
+  layer, is a ``ConfigError`` naming the derived key), and where both are present they must agree: a disagreement
+  is a ``ConfigError`` naming both keys and both values. Present, they are listed in the report as
+  ``derived_keys``; those read in place of a used key as ``transformers_form`` (used key -> derived key).
+  ``to_hf_dict`` writes the release's form only.
 - **unknown** — anything else: one ``UnknownConfigKeysWarning`` listing every such key with its path
   (``text_config.foo``); ``strict=True`` (``--strict-config``) makes it a ``ConfigError``.
 
     >>> cfg = from_hf("ckpt/config.json", report=(r := {}))   # doctest: +SKIP
-    >>> r["unknown_keys"], r["ignored_keys"], r["derived_keys"]  # doctest: +SKIP
+    >>> r["unknown_keys"], r["ignored_keys"], r["derived_keys"], r["transformers_form"]  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from k3jax.hf_keys import (
     LINEAR_ATTN_KEYS,
     MXFP4_FORMAT,
     REQUIRED,
+    STANDS_FOR,
     TOP_USED,
+    Derived,
     Key,
 )
 
@@ -133,6 +141,17 @@ def _difference(got, want) -> str:
     return f" (first at index {i}, 1-based layer {i + 1}: {got[i]!r} vs {want[i]!r})"
 
 
+def _derived_value(tc: dict, d: Derived, err):
+    """``tc[d.name]`` type-checked and normalized (the caller checks it is present and not null)."""
+    v = tc[d.name]
+    ok_type = (isinstance(v, list) and all(isinstance(t, str) for t in v)) if d.types == (list,) else (
+        isinstance(v, int) and not isinstance(v, bool))
+    if not ok_type:
+        want = "a list of strings" if d.types == (list,) else "int"
+        raise err(d.name, f"expected {want}, got {v!r}")
+    return d.normalize(v)
+
+
 def check_derived(tc: dict, kw: dict, err) -> list[str]:
     """The ``DERIVED`` keys present in ``tc`` (null means absent, as for transformers); each must equal what the
     K3Config fields ``kw`` parsed from ``tc`` give, else ``err(key, message)`` naming both values. Returns the
@@ -142,12 +161,7 @@ def check_derived(tc: dict, kw: dict, err) -> list[str]:
         if tc.get(d.name) is None:
             continue
         v = tc[d.name]
-        ok_type = (isinstance(v, list) and all(isinstance(t, str) for t in v)) if d.types == (list,) else (
-            isinstance(v, int) and not isinstance(v, bool))
-        if not ok_type:
-            want = "a list of strings" if d.types == (list,) else "int"
-            raise err(d.name, f"expected {want}, got {v!r}")
-        got, want = d.normalize(v), d.value(kw)
+        got, want = _derived_value(tc, d, err), d.value(kw)
         if got != want:
             raise err(d.name, f"{v!r} disagrees with {d.source}, which gives {want!r}{_difference(got, want)}; "
                       f"{d.why}, so the two must agree")
@@ -172,12 +186,14 @@ def _type_ok(v, key: Key) -> bool:
 
 
 def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, **overrides) -> K3Config:
-    """Parse an official K3 ``config.json`` (``kimi_k3`` wrapping ``text_config``) or a flat Kimi-Linear one.
+    """Parse an official K3 ``config.json`` (``kimi_k3`` wrapping ``text_config``) or a flat Kimi-Linear one, in the
+    release's form or in transformers' (``layer_types``, ``mlp_layer_types``, ``linear_num_heads``, ... for
+    ``linear_attn_config`` and ``first_k_dense_replace``).
 
     Malformed values, contradictions and unsupported math raise ``ConfigError`` (a ``ValueError``) naming the
     field. Unknown keys warn once (``UnknownConfigKeysWarning``), or raise with ``strict=True``. ``report``, if
-    given, is filled with ``unknown_keys``, ``ignored_keys`` and ``derived_keys`` (paths; the last only when the
-    config parses). ``overrides`` replace fields of the result
+    given, is filled with ``unknown_keys``, ``ignored_keys``, ``derived_keys`` and ``transformers_form`` (paths; the
+    last two only when the config parses). ``overrides`` replace fields of the result
     (e.g. ``name``); run settings are not config fields (``k3jax.config.RunConfig``).
     """
     raw, src = _load_json(path_or_dict)
@@ -209,18 +225,26 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
         # stacklevel 3: the caller of the public k3jax.config.from_hf (which wraps this one)
         warnings.warn(f"{src}: ignoring {len(unknown)} unknown config key(s): {listing}", UnknownConfigKeysWarning,
                       stacklevel=3)
-    if "linear_attn_config" not in tc:
-        raise err("linear_attn_config", "required field is missing")
-    if not isinstance(tc["linear_attn_config"], dict):
+    # absent: transformers' form, whose derived keys stand for its used keys (and a file with neither names the
+    # missing used key)
+    if "linear_attn_config" in tc and not isinstance(tc["linear_attn_config"], dict):
         raise err("linear_attn_config", f"expected an object, got {tc['linear_attn_config']!r}")
 
     kw: dict[str, Any] = {}
     values: dict[str, Any] = {}
+    read_from: dict[str, str] = {}
     for key in KEYS:
         v, present = _lookup(tc, key.name)
+        d = STANDS_FOR.get(key.name)
         if not present:
             if key.name == "tie_word_embeddings" and "tie_word_embeddings" in raw:
                 v, present = raw["tie_word_embeddings"], True
+            elif d is not None and tc.get(d.name) is not None:  # transformers' form (num_layers is read first)
+                try:
+                    v, present = d.read(_derived_value(tc, d, err), kw["num_layers"]), True
+                except ValueError as e:
+                    raise err(d.name, str(e)) from None
+                read_from[where + key.name] = where + d.name
             else:
                 v = key.default(tc) if callable(key.default) else key.default
                 if v is REQUIRED:
@@ -262,14 +286,16 @@ def from_hf(path_or_dict, *, strict: bool = False, report: dict | None = None, *
     derived = check_derived(tc, file_kw, err)
     if report is not None:
         report["derived_keys"] = [where + k for k in derived]
+        report["transformers_form"] = read_from
     return cfg
 
 
 # ------------------------------------------------------------------------------------------------------ emitting
 
 def to_hf_dict(cfg: K3Config, quantization_config: dict | None = None) -> dict:
-    """The HF config dict for ``cfg``'s architecture, from ``KEYS``: a ``kimi_k3`` wrapper for AttnRes configs,
-    else a flat ``kimi_linear`` config. ``from_hf(to_hf_dict(cfg))`` has ``cfg``'s architecture."""
+    """The HF config dict for ``cfg``'s architecture, from ``KEYS``, in the release's form (no transformers-derived
+    keys): a ``kimi_k3`` wrapper for AttnRes configs, else a flat ``kimi_linear`` config.
+    ``from_hf(to_hf_dict(cfg))`` has ``cfg``'s architecture."""
     tc: dict[str, Any] = {"model_type": "kimi_linear"}
     for key in KEYS:
         if not key.emit_if(cfg):

@@ -1,7 +1,8 @@
-"""The table behind HF ``config.json`` <-> ``K3Config`` (``k3jax.hf_config`` parses and emits with it; SPEC §1.1,
-§13): every used key (``KEYS``: its field, types, default, what k3jax accepts, how it is written), the keys
-transformers derives and serializes beside them (``DERIVED``), and the known keys that change no math
-(``BOILERPLATE``, ``IRRELEVANT``; ``EXTRA_READ`` of them kept as metadata).
+"""The table behind HF ``config.json`` <-> ``K3Config`` (``k3jax.hf_config`` parses and emits with it;
+docs/model.md §1.1, §13): every used key of the release's form (``KEYS``: its field, types, default, what k3jax accepts,
+how it is written), transformers' own form of some of them (``DERIVED``: the keys its ``KimiLinearConfig`` derives and
+serializes, which stand in for the release's keys a file lacks and must agree with those it has), and the known keys
+that change no math (``BOILERPLATE``, ``IRRELEVANT``; ``EXTRA_READ`` of them kept as metadata).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from k3jax.config import K3Config
 REQUIRED = object()
 
 
-# Serialized transformers.PretrainedConfig attributes and release metadata: no model hyper-parameter (SPEC §1.1).
-# Every key the official K3 and Kimi-Linear files carry besides the used ones is here.
+# Serialized transformers.PretrainedConfig attributes and release metadata: no model hyper-parameter
+# (docs/model.md §1.1). Every key the official K3 and Kimi-Linear files carry besides the used ones is here.
 BOILERPLATE = frozenset("""
 _name_or_path add_cross_attention architectures auto_map bad_words_ids begin_suppress_tokens bos_token_id
 chunk_size_feed_forward cross_attention_hidden_size decoder_start_token_id diversity_penalty do_sample dtype
@@ -77,7 +78,8 @@ KEYS: tuple[Key, ...] = (
     Key("rms_norm_eps", "rms_norm_eps", _NUM, 1e-6, to_cfg=float),
     Key("tie_word_embeddings", "tie_word_embeddings", _BOOL, False),
     Key("linear_attn_config.full_attn_layers", "full_attn_layers", _LIST, to_cfg=tuple,
-        emit=lambda c: list(c.full_attn_layers)),
+        emit=lambda c: list(c.full_attn_layers),
+        missing="required field is missing (and the file has no transformers' layer_types to read it from)"),
     Key("linear_attn_config.kda_layers", None, _LIST, None, nullable=True,
         emit=lambda c: [i for i in range(1, c.num_layers + 1) if i not in set(c.full_attn_layers)]),
     Key("linear_attn_config.num_heads", "kda_num_heads", _INT, lambda tc: tc.get("num_attention_heads")),
@@ -93,7 +95,7 @@ KEYS: tuple[Key, ...] = (
     Key("qk_nope_head_dim", "qk_nope_head_dim", _INT),
     Key("qk_rope_head_dim", "qk_rope_head_dim", _INT),
     Key("v_head_dim", "v_head_dim", _INT),
-    Key("mla_use_nope", None, _BOOL, False, accept=lambda v: v is True,
+    Key("mla_use_nope", None, _BOOL, lambda tc: _nope_default(tc), accept=lambda v: v is True,
         why="only NoPE MLA (true) is supported; K3 and Kimi-Linear apply no RoPE", emit=lambda c: True),
     Key("mla_use_output_gate", "mla_output_gate", _BOOL, False),
     Key("hidden_act", "hidden_act", _STR, "silu", accept=lambda v: v in ("situ", "silu"),
@@ -131,11 +133,16 @@ KEYS: tuple[Key, ...] = (
 
 @dataclass(frozen=True)
 class Derived:
-    """A key transformers' ``KimiLinearConfig`` (5.x) derives from used keys and serializes: checked, not used.
+    """A key of transformers' form: what its ``KimiLinearConfig`` (5.x) derives from the release's keys and
+    serializes (beside them when it read a release file; alone when it built the config itself, e.g.
+    ``KimiLinearConfig(layer_types=..., linear_num_heads=...)`` then ``save_pretrained``).
 
     ``value(kw)`` is what it must be for the K3Config fields parsed from the same file (before any overrides);
-    ``source`` names the used key(s) it restates; ``why`` is the error's reason.
+    ``source`` names the used key(s) it restates; ``why`` is the error's reason when both are present and disagree.
     ``normalize`` maps a stored value to the form compared (transformers' own spelling remaps).
+    ``stands_for`` is the used key it fills where the file lacks that key (transformers' form), ``read(v, L)`` the
+    value it gives there from the normalized value and the layer count; ``read`` raises ``ValueError(reason)`` for
+    a value k3jax does not implement.
     """
 
     name: str
@@ -144,11 +151,40 @@ class Derived:
     source: str
     why: str = "it restates that value"
     normalize: Callable[[Any], Any] = lambda v: v
+    stands_for: str | None = None
+    read: Callable[[Any, int], Any] = lambda v, L: v
 
 
 # transformers remaps these legacy layer-type spellings on load (configuration_utils._LEGACY_LAYER_TYPE_REMAP)
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
 _LINEAR_WHY = "transformers' KDA reads it where linear_attn_config lacks the key"
+
+
+def _layer_list(v: list, L: int, kinds: tuple[str, ...], what: str) -> None:
+    if len(v) != L:
+        raise ValueError(f"{len(v)} entries for {L} layers")
+    bad = next((i for i, t in enumerate(v) if t not in kinds), None)
+    if bad is not None:
+        raise ValueError(f"1-based layer {bad + 1} is {v[bad]!r}: k3jax builds only "
+                         f"{' and '.join(repr(k) for k in kinds)} {what}")
+
+
+def _read_layer_types(v: list, L: int) -> list[int]:
+    """transformers' ``layer_types`` -> the release's 1-based ``full_attn_layers`` (MLA; the rest KDA)."""
+    _layer_list(v, L, ("full_attention", "linear_attention"), "layers (MLA and KDA)")
+    return [i + 1 for i, t in enumerate(v) if t == "full_attention"]
+
+
+def _read_mlp_layer_types(v: list, L: int) -> int:
+    """transformers' ``mlp_layer_types`` -> ``first_k_dense_replace``: k3jax's dense MLPs are a leading run."""
+    _layer_list(v, L, ("dense", "sparse"), "MLPs")
+    k = next((i for i, t in enumerate(v) if t == "sparse"), L)
+    if "dense" in v[k:]:
+        i = v.index("dense", k)
+        raise ValueError(f"1-based layer {i + 1} is 'dense' after the MoE layer {k + 1}: k3jax places dense MLPs "
+                         "only before the first MoE layer (first_k_dense_replace)")
+    return k
+
 
 DERIVED: tuple[Derived, ...] = (
     # transformers' decoder layer: MLA iff layer_types[l] == "full_attention", else KDA
@@ -157,21 +193,27 @@ DERIVED: tuple[Derived, ...] = (
                         for l in range(kw["num_layers"])],
             "linear_attn_config.full_attn_layers",
             why="transformers builds MLA / KDA layers from layer_types, k3jax from linear_attn_config",
-            normalize=lambda v: [_LEGACY_LAYER_TYPES.get(t, t) for t in v]),
+            normalize=lambda v: [_LEGACY_LAYER_TYPES.get(t, t) for t in v],
+            stands_for="linear_attn_config.full_attn_layers", read=_read_layer_types),
     # transformers' decoder layer: MoE iff mlp_layer_types[l] == "sparse", else the dense MLP
     Derived("mlp_layer_types", _LIST,
             lambda kw: ["dense" if l < kw["first_k_dense_replace"] else "sparse" for l in range(kw["num_layers"])],
             "first_k_dense_replace",
-            why="transformers picks MoE / dense MLP layers from mlp_layer_types, k3jax from first_k_dense_replace"),
-    # transformers' KDA reads these where linear_attn_config lacks the key (k3jax then takes its default)
-    Derived("linear_num_heads", _INT, lambda kw: kw["kda_num_heads"], "linear_attn_config.num_heads", _LINEAR_WHY),
-    Derived("linear_head_dim", _INT, lambda kw: kw["kda_head_dim"], "linear_attn_config.head_dim", _LINEAR_WHY),
+            why="transformers picks MoE / dense MLP layers from mlp_layer_types, k3jax from first_k_dense_replace",
+            stands_for="first_k_dense_replace", read=_read_mlp_layer_types),
+    # transformers' KDA reads these where linear_attn_config lacks the key (so does k3jax)
+    Derived("linear_num_heads", _INT, lambda kw: kw["kda_num_heads"], "linear_attn_config.num_heads", _LINEAR_WHY,
+            stands_for="linear_attn_config.num_heads"),
+    Derived("linear_head_dim", _INT, lambda kw: kw["kda_head_dim"], "linear_attn_config.head_dim", _LINEAR_WHY,
+            stands_for="linear_attn_config.head_dim"),
     Derived("linear_conv_kernel_dim", _INT, lambda kw: kw["kda_conv_size"],
-            "linear_attn_config.short_conv_kernel_size", _LINEAR_WHY),
+            "linear_attn_config.short_conv_kernel_size", _LINEAR_WHY,
+            stands_for="linear_attn_config.short_conv_kernel_size"),
     Derived("qk_head_dim", _INT, lambda kw: kw["qk_nope_head_dim"] + kw["qk_rope_head_dim"],
             "qk_nope_head_dim + qk_rope_head_dim"),
 )
 DERIVED_NAMES = frozenset(d.name for d in DERIVED)
+STANDS_FOR = {d.stands_for: d for d in DERIVED if d.stands_for is not None}  # used key -> transformers' key
 KEY_NAMES = frozenset(k.name.split(".")[0] for k in KEYS) | {"model_type", "quantization_config"} | DERIVED_NAMES
 LINEAR_ATTN_KEYS = frozenset(k.name.split(".", 1)[1] for k in KEYS if k.name.startswith("linear_attn_config."))
 TOP_USED = frozenset({"model_type", "text_config", "tie_word_embeddings", "quantization_config"})
@@ -184,5 +226,12 @@ def _situ_default(tc: dict, value: float):
     return REQUIRED if tc.get("hidden_act") == "situ" else value
 
 
+def _nope_default(tc: dict) -> bool:
+    """``mla_use_nope`` absent: the release's own modelling code (its ``KimiLinearConfig`` defaults to false) would
+    rotate, so a release-form file must state it; a file without ``linear_attn_config`` (transformers' form) is read
+    only by transformers' ``KimiLinear``, whose MLA has no RoPE (it has no such key)."""
+    return "linear_attn_config" not in tc
+
+
 __all__ = ["BOILERPLATE", "DERIVED", "DERIVED_NAMES", "EXTRA_READ", "IRRELEVANT", "KEY_NAMES", "KEYS",
-           "LINEAR_ATTN_KEYS", "MXFP4_FORMAT", "REQUIRED", "TOP_USED", "Derived", "Key"]
+           "LINEAR_ATTN_KEYS", "MXFP4_FORMAT", "REQUIRED", "STANDS_FOR", "TOP_USED", "Derived", "Key"]

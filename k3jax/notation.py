@@ -1,4 +1,4 @@
-"""Dimension legend used in einsum equations, array names and docstrings (STYLE.md §3.5).
+"""Dimension legend used in einsum equations, array names and docstrings (docs/design.md §3.5).
 
 Einsums are lower case, docstrings upper case. Top-k is ``A`` so it never collides with ``K``.
 

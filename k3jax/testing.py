@@ -1,4 +1,4 @@
-"""Test helpers: relative-RMS comparison (SPEC §15.1), tolerance table, tiny inputs.
+"""Test helpers: relative-RMS comparison (docs/numerics.md §15.1), tolerance table, tiny inputs.
 
 rel_rms(x, ref) = ||x - ref||_2 / ||ref||_2, computed in float64 on host. A comparison passes if
 max|x - ref| <= atol_floor or rel_rms <= ratio; both numbers are reported on failure. NaN/Inf always fail.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# Tolerances by comparison; change only in review (STYLE.md §3.3).
+# Tolerances by comparison; change only in review (docs/design.md §3.3).
 TOL = {
     "fp32_vs_fp64": 1e-5,
     "fp64_vs_fp64": 1e-12,

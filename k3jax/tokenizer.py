@@ -1,4 +1,4 @@
-"""The one tokenizer module: the Kimi releases' tiktoken BPE (SPEC §1.1a), or bytes for the presets.
+"""The one tokenizer module: the Kimi releases' tiktoken BPE (docs/model.md §1.1a), or bytes for the presets.
 
     tok = load_tokenizer("Kimi-K3/")          # tiktoken.model + tokenizer_config.json (+ tokenization_kimi.py)
     ids = tok.encode("def f(x):")             # list[int]; special tokens such as <|im_end|> are recognised
@@ -9,8 +9,8 @@ A checkpoint directory with ``tiktoken.model`` gets a ``KimiTokenizer``: the ran
 special tokens come from ``tokenizer_config.json``'s ``added_tokens_decoder``, and the ids between the BPE
 vocabulary and the model's vocabulary that it does not name become ``<|reserved_token_{id}|>`` (the 256 ids
 163584..163839 of K3). The split pattern is read from the checkpoint's ``tokenization_kimi.py`` by parsing its
-syntax tree — never importing it — and falls back to SPEC §1.1a's ``KIMI_PATTERN``. Without ``tiktoken.model`` the
-text is UTF-8 bytes (``ByteTokenizer``, ids 0..255), which is what the presets and the shipped k3-mini use.
+syntax tree — never importing it — and falls back to docs/model.md §1.1a's ``KIMI_PATTERN``. Without ``tiktoken.model``
+the text is UTF-8 bytes (``ByteTokenizer``, ids 0..255), which is what the presets and the shipped k3-mini use.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 
 from k3jax.errors import InputError
 
-# SPEC §1.1a (K2's tokenization_kimi.py), one alternative per entry, joined with "|".
+# docs/model.md §1.1a (K2's tokenization_kimi.py), one alternative per entry, joined with "|".
 KIMI_PATTERN_PARTS = (
     r"""[\p{Han}]+""",
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
@@ -109,7 +109,7 @@ def pattern_from_source(path: str) -> str | None:
 
 
 class KimiTokenizer:
-    """tiktoken BPE with Kimi's split pattern and special tokens (SPEC §1.1a)."""
+    """tiktoken BPE with Kimi's split pattern and special tokens (docs/model.md §1.1a)."""
 
     name = "tiktoken"
 

@@ -21,7 +21,7 @@
 # token and byte-class specialization (against the init checkpoint and a label-shuffled baseline), locality, the
 # Quantile Balancing trajectory of its training run, its router tensors, and the drift a short QAT fine-tune causes.
 # Every definition is in the docstrings of `k3jax/analysis/metrics.py`. Feeds the experiments/LOG.md entry
-# "2026-12-01 (session 4) — the shipped k3-mini (k3jax/assets/k3-mini-stdlib) and routing analysis (#17)".
+# "2026-12-01 (session 4) — the shipped k3-mini (k3jax/assets/k3-mini-stdlib) and routing analysis".
 #
 # Defaults: 16,384 held-out tokens (`$K3_NB_TOKENS`) and a 3-step QAT fine-tune (`$K3_NB_FT_STEPS`), a few minutes on
 # a 2-core CPU; `$K3_NB_CKPT` points at another checkpoint. Outputs (figures, `top1_layer*.html`, `summary.json`,
@@ -96,18 +96,20 @@ summary["coactivation_max"] = float(Pab.max())
 # spec(v) = the fraction of id v's occurrences routed to v's most frequent expert (ids with ≥ 10 occurrences). A
 # random init already beats k/E (its router is a fixed random function of the token), so the trained model is
 # compared with (a) the same metric on its init checkpoint, shipped beside it (`init_routing.json`, the same
-# held-out tokens), and (b) the label-shuffled baseline: each token's expert ids permuted independently.
+# held-out tokens), and (b) the label-shuffled baseline: each token's expert ids permuted independently. The figure
+# has all three beside k/E, per layer: token specialization (left), byte-class specialization averaged over the four
+# classes (middle), and this model's specialization per byte class (right).
 
 # %%
 ids_by_layer = {l: kept[l]["ids"][kept["mask"]] for l in ac.check_layers(cfg, None)}
 toks = kept["tokens"][kept["mask"]]
 init_path = os.path.join(CKPT, "init_routing.json")
 init = json.load(open(init_path)) if os.path.exists(init_path) else None
-rows = []
+rows, shuffled = [], {}
 for d in report["layers"]:
     l = d["layer"]
-    base = am.shuffled_baseline(toks, ids_by_layer[l], cfg.num_experts, cfg.num_experts_per_token, seed=l)
-    shuf, shuf_c = base["token"], base["byte_class"]
+    shuffled[l] = am.shuffled_baseline(toks, ids_by_layer[l], cfg.num_experts, cfg.num_experts_per_token, seed=l)
+    shuf, shuf_c = shuffled[l]["token"], shuffled[l]["byte_class"]
     init_l = next((x for x in init["layers"] if x["layer"] == l), None) if init else None
     rows.append({"layer": l, "token": d["token_specialization"]["mean"], "token_shuffled": shuf,
                  "token_init": init_l["token_specialization"]["mean"] if init_l else None,
@@ -119,7 +121,7 @@ for r in rows:
           f"{r['token_shuffled']:.3f}); byte-class spec {r['class']:.3f} (init {f3(r['class_init'])}, shuffled "
           f"{r['class_shuffled']:.3f})")
 display(Image(filename=ap.specialization_bars(report, os.path.join(OUT, "specialization.png"),
-                                              baselines={"init": init} if init else None)))
+                                              baselines={"init": init} if init else None, shuffled=shuffled)))
 summary["specialization"] = rows
 
 # %% [markdown]
@@ -152,7 +154,8 @@ if os.path.exists(mpath):
     first = next((int(s) for s, w in zip(traj["steps"], worst) if w <= 1.2), None)
     print(f"{len(traj['steps'])} logged steps; worst layer max/mean at the first step {worst[0]:.2f}, last "
           f"{worst[-1]:.2f}; first step with every layer <= 1.2: {first}")
-    display(Image(filename=ap.qb_curves(traj, os.path.join(OUT, "qb_curves.png"))))
+    # one line per MoE layer, in decoder order (as the train step logs them)
+    display(Image(filename=ap.qb_curves(traj, os.path.join(OUT, "qb_curves.png"), layers=ac.check_layers(cfg, None))))
     summary["qb_worst_last"] = float(worst[-1])
 
 # %% [markdown]

@@ -8,11 +8,14 @@ removed from the kernel's environment, and $K3_NB_OUT is a fresh temporary direc
 is ipykernel's `python3`, started with this interpreter (jupyter_client runs a kernelspec's `python` as
 sys.executable), in notebooks/ as Jupyter would, on the CPU backend unless JAX_PLATFORMS says otherwise (libtpu in the
 dev extra would otherwise take its process lock). Cell timings are not recorded, so a rerun only changes the .ipynb
-where a result changed. Never edit the .ipynb by hand: edit the .py and rerun this.
+where a result changed; nor are XLA's "Very slow compile?" alarms, which a busy machine prints to the kernel's
+stderr (they say how loaded the machine was, nothing about the notebook). Never edit the .ipynb by hand: edit the
+.py and rerun this.
 """
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -24,6 +27,28 @@ from nbformat import NotebookNode
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CELL_TIMEOUT_S = 3600
+# XLA's alarm for a compile that takes minutes (e.g. on a machine shared with other jobs), as the kernel's stderr has it
+SLOW_COMPILE = re.compile(r"E\d{4} [\d:.]+ +\d+ slow_operation_alarm\.cc:\d+\][^\n]*\n\n?\*+\n"
+                          r"\[Compiling module [^\n]*\n\*+\n")
+
+
+def drop_slow_compile_alarms(nb: NotebookNode) -> int:
+    """Removes ``SLOW_COMPILE`` messages from the code cells' stderr outputs (an output left empty goes); returns how
+    many were removed."""
+    n = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for o in cell.outputs:
+            if o.output_type == "stream" and o.name == "stderr":
+                o.text, k = SLOW_COMPILE.subn("", o.text)
+                n += k
+                if not o.text:
+                    continue
+            kept.append(o)
+        cell.outputs = kept
+    return n
 
 
 def execute(py: Path, env: dict[str, str], cwd: Path) -> NotebookNode:
@@ -49,6 +74,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix=f"{py.stem}_") as out:
             nb = execute(py, dict(env, K3_NB_OUT=out), NOTEBOOKS)
+        if n := drop_slow_compile_alarms(nb):
+            print(f"{py.stem}: dropped {n} 'Very slow compile' alarm(s) from the outputs", file=sys.stderr)
         jupytext.write(nb, py.with_suffix(".ipynb"))
         size = py.with_suffix(".ipynb").stat().st_size
         print(f"{py.with_suffix('.ipynb').relative_to(NOTEBOOKS.parent)}: {size:,} bytes, "

@@ -15,6 +15,13 @@ export JAX_PLATFORMS="${JAX_PLATFORMS:-cpu}"
 # experiments/LOG.md 2026-12-03, session 13). The checks are against float64 references within TOL, or between two
 # runs under the same flags; they pass unchanged at -O0. `k3` itself keeps XLA's default.
 if [ "$JAX_PLATFORMS" = cpu ]; then export XLA_FLAGS="$XLA_FLAGS --xla_backend_optimization_level=0"; fi
+# JAX's persistent compilation cache, shared by the two xdist workers, by CI's two passes and by the `k3` processes
+# tests start: many tests compile the same small programs (k3-tiny's train step, scorer, prefill and decode step),
+# and a hit skips XLA's backend compile, about half of a compile-bound test's time (tests/cli/test_generate.py: 70 s
+# cold, 35 s warm on a 2-core AMD EPYC). It lives in the clone (.cache/, ignored), so a fresh clone starts empty;
+# only compiles over a second are stored (JAX's default), the key is the program and the compile options, so an
+# entry never outlives the code that made it. Tests that need their own cache (kill/resume) set it themselves.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.cache/jax-tests}"
 # --dist loadgroup: tests marked xdist_group("libtpu") (the deviceless TPU compiles) share one worker. (pytest 9 +
 # pytest-xdist 3.8 ignore the group, so tests/pallas/test_targets.py also runs libtpu in one locked child process.)
 exec .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=40 -m "not slow and not gpu and not manual" "$@"

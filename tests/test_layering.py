@@ -1,4 +1,4 @@
-"""The architecture's dependency direction (README, ../shared/STYLE.md §2), checked on every import in the source —
+"""The architecture's dependency direction (README, docs/design.md §2), checked on every import in the source —
 lazy ones inside functions included: a package imports only packages below it; packages on one level (quant and
 sharding; train and analysis; plan and bench) do not import each other; only layers/backends.py (and the
 benchmarks) import pallas_kernels, which import only k3jax.ops and k3jax.notation."""

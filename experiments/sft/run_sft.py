@@ -1,4 +1,4 @@
-"""The SFT study of issue #31 on the shipped k3-mini: base vs LoRA (over the packed MXFP4 experts: QLoRA) vs a full
+"""The SFT study on the shipped k3-mini: base vs LoRA (over the packed MXFP4 experts: QLoRA) vs a full
 fine-tune of the same budget, scored on the held-out chat set (answer-token loss, greedy exact match).
 
     .venv/bin/python experiments/sft/run_sft.py --steps 200 --out experiments/runs/sft/      # resumable per arm

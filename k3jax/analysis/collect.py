@@ -1,4 +1,4 @@
-"""Collect routing from forward passes over a token stream or token rows, in bounded memory (issue #17).
+"""Collect routing from forward passes over a token stream or token rows, in bounded memory.
 
     fn = routing_fn(cfg, layers=[1, 2], fields=("ids",))            # jitted: (params, tokens [B, T]) -> {l: {...}}
     stats = RoutingStats(cfg, layers=[1, 2], vocab=cfg.vocab_size)

@@ -1,14 +1,15 @@
-"""Routing metrics with explicit definitions (issue #17). Pure NumPy over routing records; no model code.
+"""Routing metrics with explicit definitions. Pure NumPy over routing records; no model code.
 
-Notation: E experts, k = experts per token, a token's routed set S = its top-k ids (by biased score, SPEC §7.1).
-``ids`` are int arrays [..., k] (leading axes: tokens; [B, T, k] where positions matter). Every metric is defined in
-its docstring, with the paper whose definition it follows; where papers differ we say which one we take.
+Notation: E experts, k = experts per token, a token's routed set S = its top-k ids (by biased score,
+docs/model.md §7.1). ``ids`` are int arrays [..., k] (leading axes: tokens; [B, T, k] where positions matter). Every
+metric is defined in its docstring, with the paper whose definition it follows; where papers differ we say which one we
+take.
 
 The published analyses define their metrics slightly differently:
 - load balance: DeepSeek-V3's MaxVio (max load / mean load − 1) is reported as ``maxvio`` next to max/mean;
 - co-activation: OLMoE (Muennighoff et al., 2024) reports P(b | a) = #(a and b routed together) / #(a routed)
-  over the top-k set; ``pairs="rank_adjacent"`` counts only experts adjacent in the ranking (the variant our issue
-  #17 attributes to OLMoE's analysis code; we did not check that code), named as such;
+  over the top-k set; ``pairs="rank_adjacent"`` counts only experts adjacent in the ranking (the variant the project's
+  routing-analysis brief attributes to OLMoE's analysis code; we did not check that code), named as such;
 - specialization: OLMoE's token/domain specialization = the fraction of a token's (domain's) occurrences routed to
   the expert that receives it most often, compared with the k/E a uniform router gives;
 - locality: Mixtral (Jiang et al., 2024, §5) measures how often consecutive tokens get the same experts.

@@ -1,4 +1,4 @@
-"""Static router analysis from the router tensors alone (issue #17): no forward pass, no expert weights.
+"""Static router analysis from the router tensors alone: no forward pass, no expert weights.
 
     report = static_router_analysis("Kimi-K3/", layers=[1, 46, 92])
 
@@ -10,7 +10,7 @@ layer out of ~17 GB. Per layer:
 - ``router_norm``: the L2 norm of each expert's router row w_e (its logit scale: s_e = σ(x · w_e));
 - ``cosine``: cos(w_a, w_b) over expert pairs a != b — mean, max, and the most similar pairs (experts whose routers
   point the same way compete for the same tokens);
-- ``bias``: the e_score_correction_bias b (selection-only, SPEC §7.1) — min, max, mean, std, range, histogram.
+- ``bias``: the e_score_correction_bias b (selection-only, docs/model.md §7.1) — min, max, mean, std, range, histogram.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from k3jax.errors import InputError
 
 STACKS = ("loop", "scan")
 PARTS = ("forward", "grad", "train_step")
-TARGET_SCAN_GROWTH = 2.0  # issue #15: train-step compile time at 92 layers / at 12, scanned (goal 1.3)
+TARGET_SCAN_GROWTH = 2.0  # train-step compile time at 92 layers / at 12, scanned (goal 1.3)
 
 
 def add_arguments(parser) -> None:

@@ -25,8 +25,9 @@ is the largest rise of the kernel's RSS high-water mark while building one leaf,
 (high-water mark reset per leaf via /proc/self/clear_refs). On the CPU backend the loaded arrays live in host
 memory, so the whole-load rise (``load_peak_rss_increase_bytes``) necessarily contains the result itself
 (``result_rss_bytes``, RSS after minus before with the params alive); the per-leaf figure is the host memory the
-load needs on top of what it has already loaded — the streaming bound of SPEC §14.5 (the leaf's own output counts
-as 1×, so ≤ 2 means temporaries of at most one leaf). Where clear_refs is unavailable the whole-load rise is used.
+load needs on top of what it has already loaded — the streaming bound of docs/numerics.md §14.5 (the leaf's own output
+counts as 1×, so ≤ 2 means temporaries of at most one leaf). Where clear_refs is unavailable the whole-load rise is
+used.
 
     k3 bench load --json
     k3 bench load --quick --json

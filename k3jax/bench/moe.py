@@ -8,7 +8,7 @@
     expert at E = 256), top-k and latent width. Useful FLOPs are identical; only the total parameter count grows.
     ``time_E256_over_E16`` is the model's default dispatch ("sorted": per-expert row tiles on CPU, see
     k3jax/ops/grouped_matmul.py); the ``lax.ragged_dot`` dispatch is timed beside it, because on XLA:CPU its cost
-    grows linearly with the number of groups (SPEC §14.2).
+    grows linearly with the number of groups (docs/numerics.md §14.2).
 (b) bytes per token moved by the EP dispatch all-to-all, read from the compiled HLO (all-to-all result shapes),
     vs the formula tokens × k × latent × bytes (what a ragged all-to-all moves), for worst-case buckets
     (capacity_factor −1, dropless) and capacity_factor 1.0.

@@ -3,10 +3,10 @@
     k3 bench mxfp4 --json            # K3 expert shape: K = 3584, N = 3072; M in {1, 16, 2048}
     k3 bench mxfp4 --json --quick    # small shapes, seconds on a laptop CPU
 
-bits per weight is measured on real packed arrays (uint8 codes + E8M0 scales); SPEC §10.4 says 4.25 (vs 16 for bf16):
-``bytes`` is packed = N·K/2, scale = N·K/32, bf16 = 2·N·K. The MXFP4 path is jit(x @ mxfp4_unpack(packed, scale,
-bf16)ᵀ), which XLA fuses on CPU; times are medians. Correctness check: ``times["M*"]["mxfp4_rel_rms_vs_f64"]`` is the
-rel-RMS of that path vs x @ (dequantized weights)ᵀ in float64 (MXFP4 values are exact in bf16, so only the f32
+bits per weight is measured on real packed arrays (uint8 codes + E8M0 scales); docs/numerics.md §10.4 says 4.25 (vs 16
+for bf16): ``bytes`` is packed = N·K/2, scale = N·K/32, bf16 = 2·N·K. The MXFP4 path is jit(x @ mxfp4_unpack(packed,
+scale, bf16)ᵀ), which XLA fuses on CPU; times are medians. Correctness check: ``times["M*"]["mxfp4_rel_rms_vs_f64"]`` is
+the rel-RMS of that path vs x @ (dequantized weights)ᵀ in float64 (MXFP4 values are exact in bf16, so only the f32
 accumulation differs). ``ratios``: ``bits_per_weight``, ``bits_per_weight_bf16``, ``time_mxfp4_over_bf16_M*``.
 """
 

@@ -1,9 +1,9 @@
 """The checkpoint directory as a container: safetensors shard headers, the index, the manifest, file-name safety.
 
 Why not the ``safetensors`` library: safetensors 0.8.0 cannot return F8_E4M3, F8_E8M0 or F4 tensors through
-``framework="numpy"`` or ``"flax"``, and ``framework="flax"`` puts whole tensors on device 0 (SPEC §11.8, §14.5).
-The container is simple (u64 LE length, JSON header, data), so we parse it ourselves. Nothing is ever unpickled:
-pickle-based files (``.bin``, ``.pt``, ``.pth``, ``.pkl``, ``.ckpt``) are refused outright.
+``framework="numpy"`` or ``"flax"``, and ``framework="flax"`` puts whole tensors on device 0 (docs/checkpoint.md §11.8,
+docs/numerics.md §14.5). The container is simple (u64 LE length, JSON header, data), so we parse it ourselves. Nothing
+is ever unpickled: pickle-based files (``.bin``, ``.pt``, ``.pth``, ``.pkl``, ``.ckpt``) are refused outright.
 
 Everything here reads headers and JSON only, never tensor data (``k3jax.checkpoint.io`` reads the bytes):
 

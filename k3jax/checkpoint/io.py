@@ -182,7 +182,8 @@ class Checkpoint:
         return out
 
     def packed_modules(self) -> list[str]:
-        """Module prefixes stored MXFP4 — decided by the presence of ``<prefix>.weight_packed`` (SPEC §10.5)."""
+        """Module prefixes stored MXFP4 — decided by the presence of ``<prefix>.weight_packed``
+        (docs/numerics.md §10.5)."""
         return [n[: -len(".weight_packed")] for n in self.tensors if n.endswith(".weight_packed")]
 
     def expert_pages(self, moe_prefix: str) -> dict[int, tuple[str, int, int]]:

@@ -1,7 +1,8 @@
-"""Streaming, sharded load of an official-layout checkpoint into the k3jax params tree (SPEC §11.8).
+"""Streaming, sharded load of an official-layout checkpoint into the k3jax params tree (docs/checkpoint.md §11.8).
 
     cfg, params = load("ckpt/")                                  # experts on the "expert" axis over all devices
     cfg, params = load("ckpt/", mesh=mesh, keep_experts_packed=True)
+    cfg, params = load(shipped_checkpoint())                     # the trained k3-mini shipped with the package
 
 1. ``open_checkpoint`` (io.py, container.py) parses the index and every text shard header; ``plan_load`` (plan.py)
    checks every name, shape and dtype against the name map for the config — before any data byte is read. Vision
@@ -186,9 +187,9 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
         (kernel high-water mark, reset per leaf, minus the RSS before that leaf) — host memory the load needs on top
         of what it has already loaded. Costs a few /proc reads per leaf, so off by default.
       strict_config: unknown keys in ``config.json`` are errors instead of one warning.
-    Other writers' forms are accepted and converted (SPEC §2.1, §11): floating tensors in another float dtype are
-    cast, ``A_log`` in any vector form with an exactly-zero tail, a dense MLP under transformers 5's
-    ``block_sparse_moe.{gate,up,down}_proj`` names; ``stats["tolerated"]`` says what was.
+    Other writers' forms are accepted and converted (docs/model.md §2.1, docs/checkpoint.md §11): floating tensors in
+    another float dtype are cast, ``A_log`` in any vector form with an exactly-zero tail, a dense MLP under transformers
+    5's ``block_sparse_moe.{gate,up,down}_proj`` names; ``stats["tolerated"]`` says what was.
     Returns: (cfg, params).
     """
     t0 = time.perf_counter()
@@ -240,4 +241,11 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     return cfg, params
 
 
-__all__ = ["load"]
+def shipped_checkpoint() -> str | None:
+    """The directory of the trained k3-mini shipped with the package (``k3jax/assets/k3-mini-stdlib``: byte-level,
+    the model `k3 run` evaluates), or None in an install without it."""
+    p = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "k3-mini-stdlib")
+    return p if os.path.exists(os.path.join(p, "config.json")) else None
+
+
+__all__ = ["load", "shipped_checkpoint"]

@@ -1,4 +1,5 @@
-"""k3jax parameter leaves ↔ official HF tensors (SPEC §2.1, §11, §13), read from the blocks' own tables.
+"""k3jax parameter leaves ↔ official HF tensors (docs/model.md §2.1, docs/checkpoint.md §11, docs/model.md §13), read
+from the blocks' own tables.
 
 Each block class (k3jax/layers/*, k3jax/model/decoder.py, k3jax/model/network.py) keeps ``HF``: per parameter its
 HF suffix and transform, per sub-block its infix. This module walks them over the abstract model, so a leaf added
@@ -13,9 +14,9 @@ Two layouts, picked by ``default_layout(cfg)`` (or passed explicitly):
   K3 config adds the two vision shards (96 files in all).
 - ``"kimi-linear"``: HF Kimi-Linear (``model.layers.*``, ``lm_head.weight``), ``A_log`` F32 [1, 1, H, 1], BF16
   convs and ``o_norm``, BF16 experts ``experts.{e}.w{1,2,3}.weight``. Its official shard split is not known here;
-  ``shard_of`` uses the K3 rule (one layer per shard) as the k3jax writer convention. Dtypes not pinned by SPEC
-  §13 are assumptions: ``dt_bias`` and ``e_score_correction_bias`` F32, ``o_norm`` BF16 (loaders should trust the
-  header's dtype and cast).
+  ``shard_of`` uses the K3 rule (one layer per shard) as the k3jax writer convention. Dtypes not pinned by
+  docs/model.md §13 are assumptions: ``dt_bias`` and ``e_score_correction_bias`` F32, ``o_norm`` BF16 (loaders
+  should trust the header's dtype and cast).
 
 The expert storage follows ``cfg.expert_format`` ("mxfp4" or "bf16") in either layout.
 
@@ -316,7 +317,7 @@ def leaf_from_hf(array, spec: TensorSpec, shape: Sequence[int]) -> np.ndarray:
         raise ValueError(f"{spec.name}: MXFP4 tensors come in pairs; use expert_from_hf(packed, scale, ...)")
     if t in ("linear", "expert"):
         return a.T.reshape(shape)
-    if t == "a_log_pad":  # any vector form of >= H values (SPEC §2.1: [H], [1, 1, H, 1], zero-padded [128])
+    if t == "a_log_pad":  # any vector form of >= H values (docs/model.md §2.1: [H], [1, 1, H, 1], zero-padded [128])
         H, a = shape[0], a.reshape(-1)
         if np.any(a[H:] != 0):
             raise InputError(f"{spec.name}: A_log padding [{H}:] must be exactly 0 (got non-zero entries)")

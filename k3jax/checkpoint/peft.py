@@ -37,8 +37,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from typing import NamedTuple
 
 import jax
@@ -46,10 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.atomic import check_out_dir, staged_dir
 from k3jax.checkpoint.container import PICKLE_SUFFIXES, read_header
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.io import Checkpoint
-from k3jax.checkpoint.save import _write_shard, move_into_place
+from k3jax.checkpoint.save import _write_shard
 from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, architecture, architecture_diff
 from k3jax.layers.lora import adapter_names, is_adapter
 from k3jax.pytree import key_names
@@ -137,6 +136,7 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     lora = run.lora
     if lora is None:
         raise CheckpointError("run.lora is None: no adapter to save")
+    check_out_dir(out_dir, overwrite=overwrite)  # before any leaf is read
     mods = [m for m in modules(cfg, run, lora.rank) if m.target in lora.targets]
     expected = {leaf_location(p, cfg)[0] for m in mods for p in (m.a_path, m.b_path)}
     held = {key_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0] if is_adapter(key_names(p)[-1])}
@@ -173,20 +173,11 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     side = {"format": 1, "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
                                   "dropout": lora.dropout}, "architecture": architecture(cfg)}
     out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise CheckpointError("output directory exists and is not empty (pass overwrite=True)", file=out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    try:
+    with staged_dir(out_dir, overwrite=overwrite) as tmp:
         _write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), list(values), values)
         for fname, obj in ((ADAPTER_CONFIG, conf), (SIDECAR, side)):
             with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
                 json.dump(obj, f, indent=2, sort_keys=True)
-        move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"dir": out_dir, "modules": len(mods), "tensors": len(values)}
 
 

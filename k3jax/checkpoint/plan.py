@@ -1,10 +1,11 @@
-"""Validate an opened checkpoint against the name map for a config and plan the load (SPEC §11.8).
+"""Validate an opened checkpoint against the name map for a config and plan the load (docs/checkpoint.md §11.8).
 
 ``plan_load`` checks every name, shape and dtype against ``name_map.hf_tensors`` for the config before a single data
 byte is read, and returns the ``Plan``: each k3jax leaf path with its checkpoint tensors. Other writers' forms are
 accepted where they convert losslessly: a floating tensor in another float dtype (cast on load), ``A_log`` in any
 vector form with an exactly-zero tail (``a_log_form``), a dense MLP named ``block_sparse_moe.{gate,up,down}_proj``
-as transformers 5's ``save_pretrained`` writes it (SPEC §13; ``dense_mlp_names``, decided per layer by presence).
+as transformers 5's ``save_pretrained`` writes it (docs/model.md §13; ``dense_mlp_names``, decided per layer by
+presence).
 
     ck = open_checkpoint("ckpt/")
     plan = plan_load(ck, cfg)                   # raises CheckpointError naming file and tensor
@@ -31,7 +32,7 @@ A_LOG_TRANSFORMS = ("a_log_pad", "a_log_4d")
 # A dense MLP tensor as the release names it: (layer prefix, layer, "{gate,up,down}_proj.weight").
 DENSE_MLP_RE = re.compile(r"^(.*\bmodel\.layers\.(\d+)\.)mlp\.((?:gate|up|down)_proj\.weight)$")
 # transformers 5.x ``save_pretrained`` reverts its ``.block_sparse_moe. -> .mlp.`` load rename on every layer, so a
-# dense layer's MLP is stored under the MoE block's name (SPEC §13: accept both, decided by presence).
+# dense layer's MLP is stored under the MoE block's name (docs/model.md §13: accept both, decided by presence).
 DENSE_MLP_ALT = "block_sparse_moe"
 
 
@@ -78,7 +79,7 @@ class Plan:
 
 
 def a_log_form(stored: tuple, cfg) -> str | None:
-    """Name of an accepted other storage of ``A_log`` (SPEC §2.1), or None if ``stored`` is not one: a vector
+    """Name of an accepted other storage of ``A_log`` (docs/model.md §2.1), or None if ``stored`` is not one: a vector
     of N >= H values (one non-unit axis, e.g. [H], [1, 1, H, 1], [128]) whose tail past H must be exactly 0."""
     H = cfg.kda_num_heads
     big = [n for n in stored if n != 1]

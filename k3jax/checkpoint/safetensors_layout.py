@@ -1,4 +1,4 @@
-"""safetensors container layout of the official K3 shards (SPEC §11.5–11.6), computed without any weights.
+"""safetensors container layout of the official K3 shards (docs/checkpoint.md §11.5–11.6), computed without any weights.
 
     file   = u64_le(N) ‖ header (N bytes) ‖ data
     header = '{' + ','.join('"name":{"dtype":"D","shape":[a,b],"data_offsets":[s,e]}') + '}'   compact JSON,
@@ -21,7 +21,8 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# dtype -> (rank in the official header order, item size in bytes). K3 uses exactly these three (SPEC §11.6).
+# dtype -> (rank in the official header order, item size in bytes). K3 uses exactly these three
+# (docs/checkpoint.md §11.6).
 K3_HEADER_DTYPES = {"F32": (0, 4), "BF16": (1, 2), "U8": (2, 1)}
 
 

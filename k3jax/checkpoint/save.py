@@ -1,4 +1,4 @@
-"""Write k3jax params back in the official K3 checkpoint layout, byte-exactly (SPEC §11.5–11.7, §11.9).
+"""Write k3jax params back in the official K3 checkpoint layout, byte-exactly (docs/checkpoint.md §11.5–11.7, §11.9).
 
     save(params, cfg, "out/")          # model-00001-of-000010.safetensors ... + index + config.json
 
@@ -12,7 +12,8 @@
   ``load(..., keep_experts_packed=True)``) are written as they are.
 - ``model.safetensors.index.json``: indent 2, no trailing newline, ``metadata.total_size`` = payload bytes, keys in
   byte order. ``config.json``: indent 2, sorted keys, no trailing newline (the release's format).
-- Everything is written into a temporary sibling directory that is renamed into place only when complete.
+- Everything is written into a temporary sibling directory that is renamed into place only when complete
+  (``k3jax.checkpoint.atomic``): a failed save leaves an existing ``out_dir`` as it was.
 - In a multi-process (``jax.distributed``) run, or with arrays this process cannot address whole, every process calls
   ``save`` and writes only the tensors it holds into the shared directory (``save_dist``); the bytes are the
   single-process ``save``'s.
@@ -23,11 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import numpy as np
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.atomic import check_out_dir, sibling, staged_dir
 from k3jax.checkpoint.container import INDEX_NAME, MANIFEST_NAME, read_header, sha256_file
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
@@ -109,7 +110,7 @@ class _ShardValues:
                     self._packed[path] = tuple(
                         self._view((*path[:-1], packed_name(w, part))).astype(np.uint8, copy=False)
                         for part in PACKED_PARTS)
-                else:  # compressed-tensors "even" rule (SPEC §10.2–10.3)
+                else:  # compressed-tensors "even" rule (docs/numerics.md §10.2–10.3)
                     p, s = pack_experts(self._view(path), rule="even", name=spec.name)
                     self._packed[path] = (np.asarray(p, np.uint8), np.asarray(s, np.uint8))
             p, s = self._packed[path]
@@ -165,66 +166,60 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
 
     layout = layout or nm.default_layout(cfg)
     fmt = expert_format or cfg.expert_format
-    out_dir = os.path.abspath(os.fspath(out_dir))
-    if os.path.exists(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise CheckpointError("output directory exists and is not empty (pass overwrite=True)", file=out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
+    out_dir = check_out_dir(out_dir, overwrite=overwrite)
     dist = save_dist.needs_distributed(params)
+    tmp = None
     if dist:  # every process writes its own tensors into one directory (k3jax/checkpoint/save_dist.py)
         import jax
 
-        tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.tmp-dist")
+        tmp = sibling(out_dir, "dist")
         if jax.process_index() == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)  # a previous distributed save that died
         save_dist.barrier(f"k3jax save: start {out_dir}")
-        if jax.process_index() != 0:
+        if jax.process_index() != 0:  # process 0 alone renames the directory into place
             shards = list(nm.shard_tensors(cfg, layout, fmt))
             weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, shards)
             save_dist.barrier(f"k3jax save: done {out_dir}")
             if save_dist.any_failed(False):
                 raise CheckpointError("process 0 failed to finish the checkpoint", file=out_dir)
             return {"dir": out_dir, "files": files, "total_size": total_size}
-    else:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     failed = written = False
     try:
-        shards = nm.shard_tensors(cfg, layout, fmt)
-        total = nm.num_shards(cfg, layout)
-        if dist:
-            # (raises in every process alike when a process failed: then no final barrier is owed)
-            weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, list(shards))
-            written = True
-        else:
-            weight_map, total_size, files = {}, 0, []
-            it = shards
-            if progress:
-                from tqdm import tqdm
-                it = tqdm(shards, desc="save", unit="shard")
-            for fname, specs in it:
-                total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params, cfg))
-                weight_map.update((s.name, fname) for s in specs)
-                files.append(fname)
-        if nm.has_vision_shards(cfg, layout) and vision_from is not None:
-            for k in range(cfg.num_layers + 2, total + 1):
-                fname = shard_file_name(k, total)
-                src = os.path.join(os.fspath(vision_from), fname)
-                h = read_header(src, fname)
-                shutil.copyfile(src, os.path.join(tmp, fname))
-                total_size += sum(e.nbytes for e in h.entries.values())
-                weight_map.update((n, fname) for n in h.entries)
-                files.append(fname)
-        with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
-            f.write(index_json(weight_map, total_size))
-        with open(os.path.join(tmp, "config.json"), "wb") as f:
-            f.write(config_json(cfg.replace(expert_format=fmt)))
-        if manifest:
-            with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
-                f.writelines(f"{sha256_file(os.path.join(tmp, n))}  {n}\n" for n in files)
-        move_into_place(tmp, out_dir)
+        with staged_dir(out_dir, overwrite=overwrite, tmp=tmp) as tmp:
+            shards = nm.shard_tensors(cfg, layout, fmt)
+            total = nm.num_shards(cfg, layout)
+            if dist:
+                # (raises in every process alike when a process failed: then no final barrier is owed)
+                weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, list(shards))
+                written = True
+            else:
+                weight_map, total_size, files = {}, 0, []
+                it = shards
+                if progress:
+                    from tqdm import tqdm
+                    it = tqdm(shards, desc="save", unit="shard")
+                for fname, specs in it:
+                    total_size += _write_shard(os.path.join(tmp, fname), specs, _ShardValues(params, cfg))
+                    weight_map.update((s.name, fname) for s in specs)
+                    files.append(fname)
+            if nm.has_vision_shards(cfg, layout) and vision_from is not None:
+                for k in range(cfg.num_layers + 2, total + 1):
+                    fname = shard_file_name(k, total)
+                    src = os.path.join(os.fspath(vision_from), fname)
+                    h = read_header(src, fname)
+                    shutil.copyfile(src, os.path.join(tmp, fname))
+                    total_size += sum(e.nbytes for e in h.entries.values())
+                    weight_map.update((n, fname) for n in h.entries)
+                    files.append(fname)
+            with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
+                f.write(index_json(weight_map, total_size))
+            with open(os.path.join(tmp, "config.json"), "wb") as f:
+                f.write(config_json(cfg.replace(expert_format=fmt)))
+            if manifest:
+                with open(os.path.join(tmp, MANIFEST_NAME), "w", encoding="utf-8") as f:
+                    f.writelines(f"{sha256_file(os.path.join(tmp, n))}  {n}\n" for n in files)
     except BaseException:
         failed = True
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if dist and written:  # process 0 tells the others whether the directory is in place
@@ -233,30 +228,19 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 
-def move_into_place(tmp: str, out_dir: str) -> None:
-    """Rename the finished directory ``tmp`` (a sibling of ``out_dir``) to ``out_dir``; an existing ``out_dir`` is
-    moved aside first and removed only once the new one is in place (the writers' atomic replace)."""
-    if os.path.exists(out_dir):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(tmp))
-        os.rename(out_dir, os.path.join(old, "d"))
-        os.rename(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out_dir)
-
-
-def export_trained(params, cfg: K3Config, qat: str, out_dir: str) -> dict:
+def export_trained(params, cfg: K3Config, qat: str, out_dir: str, *, overwrite: bool = False) -> dict:
     """A trained model in the official layout (``save``'s summary plus its ``expert_format``): packed MXFP4 experts
     when the run trained with QAT (the fake-quant grid is the export grid) or held them packed (a frozen-expert
-    run: written as their own bytes), BF16 otherwise."""
+    run: written as their own bytes), BF16 otherwise. An existing non-empty ``out_dir`` is replaced only with
+    ``overwrite``."""
     import jax
 
     from k3jax.model.functional import packed_expert_paths
 
     fmt = "mxfp4" if qat != "off" or packed_expert_paths(params) else "bf16"
-    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=True)
+    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=overwrite)
     r["expert_format"] = fmt
     return r
 
 
-__all__ = ["config_json", "export_trained", "index_json", "move_into_place", "save"]
+__all__ = ["config_json", "export_trained", "index_json", "save"]

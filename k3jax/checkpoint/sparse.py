@@ -1,6 +1,6 @@
 """Full-scale dry run: the official 96-file K3 layout as sparse files (real headers, holes for the data).
 
-    info = make_sparse_checkpoint("/tmp/k3-sparse", vision_tsv="shared/k3/tensors_vision.tsv")
+    info = make_sparse_checkpoint("/tmp/k3-sparse", vision_tsv="tensors_vision.tsv")  # the release's 168 vision tensors
 
 Every shard gets its real u64 length and header (from the name map and ``safetensors_layout``), then is extended
 with ``os.truncate`` to its exact published size, so the ~1.56 TB of payload are holes that take no disk space and

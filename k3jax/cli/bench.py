@@ -71,7 +71,7 @@ def _main(args) -> int:
     if args.name not in avail:
         raise InputError(f"unknown benchmark {args.name!r}; available: {', '.join(avail)}")
     mod = importlib.import_module(BENCHES[args.name])
-    bp = argparse.ArgumentParser(prog=f"k3 bench {args.name}")
+    bp = argparse.ArgumentParser(prog=f"k3 bench {args.name}", allow_abbrev=False)
     if hasattr(mod, "add_arguments"):
         mod.add_arguments(bp)
     bargs = bp.parse_args(args.rest)

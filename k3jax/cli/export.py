@@ -19,16 +19,24 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
+    import argparse
+
+    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
+
     p = sub.add_parser("export", help="write params as an official-layout safetensors checkpoint",
-                       description=__doc__)
-    p.add_argument("out", help="output directory (written atomically)")
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", metavar="OUT", help="output directory (written atomically)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from", dest="src", help="checkpoint directory to load and re-export")
-    src.add_argument("--preset", help="export freshly initialised params of this preset")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--expert-format", choices=("mxfp4", "bf16"), default=None)
+    src.add_argument("--from", dest="src", type=checkpoint_arg, metavar="DIR",
+                     help="checkpoint directory to load and re-export")
+    src.add_argument("--preset", type=preset_arg, metavar="NAME",
+                     help=preset_help("export freshly initialised params of this preset"))
+    p.add_argument("--seed", type=int, default=0, help="init seed for --preset (default 0)")
+    p.add_argument("--expert-format", choices=("mxfp4", "bf16"), default=None,
+                   help="how the routed experts are stored (default: as the config says; --from's MXFP4 experts are "
+                        "copied byte for byte)")
     p.add_argument("--manifest", action="store_true", help="also write SHA256SUMS")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT when it exists and is not empty")
     p.add_argument("--strict-config", action="store_true", help="unknown keys in --from's config are errors")
     p.add_argument("--merge-adapter", default=None, metavar="DIR",
                    help="merge this LoRA adapter (PEFT layout) into --from's weights before writing")
@@ -37,6 +45,13 @@ def add_parser(sub) -> None:
                    "compared (merged checkpoint vs base + adapter)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
+
+
+def _check_out(args) -> None:
+    """OUT checked before anything is loaded: an existing non-empty directory only with --overwrite (exit 2)."""
+    from k3jax.checkpoint.atomic import check_out_dir
+
+    check_out_dir(args.out, overwrite=args.overwrite, flag="OUT", hint="pass --overwrite")
 
 
 def run(args) -> int:
@@ -48,6 +63,7 @@ def run(args) -> int:
         from k3jax.errors import InputError
 
         raise InputError("--tokens and --heldout compare a merged adapter: give --merge-adapter")
+    _check_out(args)
 
     from k3jax.checkpoint.load import load
     from k3jax.checkpoint.save import save
@@ -89,6 +105,7 @@ def _merge(args) -> int:
         raise InputError("--merge-adapter merges into a checkpoint: give --from BASE")
     if args.expert_format == "bf16":
         raise InputError("--merge-adapter re-quantizes the experts as the base stores them; drop --expert-format")
+    _check_out(args)
     cfg, base = load(args.src, strict_config=args.strict_config)          # experts dequantized (exact)
     run = default_run(cfg)
     lora, leaves = load_adapter(args.merge_adapter, cfg, run)

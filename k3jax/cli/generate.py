@@ -8,12 +8,14 @@
 ``--tokens`` is an int32 [B, T] array of B independent prompts, ragged ones right-padded with -1 (as in `k3 route` and
 `k3 logits`; a 1-D [T] file is one prompt); an id < -1 or >= vocab, a row of only padding or -1 inside a row exits 2
 naming the row. ``--prompt`` text is encoded by the checkpoint's own tokenizer when its directory has one
-(``tiktoken.model``, SPEC §1.1a), else as UTF-8 bytes. ``--out`` gets the new tokens only, [B, N] int32, -1 after a
+(`tiktoken.model`, docs/model.md §1.1a), else UTF-8 bytes. ``--out`` gets the new tokens only, [B, N] int32, -1 after a
 row's stop; ``--logits-out`` the float32 logits [B, N, V] each new token was drawn from (zeros after a stop). With
 B = 1 the text streams to stdout as it decodes (B > 1: each row printed whole at the end); ``--json`` prints one object
 instead. Same seed, same samples. A --stop id ends its row and is kept as the row's last token. Bad input exits 2
 before any compute and writes no file; output files appear only once generation has finished. ``--adapter DIR``
 applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the model; a bad one exits 2 naming its file.
+Timing goes to stderr (``timing`` in the --json object): the prefill's and the decode's compile seconds apart, and
+the tokens/s of the decode steps after the first (compiled ones: the first step compiles).
 """
 
 from __future__ import annotations
@@ -29,30 +31,36 @@ import numpy as np
 from k3jax.cli.source import default_ckpt, load_model, load_token_file, model_config
 from k3jax.errors import InputError
 
-# SPEC §1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
+# docs/model.md §1.1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
 DEFAULT_MAX_LEN = 1 << 20
 
 
 def add_parser(sub) -> None:
+    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
+
     p = sub.add_parser("generate", help="sample new tokens with the KDA-state + MLA-latent cache",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", help="checkpoint directory (HF layout); default: the shipped k3-mini")
-    src.add_argument("--preset", help="random init of this preset (init seed 0)")
+    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
+                     help="checkpoint directory (HF layout); default: the shipped k3-mini")
+    src.add_argument("--preset", type=preset_arg, metavar="NAME",
+                     help=preset_help("random init of this preset (init seed 0)"))
     p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="prompt text")
     inp.add_argument("--tokens", help=".npy int32 [B, T]: B independent prompts, ragged rows right-padded with -1; "
                      "[T]: one prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per row, at most (default 64)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="arg-max decoding (the default without --temperature)")
-    mode.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=1.0)
+    mode.add_argument("--temperature", type=float, default=None,
+                      help="sample from softmax(logits / T) instead of the arg-max (T > 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches p (default 1.0: off)")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--stop", default=None, help="comma-separated token ids that end a row, e.g. 163586,2")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest prompt + new tokens allowed (default: config.json's max_position_embeddings, "
                         f"else {DEFAULT_MAX_LEN})")
@@ -186,8 +194,10 @@ def run(args) -> int:
         for b, (s, why) in enumerate(zip(texts, out.stop_reason, strict=True)):
             shown = rows[b] if tok is None else text(prompts[b, : n[b]].tolist()) + s
             print(f"[{b}] ({why}) {shown}")
-    t = out.timing
-    rate = f"{t['decode_tokens_per_s']:.1f} tokens/s" if t["decode_tokens_per_s"] else "-"
-    print(f"k3 generate: prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.2f} s, {t['decode_steps']} decode "
-          f"steps in {t['decode_s']:.2f} s ({rate})", file=sys.stderr)
+    t = out.timing  # compile times apart: the throughput is that of the compiled steps (model/generate.py)
+    rate = (f"{t['decode_tokens_per_s']:.1f} tokens/s after compile" if t["decode_tokens_per_s"]
+            else "tokens/s: - (needs 2 decode steps)")
+    print(f"k3 generate: prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.2f} s (compile "
+          f"{t['prefill_compile_s']:.2f} s); {t['decode_steps']} decode steps in {t['decode_s']:.2f} s (compile "
+          f"{t['decode_compile_s']:.2f} s, first step {t['first_step_s']:.2f} s); {rate}", file=sys.stderr)
     return 0

@@ -21,9 +21,16 @@ from k3jax.errors import InputError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("inspect", help="validate a checkpoint directory against its config", description=__doc__)
-    p.add_argument("dir", nargs="?", help="checkpoint directory (index, shards, config.json)")
-    p.add_argument("--ckpt", dest="ckpt", default=None, help="checkpoint directory (same as the positional DIR)")
+    import argparse
+
+    from k3jax.cli.source import checkpoint_arg
+
+    p = sub.add_parser("inspect", help="validate a checkpoint directory against its config", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", nargs="?", type=checkpoint_arg, metavar="DIR",
+                   help="checkpoint directory (index, shards, config.json)")
+    p.add_argument("--ckpt", dest="ckpt", default=None, type=checkpoint_arg, metavar="DIR",
+                   help="checkpoint directory (same as the positional DIR)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check-data", action="store_true", help="also read every E8M0 scale tensor and check it")
     p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")

@@ -29,8 +29,11 @@ import numpy as np
 def add_parser(sub) -> None:
     p = sub.add_parser("logits", help="load a checkpoint and compute logits for a token file", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", nargs="?", help="checkpoint directory")
-    p.add_argument("--ckpt", default=None, help="checkpoint directory (same as the positional DIR)")
+    from k3jax.cli.source import checkpoint_arg
+
+    p.add_argument("dir", nargs="?", type=checkpoint_arg, metavar="DIR", help="checkpoint directory")
+    p.add_argument("--ckpt", default=None, type=checkpoint_arg, metavar="DIR",
+                   help="checkpoint directory (same as the positional DIR)")
     p.add_argument("--tokens", required=True,
                    help=".npy int32 [B, T]: B independent sequences, ragged rows right-padded with -1 (NaN logits "
                         "there); [T]: one sequence")

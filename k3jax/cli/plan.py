@@ -31,6 +31,7 @@ import argparse
 import json
 import sys
 
+from k3jax.cli.source import preset_arg, preset_help
 from k3jax.errors import InputError
 from k3jax.plan import formula
 from k3jax.plan.formula import DEFAULT_CONTEXT
@@ -41,7 +42,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="parameters, checkpoint bytes and per-device memory (allocates nothing)",
                        description=__doc__ + "\n" + formula.__doc__.split("\n\n", 2)[2],  # its counts, memory model
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", required=True, help="preset name (kimi-k3, kimi-linear-48b, k3-mini, k3-tiny)")
+    p.add_argument("--preset", required=True, type=preset_arg, metavar="NAME", help=preset_help("the model to plan"))
     p.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     p.add_argument("--tensors", action="store_true", help="list every text tensor of the official layout, in order")
     p.add_argument("--shards", action="store_true", help="list the text shards: file size, header length, sha256")

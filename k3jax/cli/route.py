@@ -1,4 +1,4 @@
-"""`k3 route` — routing analysis of a checkpoint or preset over a text (issue #17; flags as in shared/CLI.md).
+"""`k3 route` — routing analysis of a checkpoint or preset over a text (flags as in docs/cli.md).
 
     k3 route --ckpt DIR --text corpus.txt --json                  loads, balance, co-activation, specialization
     k3 route --preset k3-mini --text f.py --layers 1,2 --plots out/
@@ -6,7 +6,7 @@
     k3 route --ckpt A --compare B --text f.txt                     drift A -> B (router saturation, top-1 agreement)
     k3 route --ckpt A --adapter lora/ --compare A --text f.txt     drift of A with a PEFT LoRA adapter -> plain A
 
-`--text` goes through the checkpoint's own tokenizer when its directory has one (`tiktoken.model`, SPEC §1.1a),
+`--text` goes through the checkpoint's own tokenizer when its directory has one (`tiktoken.model`, docs/model.md §1.1a),
 else bytes (the presets, the shipped k3-mini), and is one stream, cut into independent windows of `--seq-len`
 tokens; so is a 1-D `--tokens` file [T]. A 2-D `--tokens` file, int32 [B, T], is B independent sequences, ragged
 rows right-padded with -1 (as in `k3 logits` and `k3 generate`): each row is routed as its own sequence, as
@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from k3jax.cli.source import default_ckpt, load_model, load_token_file
+from k3jax.cli.source import checkpoint_arg, default_ckpt, load_model, load_token_file, preset_arg, preset_help
 from k3jax.errors import InputError
 
 
@@ -36,8 +36,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("route", help="routing analysis: loads, co-activation, specialization, drift, static",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", help="checkpoint directory (HF layout)")
-    src.add_argument("--preset", help="random init of this preset (see --seed)")
+    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
+                     help="checkpoint directory (HF layout; default: the shipped k3-mini)")
+    src.add_argument("--preset", type=preset_arg, metavar="NAME", help=preset_help("random init of this preset "
+                                                                                   "(see --seed)"))
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a LoRA adapter in PEFT's layout, applied to --ckpt / --preset (not to --compare)")
     txt = p.add_mutually_exclusive_group()
@@ -51,10 +53,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=8, help="windows (sequences) per forward pass")
     p.add_argument("--mesh", default=None, help="e.g. data=8: windows sharded over the devices; context=4: each "
                    "window's sequence split over 4 devices (both: data=2,context=4)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     p.add_argument("--seed", type=int, default=0, help="init seed for --preset")
     p.add_argument("--static", action="store_true", help="router/bias tensor statistics only (no forward pass)")
-    p.add_argument("--compare", default=None, metavar="DIR2", help="second checkpoint: drift per layer")
+    p.add_argument("--compare", default=None, type=checkpoint_arg, metavar="DIR2",
+                   help="second checkpoint: drift per layer")
     p.add_argument("--plots", default=None, metavar="DIR", help="write matplotlib figures and an HTML view here")
     p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -199,10 +202,15 @@ def write_plots(out_dir: str, report: dict, stats, kept, cfg, tok=None) -> list[
     l0 = report["layers"][0]["layer"]
     files.append(ap.coactivation_heatmap(am.coactivation(stats.coact[0], stats.load[0]), l0,
                                         os.path.join(out_dir, f"coactivation_layer{l0}.png")))
-    files.append(ap.specialization_bars(report, os.path.join(out_dir, "specialization.png")))
+    m = kept["mask"]
+    shuffled = None
+    if "byte_class_specialization" in report["layers"][0]:  # byte vocabularies: the label-shuffled baseline too
+        shuffled = {d["layer"]: am.shuffled_baseline(kept["tokens"][m], kept[d["layer"]]["ids"][m], cfg.num_experts,
+                                                     cfg.num_experts_per_token, seed=d["layer"])
+                    for d in report["layers"]}
+    files.append(ap.specialization_bars(report, os.path.join(out_dir, "specialization.png"), shuffled=shuffled))
     if any("drift" in d for d in report["layers"]):
         files.append(ap.drift_per_layer(report, os.path.join(out_dir, "drift.png")))
-    m = kept["mask"]
     decode = None
     if tok is not None and tok.name != "bytes":
         decode = lambda t: tok.token_bytes(t).decode("utf-8", errors="replace")  # noqa: E731

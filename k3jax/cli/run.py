@@ -7,6 +7,11 @@ MLA-latent cache, as `k3 generate` does), and its per-layer routing summary over
 routing figures written to ``--plots`` (default: a new temporary directory). ``--preset NAME`` runs a random init of
 a preset instead; ``--ckpt DIR`` any checkpoint.
 
+The standard-library corpus is the running Python's own, so it differs between machines: the held-out figure comes
+with the sha256 of the bytes scored and that Python's version (``heldout_text`` in --json), and two machines' figures
+compare when these agree. What the run is doing goes to stderr as it goes — each phase (load, compile, scoring, the
+sample, routing, plots) with its seconds, bars on a terminal —; stdout gets the results alone.
+
     k3 run                                   # the shipped k3-mini: held-out bits/byte + sample + routing + plots
     k3 run --preset k3-mini --json           # a random init, for comparison
     k3 run --prompt "class Queue:" --max-new-tokens 120 --no-plots
@@ -14,8 +19,10 @@ a preset instead; ``--ckpt DIR`` any checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import sys
 import tempfile
 import time
 
@@ -27,11 +34,17 @@ SAMPLE_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """'
 
 
 def add_parser(sub) -> None:
+    import argparse
+
+    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
+
     p = sub.add_parser("run", help="held-out loss + routing summary of the shipped model (or a preset)",
-                       description=__doc__)
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", help="checkpoint directory (default: the shipped k3-mini)")
-    src.add_argument("--preset", help="random init of this preset instead")
+    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
+                     help="checkpoint directory (default: the shipped k3-mini)")
+    src.add_argument("--preset", type=preset_arg, metavar="NAME",
+                     help=preset_help("random init of this preset instead"))
     p.add_argument("--tokens", type=int, default=None, help="held-out bytes to score (default: the whole tail, "
                    "209,715 bytes)")
     p.add_argument("--route-tokens", type=int, default=32768, help="held-out bytes to route for the summary")
@@ -43,9 +56,11 @@ def add_parser(sub) -> None:
                    "function opening)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="length of the greedy sample (0: no sample)")
     p.add_argument("--plots", default=None, metavar="DIR", help="routing figures (default: a new temp dir)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None)
-    p.add_argument("--kda-impl", choices=KDA_IMPLS, default=None)
+    p.add_argument("--no-plots", action="store_true", help="write no routing figures")
+    p.add_argument("--moe-impl", choices=MOE_IMPLS, default=None,
+                   help="how the routed experts run (default: the model's run settings; the same math)")
+    p.add_argument("--kda-impl", choices=KDA_IMPLS, default=None,
+                   help="how Kimi Delta Attention runs (default: the model's run settings; the same math)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -63,8 +78,8 @@ def _model(args):
 
 
 def _sample(args, cfg, settings, params) -> dict:
-    """The greedy continuation of ``--prompt`` (bytes in, bytes out: the model is byte-level) and its wall time,
-    the prefill and decode-step compiles included."""
+    """The greedy continuation of ``--prompt`` (bytes in, bytes out: the model is byte-level), its wall time with
+    the prefill and decode-step compiles included, and its ``timing`` (``k3jax.model.generate``: compiles apart)."""
     import numpy as np
 
     from k3jax.model.generate import generate
@@ -73,35 +88,104 @@ def _sample(args, cfg, settings, params) -> dict:
     out = generate(params, prompt, cfg, settings, max_new_tokens=args.max_new_tokens)
     ids = [int(x) for x in out.tokens[0] if x >= 0]
     return {"prompt": args.prompt, "tokens": ids, "text": bytes(ids).decode("utf-8", errors="replace"),
-            "seconds_with_compile": out.timing["prefill_s"] + out.timing["decode_s"]}
+            "seconds_with_compile": out.timing["prefill_s"] + out.timing["decode_s"], "timing": out.timing}
+
+
+class _Progress:
+    """What `k3 run` is doing, on stderr as it goes (stdout keeps the results alone): each phase as it starts and
+    its seconds when it ends; on a terminal the scoring and the routing also draw a tqdm bar."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.bars = sys.stderr.isatty()
+
+    @contextlib.contextmanager
+    def phase(self, what: str, *, bar: bool = False):
+        """``with progress.phase("scoring") as note:`` — ``note["after"]`` is written after the seconds. A phase
+        with a bar on a terminal gets its own lines: the bar sits between its start and its seconds."""
+        lines = bar and self.bars
+        print(f"k3 run: {what} ...", end="\n" if lines else "", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        note = {"after": ""}
+        try:
+            yield note
+        except BaseException:
+            if not lines:
+                print(file=sys.stderr, flush=True)  # the error's message starts a line of its own
+            raise
+        took = f"{time.perf_counter() - t:.1f} s{note['after']}"
+        print(f"k3 run: {what}: {took}" if lines else f" {took}", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        print(f"k3 run: done in {time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def _heldout_loss(progress, params, cfg, settings, tokens, *, seq_len: int, batch: int) -> tuple[float, int, float]:
+    """(nats per byte, bytes scored, compile seconds): ``windowed_loss``'s figure, its scorer compiled ahead of
+    time in a phase of its own and then run as that executable, batch by batch under a progress bar."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from k3jax.train.evaluate import heldout_loss, make_scorer, tiled_windows
+
+    windows = tiled_windows(tokens, seq_len=seq_len)
+    with progress.phase(f"compiling the scorer ({batch} windows of {seq_len} bytes)"):
+        t = time.perf_counter()
+        # heldout_loss pads a short last batch: every call has this shape
+        score = make_scorer(cfg, settings).lower(params, np.zeros((batch, seq_len + 1), np.int32),
+                                                 np.zeros((batch, seq_len), np.float32)).compile()
+        compile_s = time.perf_counter() - t
+    n = -(-len(windows.tokens) // batch)
+    with (progress.phase(f"scoring {int(windows.mask.sum()):,} held-out bytes ({n} batches)", bar=True),
+          tqdm(total=n, desc="score", unit="batch", file=sys.stderr, disable=not progress.bars) as bar):
+        def ticking(params, tokens, mask):
+            s = float(score(params, tokens, mask))
+            bar.update(1)
+            return s
+
+        nats, scored = heldout_loss(params, windows, batch=batch, score=ticking)
+    return nats, scored, compile_s
 
 
 def run(args) -> int:
-    from k3jax.analysis import collect as ac
-    from k3jax.model import count_params
-    from k3jax.train import data as tdata
-    from k3jax.train.evaluate import windowed_loss
-    from k3jax.train.settings import TrainConfig
-
+    progress = _Progress()
     if not args.prompt or args.max_new_tokens < 0:
         raise InputError(f"--prompt must be non-empty and --max-new-tokens >= 0 (got {args.prompt!r}, "
                          f"{args.max_new_tokens})")
     if (args.tokens is not None and args.tokens < 2) or args.route_tokens < 2 or args.seq_len < 1 or args.batch < 1:
         raise InputError(f"--tokens and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, "
                          f"{args.route_tokens}, {args.seq_len}, {args.batch})")
-    source, cfg, settings, params = _model(args)
+    with progress.phase("loading the model") as note:
+        from k3jax.analysis import collect as ac
+        from k3jax.data import text_identity
+        from k3jax.model import count_params
+        from k3jax.train import data as tdata
+        from k3jax.train.settings import TrainConfig
+
+        source, cfg, settings, params = _model(args)
+        note["after"] = f" ({source}: {cfg.name})"
     if cfg.vocab_size < 256:
         raise InputError(f"{cfg.name!r} has vocab {cfg.vocab_size} < 256: byte-level text does not fit")
-    d = TrainConfig()  # the shipped model was trained on `k3 train`'s default corpus and split
-    _, held = tdata.split(tdata.load_corpus(None, max_bytes=d.max_bytes), d.heldout_frac)
+    with progress.phase("reading the held-out text") as note:
+        d = TrainConfig()  # the shipped model was trained on `k3 train`'s default corpus and split
+        _, held = tdata.split(tdata.load_corpus(None, max_bytes=d.max_bytes), d.heldout_frac)
+        text = text_identity(held[:args.tokens])  # the scored bytes: their hash names them across machines
+        note["after"] = f" (the Python {text['python']} standard library's tail, sha256 {text['sha256'][:12]}...)"
     t0 = time.perf_counter()
-    nats, scored = windowed_loss(params, cfg, held[:args.tokens].astype("int32"), seq_len=args.seq_len,
-                                 batch=max(args.batch, 32), run=settings)
+    nats, scored, compile_s = _heldout_loss(progress, params, cfg, settings, held[:args.tokens].astype("int32"),
+                                            seq_len=args.seq_len, batch=max(args.batch, 32))
     eval_s = time.perf_counter() - t0
-    sample = _sample(args, cfg, settings, params) if args.max_new_tokens else None
-    report, stats, kept = ac.collect(params, cfg, held[:args.route_tokens].astype("int32"), seq_len=args.seq_len,
-                                     batch=args.batch,
-                                     fields=("ids", "weights", "cutoff"), keep=not args.no_plots, run=settings)
+    sample = None
+    if args.max_new_tokens:
+        with progress.phase(f"greedy sample of {args.max_new_tokens} bytes") as note:
+            sample = _sample(args, cfg, settings, params)
+            t = sample["timing"]
+            rate = f"; {t['decode_tokens_per_s']:.1f} bytes/s after compile" if t["decode_tokens_per_s"] else ""
+            note["after"] = f" ({t['prefill_compile_s'] + t['decode_compile_s']:.1f} s of it compile{rate})"
+    with progress.phase(f"routing {min(args.route_tokens, held.size):,} held-out bytes", bar=True):
+        report, stats, kept = ac.collect(params, cfg, held[:args.route_tokens].astype("int32"), seq_len=args.seq_len,
+                                         batch=args.batch, fields=("ids", "weights", "cutoff"),
+                                         keep=not args.no_plots, run=settings, progress=progress.bars)
     routing = []
     for d in report["layers"]:
         l = d["layer"]
@@ -116,13 +200,16 @@ def run(args) -> int:
     out = {"model": source, "config": cfg.name, "params": count_params(params),
            "heldout_tokens_scored": scored, "heldout_nats_per_byte": nats,
            "heldout_bits_per_byte": nats / math.log(2), "unigram_entropy_nats": tdata.unigram_entropy(held),
-           "eval_s": round(eval_s, 2), "sample": sample, "routed_tokens": report["tokens"], "routing": routing}
+           "heldout_text": text, "eval_s": round(eval_s, 2), "eval_compile_s": round(compile_s, 2),
+           "sample": sample, "routed_tokens": report["tokens"], "routing": routing}
     if not args.no_plots:
         from k3jax.cli.route import write_plots
 
         plots = args.plots or tempfile.mkdtemp(prefix="k3-run-plots-")
-        report["source"] = source
-        out["plots"] = write_plots(plots, report, stats, kept, cfg)
+        with progress.phase(f"writing the routing plots to {plots}"):
+            report["source"] = source
+            out["plots"] = write_plots(plots, report, stats, kept, cfg)
+    progress.done()
     if args.json:
         print(json.dumps(out))
         return 0
@@ -130,6 +217,8 @@ def run(args) -> int:
     print(f"held-out loss {nats / math.log(2):.3f} bits/byte ({nats:.3f} nats) on {scored:,} bytes of the stdlib "
           f"tail that training holds out (unigram entropy {out['unigram_entropy_nats'] / math.log(2):.3f} "
           f"bits/byte); {eval_s:.1f} s")
+    print(f"held-out text: the Python {text['python']} standard library, {text['bytes']:,} bytes, sha256 "
+          f"{text['sha256']} (figures from two machines compare when these agree)")
     if sample is not None:
         print(f"greedy sample, {len(sample['tokens'])} new bytes decoded through the KDA-state + MLA-latent cache "
               f"({sample['seconds_with_compile']:.1f} s with its compiles):")

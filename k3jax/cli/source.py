@@ -1,10 +1,13 @@
 """Where a CLI command's model and tokens come from: ``--ckpt DIR`` (loaded), ``--preset NAME`` (random init) or
 the trained k3-mini shipped with the package (``default_ckpt``), with ``--adapter DIR`` (a PEFT LoRA adapter) merged
 in by ``load_model``; ``--tokens FILE.npy`` (``load_token_file``, the one
-reader of token files: int32 [B, T] is B independent sequences right-padded with -1, [T] one stream)."""
+reader of token files: int32 [B, T] is B independent sequences right-padded with -1, [T] one stream). The flags
+that name a preset or a checkpoint directory are checked when the command line is parsed (``preset_arg``,
+``checkpoint_arg``), with one wording for a missing checkpoint (``checkpoint_error``)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 from typing import NamedTuple
@@ -14,10 +17,58 @@ import numpy as np
 from k3jax.errors import InputError
 
 
+def checkpoint_error(path: str) -> str | None:
+    """The one wording of a missing checkpoint, for every `k3` command: ``PATH: not a checkpoint directory (WHY)``
+    (no such directory, a file, no config.json in it); None when ``path`` is a directory holding a config.json."""
+    if not os.path.exists(path):
+        why = "no such directory"
+    elif not os.path.isdir(path):
+        why = "a file, not a directory"
+    elif not os.path.isfile(os.path.join(path, "config.json")):
+        why = "no config.json in it"
+    else:
+        return None
+    return f"{path}: not a checkpoint directory ({why})"
+
+
+def require_checkpoint(path: str, flag: str = "--ckpt") -> str:
+    """``path``, or an InputError naming ``flag`` in ``checkpoint_error``'s wording."""
+    if (msg := checkpoint_error(path)) is not None:
+        raise InputError(f"{flag} {msg}")
+    return path
+
+
+def checkpoint_arg(path: str) -> str:
+    """argparse ``type`` of every flag that names a checkpoint directory to read (``--ckpt``, ``--init``,
+    ``--from``, ``--compare``, a positional DIR): a missing one is a parse error naming the flag (exit 2)."""
+    if (msg := checkpoint_error(path)) is not None:
+        raise argparse.ArgumentTypeError(msg)
+    return path
+
+
+def preset_arg(name: str) -> str:
+    """argparse ``type`` of every ``--preset``: a name of the preset table (``k3jax.config.PRESETS``)."""
+    from k3jax.config import ConfigError, get_preset
+
+    try:
+        get_preset(name)
+    except ConfigError as e:  # "unknown preset ...; known presets: ...", the table's own wording
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def preset_help(text: str) -> str:
+    """A ``--preset`` flag's help: ``text`` and the preset table's names."""
+    from k3jax.config import PRESETS
+
+    return f"{text}; one of {', '.join(PRESETS)}"
+
+
 def default_ckpt() -> str | None:
-    """The trained k3-mini shipped with the package, when present."""
-    p = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "k3-mini-stdlib")
-    return p if os.path.exists(os.path.join(p, "config.json")) else None
+    """The trained k3-mini shipped with the package, when present (``checkpoint.load.shipped_checkpoint``)."""
+    from k3jax.checkpoint.load import shipped_checkpoint
+
+    return shipped_checkpoint()
 
 
 def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", strict_config: bool = False,
@@ -86,7 +137,7 @@ class TokenRows(NamedTuple):
 
 
 def load_token_file(path: str, vocab: int, flag: str = "--tokens") -> TokenRows:
-    """Read and check a token-id file (shared/CLI.md): an integer .npy, never unpickled, of shape [B, T] (B
+    """Read and check a token-id file (docs/cli.md): an integer .npy, never unpickled, of shape [B, T] (B
     independent sequences, ragged rows right-padded with -1) or [T] (one stream, treated as one row).
 
     Raises ``InputError`` naming the flag, the file and the first bad row: an unreadable or pickled file, a
@@ -153,10 +204,8 @@ def model_config(*, ckpt: str | None, preset: str | None, strict_config: bool = 
 
     if preset:
         return get_preset(preset)
-    path = os.path.join(ckpt, "config.json")
-    if not os.path.exists(path):
-        raise InputError(f"{ckpt}: no config.json (not a checkpoint directory)")
-    return from_hf(path, strict=strict_config)
+    return from_hf(os.path.join(require_checkpoint(ckpt), "config.json"), strict=strict_config)
 
 
-__all__ = ["TokenRows", "default_ckpt", "load_model", "load_token_file", "model_config"]
+__all__ = ["TokenRows", "checkpoint_arg", "checkpoint_error", "default_ckpt", "load_model", "load_token_file",
+           "model_config", "preset_arg", "preset_help", "require_checkpoint"]

@@ -1,4 +1,4 @@
-"""The Attention-Residuals pseudo-query block (SPEC §3.3): the learned parameters of one AttnRes mix.
+"""The Attention-Residuals pseudo-query block (docs/model.md §3.3): the learned parameters of one AttnRes mix.
 
 Parameters: gain [D] (RMS key-norm gain, ones) and query [D] (pseudo-query, zeros: the first mix is uniform).
 HF: ``{slot}_norm.weight`` and ``{slot}_proj.weight`` [1, D], where the slot is ``self_attention_res`` /

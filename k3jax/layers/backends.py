@@ -1,4 +1,4 @@
-"""The one place layers reach Pallas kernels (STYLE.md §2: ops → pallas_kernels → layers/backends.py only).
+"""The one place layers reach Pallas kernels (docs/design.md §2: ops → pallas_kernels → layers/backends.py only).
 
 Kernels are imported lazily, so the XLA paths never import Pallas. Off-GPU the KDA kernel runs in interpret mode; so
 does the MXFP4 grouped matmul on CPU (off GPU/TPU the packed experts run the XLA loop of k3jax/ops/packed_experts.py

@@ -2,7 +2,7 @@
 
 Float form (trained): ``w1`` / ``w3`` [..., P, F] and ``w2`` [..., F, P] Params, [in, out] per expert, with any
 leading axes ([E], or [G, E] in a stacked group). Packed form (the checkpoint's bytes, kept frozen): each stack
-``w`` [..., in, out] is two uint8 leaves in the torch orientation of the checkpoint (SPEC §10.2):
+``w`` [..., in, out] is two uint8 leaves in the torch orientation of the checkpoint (docs/numerics.md §10.2):
 
     w_packed  [..., out, in/2]    two E2M1 codes per byte, blocks of 32 along ``in``
     w_scale   [..., out, in/32]   one E8M0 scale byte per block

@@ -1,4 +1,4 @@
-"""One KDA token mixer (SPEC §4.1) as an NNX block that owns its parameters.
+"""One KDA token mixer (docs/model.md §4.1) as an NNX block that owns its parameters.
 
     blk = KDA(d=384, num_heads=6, head_dim=64, conv_size=4, full_rank_gate=True, gate_lower_bound=-5.0,
               dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -12,11 +12,11 @@ times sigmoid(x w_gate) (or the low-rank sigmoid((x g_a) g_b)) -> wo.
 Parameters (N heads, K head dim, R = K the f_a / g_a rank, Wc conv taps): wq/wk/wv [D, N, K]; conv_q/k/v
 [N*K, Wc] (head-major channels); f_a [D, R]; f_b [R, N, K]; dt_bias [N, K]; A_log [N]; w_beta [D, N];
 w_gate [D, N, K] (full rank) or g_a [D, R] + g_b [R, N, K]; o_norm [K]; wo [N, K, D].
-Gate init follows fla (SPEC §4.2): safe gate A_log = 0, softplus gate A_log = log U(1, 16);
+Gate init follows fla (docs/model.md §4.2): safe gate A_log = 0, softplus gate A_log = log U(1, 16);
 dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1). Conv weights: PyTorch Conv1d default (kaiming-uniform,
 fan_in = kernel size for a depthwise conv).
 
-Cache (SPEC §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, Wc-1, N*K]}``, the
+Cache (docs/model.md §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, Wc-1, N*K]}``, the
 last Wc-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache,
 T == 1 takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The
 returned cache always describes the state after the last token. ``lengths`` [B] (ragged, right-padded pieces):
@@ -172,7 +172,7 @@ class KDA(nnx.Module):
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
         us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
-              for name in ("wq", "wk", "wv")]                                # head-major columns (SPEC §2.1)
+              for name in ("wq", "wk", "wv")]                                # head-major columns (docs/model.md §2.1)
         ws = [w[...] for w in (self.conv_q, self.conv_k, self.conv_v)]
         tails = [cache.get(n) for n in ("conv_q", "conv_k", "conv_v")]
         raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],

@@ -1,4 +1,4 @@
-"""Gated MLA token mixer (SPEC §5.1) as an NNX block: NoPE, optional q-LoRA, an unrotated shared key slice k^R,
+"""Gated MLA token mixer (docs/model.md §5.1) as an NNX block: NoPE, optional q-LoRA, an unrotated shared key slice k^R,
 scale 1/√(Hn+Hr), element-wise sigmoid output gate before o_proj, causal attention computed blockwise
 (k3jax.ops.attention).
 
@@ -106,7 +106,7 @@ class MLA(nnx.Module):
     def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None):
         """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip.
         ``segment_ids`` [B, T]: packed documents; each token attends within its own (``k3jax.ops.segments``).
-        K3's MLA is NoPE (SPEC §5.1): there are no positions to restart at a boundary. ``context``: None, or a
+        K3's MLA is NoPE (docs/model.md §5.1): there are no positions to restart at a boundary. ``context``: None, or a
         ``ContextParallel`` (T split over devices): the latent is all-gathered along the sequence and each shard
         attends from its own queries (k3jax/sharding/context_parallel.py)."""
         acc = acc_dtype(x.dtype)

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (SPEC §7.1) and the standard Kimi-Linear MoE (SPEC §13), one NNX block.
+"""Stable LatentMoE (docs/model.md §7.1) and the standard Kimi-Linear MoE (docs/model.md §13), one NNX block.
 
     s, ids, w, α = route(x)                          router on FULL-width x; bias selects only
     z = x @ W_down                                   latent ℓ (LatentMoE) — or z = x (standard)
@@ -11,8 +11,8 @@ shared: a GLU of hidden num_shared · F (absent if 0); down [D, P], up [P, D], l
 
 ``dispatch`` picks the expert computation: "sorted" (ragged_dot, the default), "ragged", "tiled" or "dense"
 (reference). A callable ``experts_fn(z, ids, weights, w1, w3, w2, act, act_quant=...)`` may be passed instead
-(expert parallelism plugs in here). QAT (SPEC §10.7) fake-quantizes the expert weights (MXFP4, blocks along `in`)
-and the expert GEMM inputs (MXFP8) with straight-through gradients.
+(expert parallelism plugs in here). QAT (docs/numerics.md §10.7) fake-quantizes the expert weights (MXFP4, blocks along
+`in`) and the expert GEMM inputs (MXFP8) with straight-through gradients.
 
 Packed experts (frozen, the checkpoint's MXFP4 bytes; the schema in k3jax/layers/experts.py): ``Experts.to_packed()``
 swaps the three Params for ``PackedExperts`` variables (not Params: ``nnx.state(model, nnx.Param)``, gradients and

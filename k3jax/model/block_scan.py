@@ -3,8 +3,8 @@
     carry, ys = scan_saving_parts(group, gparams, (part, buf), n_groups, committed)
 
 ``K3Model._scan_groups`` runs the repeating group as one ``lax.scan`` whose carry is the running block sum ``part``
-[B, T, D] and the committed block sums ``buf`` [NB, B, T, D] (SPEC §3.3). Under ``remat="full"`` the plain way is a
-scan of ``jax.checkpoint(group)``, whose backward keeps every group's inputs — the whole buffer once per group:
+[B, T, D] and the committed block sums ``buf`` [NB, B, T, D] (docs/model.md §3.3). Under ``remat="full"`` the plain way
+is a scan of ``jax.checkpoint(group)``, whose backward keeps every group's inputs — the whole buffer once per group:
 22 copies of f32 [8, 4096, 7168], 20.7 GB per chip of the full model's train step on v5p-512 (experiments/LOG.md).
 Yet the buffer a group sees is the final buffer with the slots not yet committed still zero: a slot is written once,
 at its commit, and the scan starts from zeros beyond the blocks committed before it. So this scan keeps only each

@@ -1,4 +1,5 @@
-"""The hybrid inference cache (SPEC §4.6, §5.2) and the two ways to advance it: ``prefill`` and ``decode_step``.
+"""The hybrid inference cache (docs/model.md §4.6, §5.2) and the two ways to advance it: ``prefill`` and
+``decode_step``.
 
     cache = init_cache(cfg, batch=2, max_len=4096)                    # zeros; ``cache_bytes(cache)`` its size
     logits, cache = prefill(params, prompts, lengths, cache, cfg)     # [B, T] right-padded, lengths [B]
@@ -27,7 +28,7 @@ instead of every layer: at full size the unrolled decode step did not compile in
 (``k3 plan --mode decode`` uses this layout). Values are the same in both layouts (tests/model/test_cache.py).
 
 S is ``max_len`` rounded up to the attention key block (``run.mla_block_size``). AttnRes mixes over depth within one
-token (SPEC §3.1), so it carries nothing across tokens. Rows are independent: each has its own length, a piece
+token (docs/model.md §3.1), so it carries nothing across tokens. Rows are independent: each has its own length, a piece
 may give each row a different number of real tokens (right padding is a no-op for the KDA state and is written
 nowhere in the latent cache), and a row given 0 tokens is left exactly as it was.
 

@@ -4,10 +4,17 @@
     out.tokens        # [B, N] int32, -1 after a row stopped
     out.logits        # [B, N, W] float32: the logits each new token was drawn from (zeros after a stop)
     out.stop_reason   # per row: "stop" (drew a --stop id, kept as its last token) or "length"
+    out.timing        # seconds: prefill and decode, each with its compile time apart; tokens/s after compile
 
 Sampling: greedy is the arg-max; otherwise logits / temperature, then top-k (k > 0), then top-p (the smallest
 set of most likely tokens whose probability reaches p; the most likely token is always kept), then one
 categorical draw. Step t's key is ``fold_in(key(seed), t)``: the same seed gives the same samples.
+
+Timing (``Generation.timing``): ``prefill_s`` and ``decode_s`` are wall times, the compiles included;
+``prefill_compile_s`` and ``decode_compile_s`` the part of each JAX spent tracing, lowering and compiling (its
+compile events, ``jax.monitoring``); ``first_step_s`` the first draw + decode step, which compile theirs; and
+``decode_tokens_per_s`` the throughput of the steps after it (rows x steps / seconds), compiles excluded — None
+with fewer than two decode steps.
 """
 
 from __future__ import annotations
@@ -62,6 +69,43 @@ def sample(logits, key, s: Sampling):
     return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
 
 
+# JAX's compile events (jax._src.dispatch): a jit's trace, its lowering to MLIR and the backend compile.
+_COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
+                             "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration"))
+
+
+class CompileClock:
+    """The (start, end) spans of JAX's compile events while it is open (``with CompileClock() as c``);
+    ``c.seconds(i, j)`` is the time covered by spans ``i:j`` (nested ones, e.g. an inner jit's trace, counted
+    once) and ``len(c)`` the spans so far — marks to split a run into parts."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float]] = []
+
+    def _on(self, event, start, end, **_):
+        if event in _COMPILE_EVENTS:
+            self.spans.append((start, end))
+
+    def __enter__(self):
+        jax.monitoring.register_event_time_span_listener(self._on)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_time_span_listener(self._on)
+
+    def __len__(self):
+        return len(self.spans)
+
+    def seconds(self, i: int = 0, j: int | None = None) -> float:
+        total, reach = 0.0, -float("inf")
+        for a, b in sorted(self.spans[i:j]):
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+
 @dataclass
 class Generation:
     tokens: np.ndarray  # [B, N] int32, -1 after a stop
@@ -104,37 +148,45 @@ def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, ma
     B = prompts.shape[0]
     stop_ids = np.asarray(sorted({int(s) for s in stop}), np.int64)
     key = jax.random.key(seed)
-    t0 = time.perf_counter()
-    cache = init_cache(cfg, B, max_len, run)
-    logits, cache = prefill(params, np.where(prompts >= 0, prompts, 0), n, cache, cfg, run, last_only=True)
-    logits = jax.block_until_ready(logits)
-    t_prefill = time.perf_counter() - t0
-    tokens = np.full((B, max_new_tokens), -1, np.int32)
-    out_logits = np.zeros((B, max_new_tokens, logits.shape[-1]), np.float32)
-    done = np.zeros((B,), bool)
-    reason = ["length"] * B
-    t1 = time.perf_counter()
-    steps = 0
-    for t in range(max_new_tokens):
-        ids = np.asarray(sample(logits, jax.random.fold_in(key, t), sampling))
-        live = ~done
-        tokens[live, t] = ids[live]
-        out_logits[live, t] = np.asarray(logits, np.float32)[live]
-        hit = live & np.isin(ids, stop_ids)
-        for b in np.flatnonzero(hit):
-            reason[b] = "stop"
-        done |= hit
-        if on_token is not None:
-            on_token(t, np.where(live, ids, -1), done.copy())
-        if done.all() or t == max_new_tokens - 1:
-            break
-        logits, cache = decode_step(params, ids, cache, cfg, run, active=~done, donate=True)
-        steps += 1
-    jax.block_until_ready(logits)
-    t_decode = time.perf_counter() - t1
-    timing = {"prefill_s": t_prefill, "prefill_tokens": int(n.sum()), "decode_s": t_decode, "decode_steps": steps,
-              "decode_tokens_per_s": (steps * B / t_decode) if t_decode > 0 and steps else None}
+    with CompileClock() as clock:
+        t0 = time.perf_counter()
+        cache = init_cache(cfg, B, max_len, run)
+        logits, cache = prefill(params, np.where(prompts >= 0, prompts, 0), n, cache, cfg, run, last_only=True)
+        logits = jax.block_until_ready(logits)
+        t_prefill = time.perf_counter() - t0
+        at_prefill = len(clock)
+        tokens = np.full((B, max_new_tokens), -1, np.int32)
+        out_logits = np.zeros((B, max_new_tokens, logits.shape[-1]), np.float32)
+        done = np.zeros((B,), bool)
+        reason = ["length"] * B
+        t1 = time.perf_counter()
+        t_first, steps = 0.0, 0
+        for t in range(max_new_tokens):
+            ids = np.asarray(sample(logits, jax.random.fold_in(key, t), sampling))
+            live = ~done
+            tokens[live, t] = ids[live]
+            out_logits[live, t] = np.asarray(logits, np.float32)[live]
+            hit = live & np.isin(ids, stop_ids)
+            for b in np.flatnonzero(hit):
+                reason[b] = "stop"
+            done |= hit
+            if on_token is not None:
+                on_token(t, np.where(live, ids, -1), done.copy())
+            if done.all() or t == max_new_tokens - 1:
+                break
+            logits, cache = decode_step(params, ids, cache, cfg, run, active=~done, donate=True)
+            steps += 1
+            if steps == 1:  # the first draw and step compile the sampler and the decode step
+                jax.block_until_ready(logits)
+                t_first = time.perf_counter() - t1
+        jax.block_until_ready(logits)
+        t_decode = time.perf_counter() - t1
+    after = t_decode - t_first  # the steps after the first: compiled
+    timing = {"prefill_s": t_prefill, "prefill_tokens": int(n.sum()),
+              "prefill_compile_s": clock.seconds(0, at_prefill), "decode_s": t_decode, "decode_steps": steps,
+              "decode_compile_s": clock.seconds(at_prefill), "first_step_s": t_first,
+              "decode_tokens_per_s": (steps - 1) * B / after if steps > 1 and after > 0 else None}
     return Generation(tokens, out_logits, reason, timing)
 
 
-__all__ = ["Generation", "Sampling", "generate", "prompt_lengths", "sample"]
+__all__ = ["CompileClock", "Generation", "Sampling", "generate", "prompt_lengths", "sample"]

@@ -1,4 +1,4 @@
-"""Where each decoder layer lives in the parameter tree: the stacked layout (SPEC §1.3).
+"""Where each decoder layer lives in the parameter tree: the stacked layout (docs/model.md §1.3).
 
 The layers of the repeating group are created stacked — one ``nnx.vmap`` over the group, every leaf with a leading
 ``layers`` logical axis — and the irregular layers stay outside, unstacked:
@@ -10,8 +10,8 @@ The group period p is the MLA spacing (K3: [KDA, KDA, KDA, MLA]); the stack star
 after the dense layers and runs while the groups repeat. Kimi K3 (93 layers): pre = layers 0-3 (layer 0 has the dense
 FFN), 22 stacked groups = layers 4-91, post = layer 92. k3-mini (9 layers): pre 0-3, one group 4-7, post 8.
 
-Why a 4-layer unit and not 12: AttnRes commits a block every 12 layers (SPEC §3.2), which a 12-layer group would
-align with — but layer 0's dense FFN makes layers 0-11 irregular and 93 = 7·12 + 9 leaves 9 more outside, so a
+Why a 4-layer unit and not 12: AttnRes commits a block every 12 layers (docs/model.md §3.2), which a 12-layer group
+would align with — but layer 0's dense FFN makes layers 0-11 irregular and 93 = 7·12 + 9 leaves 9 more outside, so a
 12-layer unit stacks 72 layers and leaves 21 unstacked, where the 4-layer unit stacks 88 and leaves 5. The block
 boundary is a property of the layer index, not of the parameters: the forward (and a scan over groups) keeps a
 fixed-size buffer of committed block sums and commits where ``l % block_size == 0``.

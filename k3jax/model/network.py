@@ -1,4 +1,4 @@
-"""The K3 network as an NNX module (SPEC §1.3): embedding, the decoder layers in the stacked layout
+"""The K3 network as an NNX module (docs/model.md §1.3): embedding, the decoder layers in the stacked layout
 (k3jax/model/layout.py), the output AttnRes mix, the final norm and the LM head.
 
     model = K3Model(cfg, rngs=nnx.Rngs(0))              # run settings: K3Model(cfg, run=RunConfig(...), ...)
@@ -6,7 +6,7 @@
     logits, aux = model(tokens, return_aux=True)         # aux["routing"]: one Routing per MoE layer (layer order)
                                                          # aux["mla_max_logit"]: [B, N] per MLA layer
 
-With AttnRes (K3, SPEC §1.3 / §3.2) there is no classic residual: sublayer outputs accumulate into the running
+With AttnRes (K3, docs/model.md §1.3 / §3.2) there is no classic residual: sublayer outputs accumulate into the running
 block sum ``part``; committed block sums form ``blocks``; every sublayer input is an AttnRes mix of
 ``blocks ++ [part]``. Sources and partial sums are kept in at-least-fp32. Without AttnRes (Kimi-Linear) the
 standard pre-norm residual is used. The model reads ``K3Config`` (architecture) and ``RunConfig`` (dtypes,

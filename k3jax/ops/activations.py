@@ -1,4 +1,4 @@
-"""SiTU-GLU and SwiGLU (SPEC §6), element-wise math in at-least-fp32.
+"""SiTU-GLU and SwiGLU (docs/model.md §6), element-wise math in at-least-fp32.
 
 SiTU(a; β1) = β1·tanh(a/β1)·σ(a)   (gate branch, bounded Swish)
 SiTU-GLU(a, b) = SiTU(a; β1) ⊙ β2·tanh(b/β2)   |·| < β1·β2 = 100 for K3

@@ -7,7 +7,7 @@ log-sum-exp instead of storing a [T, S] matrix. Scores, softmax and the output a
 Shapes (notation.py): q [B, T, N, H], k [B, S, N, H], v [B, S, N, V] → o [B, T, N, V].
 Queries are the LAST T of the S key positions (T == S for prefill): query t attends keys τ ≤ t + (S − T); a
 context-parallel shard passes its own offset instead (``q_offset``: its queries sit in the middle of the keys).
-Also returns the per-(batch, head) maximum causal logit (QK-Clip statistic, SPEC §9.6); it carries no gradient.
+Also returns the per-(batch, head) maximum causal logit (QK-Clip statistic, docs/model.md §9.6); it carries no gradient.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Attention Residuals operator (SPEC §3.1): a per-token softmax over depth of RMS-normalized sources.
+"""Attention Residuals operator (docs/model.md §3.1): a per-token softmax over depth of RMS-normalized sources.
 
     κ_i = v_i · (mean_c v_i[c]² + eps)^(-1/2)
     z_i = Σ_c κ_i[c] · γ[c] · w[c]          (no temperature)
     AR  = Σ_i softmax_i(z)_i · v_i          (mixes the RAW sources)
 
-Computed in at-least-fp32; returns that dtype (sources and partial sums stay fp32, SPEC §2.2).
+Computed in at-least-fp32; returns that dtype (sources and partial sums stay fp32, docs/model.md §2.2).
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ Sort-based dispatch, in rows M = tokens × A (notation.py):
     1. replicate each token A times (broadcast: its VJP is a sum, not a scatter), after QAT's MXFP8 fake-quant of
        the token (row-wise: once per token, not per copy)
     2. permute rows so they are grouped by expert id (stable argsort) — a permutation whose VJP is the inverse
-       permutation (a gather), never a scatter-add (SPEC §7.2)
+       permutation (a gather), never a scatter-add (docs/model.md §7.2)
     3. grouped matmuls w1, w3 → GLU → w2 with group_sizes = bincount(ids, E)
     4. inverse permutation, weighted sum over the A copies in at-least-fp32
 
 Step 3 has two implementations with the same contract:
     "ragged"  lax.ragged_dot — the natural op on GPU/TPU; on XLA:CPU its cost grows linearly with the number of
-              groups (each group is a full-height masked matmul, SPEC §14.2), so 256 experts cost ~16× 16 experts.
+              groups (each group is a full-height masked matmul, docs/numerics.md §14.2), so 256 experts cost ~16× 16
+              experts.
     "tiled"   every expert's rows are padded to whole tiles of ``tile`` rows, so each tile belongs to one expert;
               a scan over tiles runs the GLU FFN of one tile with its expert's weights, indexed in place (a
               [V, P, F] weight gather costs more than the matmuls on CPU). Work follows the routed rows

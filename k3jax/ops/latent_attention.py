@@ -1,4 +1,4 @@
-"""Attention over an MLA latent cache (SPEC §5.2): queries of the new tokens against the cached ``c_kv`` (the
+"""Attention over an MLA latent cache (docs/model.md §5.2): queries of the new tokens against the cached ``c_kv`` (the
 normed KV latent) and the shared rope-sized key slice, in key blocks with an online softmax, reading only the
 blocks that hold real keys.
 

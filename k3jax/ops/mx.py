@@ -1,8 +1,9 @@
-"""Microscaling (MX) formats: MXFP4 (E2M1) and MXFP8 (E4M3, E5M2) quantize / dequantize, STE fake-quant (SPEC §10).
+"""Microscaling (MX) formats: MXFP4 (E2M1) and MXFP8 (E4M3, E5M2) quantize / dequantize, STE fake-quant
+(docs/numerics.md §10).
 
 A block is 32 consecutive elements along one axis (the contraction axis); each block shares one E8M0 scale byte b,
-meaning 2^(b-127) (0xFF = NaN). Three scale rules are named explicitly (SPEC §10.2), with a = max|x| over the block
-as float32 and e_max the largest element exponent (2 for E2M1, 8 for E4M3, 15 for E5M2):
+meaning 2^(b-127) (0xFF = NaN). Three scale rules are named explicitly (docs/numerics.md §10.2), with a = max|x| over
+the block as float32 and e_max the largest element exponent (2 for E2M1, 8 for E4M3, 15 for E5M2):
 
     floor (OCP)                 b = E(a) - e_max + 127                           a/scale in [4, 8): may clip
     ceil  (round-up)            b = ((bits(fp32(a / max_elem)) + 0x7FFFFF) >> 23) & 0xFF   never clips
@@ -10,8 +11,9 @@ as float32 and e_max the largest element exponent (2 for E2M1, 8 for E4M3, 15 fo
 
 All three clamp b to [0, 254]; an all-zero block gets b = 0 (scale 2^-127), as compressed-tensors writes it.
 
-Exponents come from the float32 bits and scales are built from bit patterns, never from log2 / exp2 (SPEC §10.6:
-both are inexact on XLA:CPU). XLA:CPU also flushes float32 subnormals to zero in arithmetic, so:
+Exponents come from the float32 bits and scales are built from bit patterns, never from log2 / exp2
+(docs/numerics.md §10.6: both are inexact on XLA:CPU). XLA:CPU also flushes float32 subnormals to zero in arithmetic,
+so:
   * dequantization assembles the float32 result's bits directly, which is exact even where the result is subnormal
     (scale bytes 0..2); bfloat16 results are rounded from those bits (RNE);
   * quantization reads inputs as float32 and treats float32 subnormal inputs (|x| < 2^-126) as signed zero on every
@@ -19,9 +21,9 @@ both are inexact on XLA:CPU). XLA:CPU also flushes float32 subnormals to zero in
     quantized as fp32(x).
 
 Other defined behaviour:
-  * E2M1 sign bit = (x < 0) on the float32 input (SPEC §10.2), byte-identical to compressed-tensors: a negative
-    value that rounds to zero (a negative subnormal included) is code 0x8 (-0), an input of exactly -0.0 is code
-    0x0 (+0). The element rounding is shared by all three scale rules, so floor and ceil treat signed zeros the
+  * E2M1 sign bit = (x < 0) on the float32 input (docs/numerics.md §10.2), byte-identical to compressed-tensors: a
+    negative value that rounds to zero (a negative subnormal included) is code 0x8 (-0), an input of exactly -0.0 is
+    code 0x0 (+0). The element rounding is shared by all three scale rules, so floor and ceil treat signed zeros the
     same way. MXFP8 elements keep the float8 cast's sign instead (-0.0 and negative underflows become -0, 0x80):
     they are never stored, and -0 and +0 dequantize to equal values;
   * a block holding a NaN or +-Inf gets scale byte 0xFF and all-zero element codes, so it dequantizes to NaN in all
@@ -114,7 +116,7 @@ def _scale_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
 
 
 def scale_bytes(amax: jax.Array, *, fmt: str = "e2m1", rule: str = "even") -> jax.Array:
-    """E8M0 scale byte per block from its float32 max-abs ``amax`` (>= 0) (SPEC §10.2).
+    """E8M0 scale byte per block from its float32 max-abs ``amax`` (>= 0) (docs/numerics.md §10.2).
 
     Returns uint8 of amax's shape: 0 for an all-zero block, 0xFF where amax is NaN or Inf, else in [0, 254].
     """
@@ -197,7 +199,7 @@ def e2m1_round_codes(v: jax.Array, negative: jax.Array | None = None) -> jax.Arr
     """Round float32 ``v`` (already divided by the block scale) to E2M1 codes: RNE, saturating at +-6.
 
     Bit 3 (the sign) is ``negative`` (default ``v < 0``, see ``is_negative``): a negative value that rounds to
-    zero is code 0x8, an exact -0.0 is code 0x0 (compressed-tensors' bytes, SPEC §10.2). Returns uint8.
+    zero is code 0x8, an exact -0.0 is code 0x0 (compressed-tensors' bytes, docs/numerics.md §10.2). Returns uint8.
     """
     v = v.astype(jnp.float32)
     m = jnp.minimum(jnp.abs(v), 6.0)
@@ -223,7 +225,7 @@ def e2m1_decode(codes: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 def pack_codes(codes: jax.Array) -> jax.Array:
     """uint8 E2M1 codes [..., n] (n even) -> bytes [..., n/2]: byte j = code 2j | code 2j+1 << 4 (low nibble = even
-    column, SPEC §10.3)."""
+    column, docs/numerics.md §10.3)."""
     c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return c[..., 0] | (c[..., 1] << 4)
 
@@ -265,8 +267,8 @@ def _quantize_blocks(xb: jax.Array, fmt: str, rule: str):
     v = _scale_by_pow2(x, 127 - jnp.where(finite, b[..., None].astype(jnp.int32), 127))
     if fmt == "e2m1":  # the sign from the input itself: flushing keeps a subnormal's sign, but makes it -0.0
         return e2m1_round_codes(v, is_negative(x32) & finite), b
-    # Clip first: the float8 casts are not saturating (480 -> NaN for E4M3, SPEC §10.6). The cast keeps the sign,
-    # so a negative value that underflows is -0.
+    # Clip first: the float8 casts are not saturating (480 -> NaN for E4M3, docs/numerics.md §10.6). The cast keeps the
+    # sign, so a negative value that underflows is -0.
     v = jnp.clip(v, -f.max_value, f.max_value)
     return v.astype(f.dtype), b
 

@@ -1,4 +1,4 @@
-"""RMSNorm (SPEC §2.3): statistic in at-least-fp32, eps inside the rsqrt on the mean, cast after the gain."""
+"""RMSNorm (docs/model.md §2.3): statistic in at-least-fp32, eps inside the rsqrt on the mean, cast after the gain."""
 
 from __future__ import annotations
 

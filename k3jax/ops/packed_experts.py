@@ -1,5 +1,5 @@
-"""Routed experts run from their MXFP4 checkpoint bytes (SPEC §10.3): frozen weights, and never a high-precision copy
-of a whole expert stack.
+"""Routed experts run from their MXFP4 checkpoint bytes (docs/numerics.md §10.3): frozen weights, and never a
+high-precision copy of a whole expert stack.
 
 Weights, torch orientation as on disk and as ``checkpoint.load(..., keep_experts_packed=True)`` returns them
 (y = x @ W_eᵀ with W_e [out, in], blocks of 32 along ``in``):

@@ -1,4 +1,4 @@
-"""Sigmoid top-k routing with a selection-only bias (SPEC §7.1, "noaux_tc").
+"""Sigmoid top-k routing with a selection-only bias (docs/model.md §7.1, "noaux_tc").
 
     s      = σ(x @ W_r)                      fp32, all E experts
     ids    = top_k(s + b)                    b = e_score_correction_bias, selection only (no gradient)

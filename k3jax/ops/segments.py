@@ -1,4 +1,4 @@
-"""Document boundaries of packed rows (SPEC §4.7): one rule for every token mixer.
+"""Document boundaries of packed rows (docs/model.md §4.7): one rule for every token mixer.
 
     run = runs(segment_ids)          # [B, T] int32: 0 for the row's first document, +1 at every boundary
 

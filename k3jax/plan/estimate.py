@@ -15,7 +15,7 @@ from k3jax.config import K3Config
 from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
 from k3jax.pytree import key_names
 
-# (block, leaf) the official checkpoint stores as F32 (../shared/k3/tensors.tsv.gz: e_score_correction_bias, and
+# (block, leaf) the official checkpoint stores as F32 (tests/golden/k3/tensors.tsv.gz: e_score_correction_bias, and
 # A_log, dt_bias, the q/k/v conv1d weights and o_norm of every KDA layer); every other non-expert tensor is BF16
 F32_STORED = {("moe", "bias"), *(("kda", k) for k in ("A_log", "dt_bias", "conv_q", "conv_k", "conv_v", "o_norm"))}
 

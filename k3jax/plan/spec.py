@@ -54,7 +54,7 @@ class PlanSpec:
     packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
     context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
     opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
-    muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; #30: owner)
+    muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; owner-compute)
     lora_rank: int = 16  # lora: the adapters' rank (alpha = 2 rank, every target)
 
 

@@ -1,8 +1,8 @@
 """Public MX API: MXFP4 / MXFP8 pack and unpack (compressed-tensors layout), expert-stack conversions, host decoder.
 
 The element codes, nibble packing and array math live in k3jax.ops.mx (the MoE layer calls its fake-quant directly,
-driven by the config's ``qat`` fields, SPEC §10.7); this package re-exports them and owns the storage layout
-(SPEC §10.3) and its numpy decoder for the checkpoint loader.
+driven by the config's ``qat`` fields, docs/numerics.md §10.7); this package re-exports them and owns the storage layout
+(docs/numerics.md §10.3) and its numpy decoder for the checkpoint loader.
 
     packed, scale = mxfp4_pack(w)            # w [..., n] -> uint8 [..., n/2], uint8 [..., n/32]
     w_q = mxfp4_unpack(packed, scale)        # exact

@@ -1,4 +1,5 @@
-"""Host (numpy) MXFP4 decoding of the compressed-tensors layout, for the checkpoint loader (SPEC §10.3, §11.8).
+"""Host (numpy) MXFP4 decoding of the compressed-tensors layout, for the checkpoint loader (docs/numerics.md §10.3,
+docs/checkpoint.md §11.8).
 
 The fast twin of ``k3jax.quant.mxfp4_unpack`` (jnp, exact) for bytes that never leave the host: one table gather
 per output value (``k3jax.ops.mx`` byte tables, no shifts) and one multiply by the E8M0 scale, straight out of the

@@ -1,4 +1,5 @@
-"""compressed-tensors ``mxfp4-pack-quantized`` storage (SPEC §10.3, §11.4) and the expert-stack conversions.
+"""compressed-tensors ``mxfp4-pack-quantized`` storage (docs/numerics.md §10.3, docs/checkpoint.md §11.4) and the
+expert-stack conversions.
 
     weight_packed : uint8 [..., n/2]   byte[.., j] = code[.., 2j] | code[.., 2j+1] << 4   (LOW nibble = EVEN column)
     weight_scale  : uint8 [..., n/32]  E8M0 byte b, value 2^(b-127); 0xFF = NaN

@@ -1,7 +1,7 @@
-"""Float64 NumPy oracle for Kimi Delta Attention (SPEC §4), written as plain loops.
+"""Float64 NumPy oracle for Kimi Delta Attention (docs/model.md §4), written as plain loops.
 
-This is the bottom rung of the KDA ladder (STYLE §3.2): every JAX path (recurrent, chunked, Pallas, the layer) is
-tested against it. Nothing here is fast; everything here is a line-by-line transcription of the spec:
+This is the bottom rung of the KDA ladder (docs/design.md §3.2): every JAX path (recurrent, chunked, Pallas, the layer)
+is tested against it. Nothing here is fast; everything here is a line-by-line transcription of the spec:
 
 - ``gate_safe`` / ``gate_softplus``: the two forget gates of §4.2.
 - ``short_conv``: causal depthwise conv, tap ``conv_size - 1`` multiplies the current token, then SiLU (§4.1).
@@ -80,7 +80,7 @@ def l2norm(z, eps: float = L2NORM_EPS):
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
-    """SPEC §4.3 for every batch row and head.
+    """docs/model.md §4.3 for every batch row and head.
 
     q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] (log decay); beta: [B, T, N];
     initial_state: [B, N, K, V] (K-first) or None.  Returns o [B, T, N, V], final state [B, N, K, V].
@@ -111,7 +111,7 @@ def gated_rmsnorm(o, w, gate, eps: float):
 
 
 def kda_layer(p, x, *, gate_lower_bound, eps, cache=None):
-    """The full KDA token mixer (SPEC §4.1) in float64.
+    """The full KDA token mixer (docs/model.md §4.1) in float64.
 
     p: the parameter dict of ``init_kda``; x: [B, T, D].  ``cache`` (optional) is a dict with ``state``
     [B, N, K, V] and ``conv_q``/``conv_k``/``conv_v`` [B, W-1, N*K] (oldest first).  Returns (y [B, T, D],
@@ -123,7 +123,7 @@ def kda_layer(p, x, *, gate_lower_bound, eps, cache=None):
     D_, N, K = p["wq"].shape
     cache = cache or {}
 
-    def proj(w):  # [B, T, N*K], head-major columns (SPEC §2.1)
+    def proj(w):  # [B, T, N*K], head-major columns (docs/model.md §2.1)
         return np.einsum("btd,dnk->btnk", x, w).reshape(B, T, -1)
 
     q, tq = short_conv(proj(p["wq"]), p["conv_q"], cache.get("conv_q"))
@@ -157,7 +157,7 @@ GATE_KINDS = ("safe", "bound", "zero", "softplus", "extreme")
 
 def random_inputs(seed: int, *, B: int, T: int, N: int, K: int, V: int, gate: str = "safe",
                   lower_bound: float = -5.0):
-    """Float64 test inputs following SPEC §15.3: l2-normalised q, k; v ~ N(0, 1); beta = sigmoid(N(0, 1));
+    """Float64 test inputs following docs/numerics.md §15.3: l2-normalised q, k; v ~ N(0, 1); beta = sigmoid(N(0, 1));
     a random K-first h0; and a gate family:
 
       safe      lb * sigmoid(8 N(0,1))                   (saturating safe gate, in (lb, 0))

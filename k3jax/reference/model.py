@@ -1,4 +1,4 @@
-"""Float64 NumPy reference of the K3 network (SPEC §1.3, §3, §5, §6, §7, §13), written from the spec with plain
+"""Float64 NumPy reference of the K3 network (docs/model.md §1.3, §3, §5, §6, §7, §13), written from the spec with plain
 loops over tokens, heads and experts. KDA layers use k3jax.reference.kda.
 
     logits = ref_forward(view, tokens, cfg)     # view: {"layers": [layer dict, ...], "embed", ...} (any array
@@ -126,7 +126,7 @@ def moe(p, x, *, top_k, act, beta1, beta2, renormalize, rsf, eps, record=None):
 
 
 def ref_forward(params, tokens, cfg: K3Config, routing: dict | None = None):
-    """Float64 logits [B, T, W] following SPEC §1.3 literally (one sequence at a time).
+    """Float64 logits [B, T, W] following docs/model.md §1.3 literally (one sequence at a time).
 
     ``routing`` (a dict), if given, is filled {decoder layer: [per sequence: [per token: (ids, k-th biased score,
     (k+1)-th biased score)]]} for every MoE layer."""

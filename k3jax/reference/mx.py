@@ -1,11 +1,11 @@
-"""Scalar float64 oracle for the MX formats (SPEC §10.1-§10.3), written as plain Python loops over blocks.
+"""Scalar float64 oracle for the MX formats (docs/numerics.md §10.1-§10.3), written as plain Python loops over blocks.
 
 Independent of k3jax/ops/mx.py: exponents come from ``math.frexp`` on exact float64 values, elements are rounded by
 searching the full list of representable magnitudes (built from the bit definitions), ties go to the even code
 (mantissa bit 0), and the E8M0 scale is ``math.ldexp(1, b - 127)``. Slow; use it on small arrays only.
 
-Shared conventions with the fast path (SPEC §10.2 and the module docstring of k3jax.ops.mx): inputs are float32
-values; float32 subnormals count as zero; an all-zero block has scale byte 0; a block with NaN/Inf has scale
+Shared conventions with the fast path (docs/numerics.md §10.2 and the module docstring of k3jax.ops.mx): inputs are
+float32 values; float32 subnormals count as zero; an all-zero block has scale byte 0; a block with NaN/Inf has scale
 byte 0xFF and zero element codes. The E2M1 code's sign bit is (x < 0) of the input, so -0.0 is code 0x0 and any
 negative value that rounds to zero (a subnormal one too) is 0x8, as compressed-tensors writes them.
 """
@@ -100,7 +100,7 @@ def quantize_row(row, fmt: str = "e2m1", rule: str = "even") -> tuple[list[int],
     """One 1-D row (length a multiple of 32) -> (element codes, scale bytes), block by block."""
     vals = [f32(float(x)) for x in row]
     # E2M1 sign bit = (x < 0) of the input (compressed-tensors: -0.0 -> 0x0, a negative that rounds to 0 -> 0x8,
-    # SPEC §10.2); the float8 formats keep the sign bit of the (flushed) value, as a float8 cast does.
+    # docs/numerics.md §10.2); the float8 formats keep the sign bit of the (flushed) value, as a float8 cast does.
     negative = [x < 0 for x in vals] if fmt == "e2m1" else [None] * len(vals)
     vals = [math.copysign(0.0, x) if (abs(x) < F32_MIN_NORMAL) else x for x in vals]  # flush float32 subnormals
     codes, scales = [], []

@@ -1,4 +1,4 @@
-"""k3jax.sharding — all code that knows a mesh exists (STYLE.md §2).
+"""k3jax.sharding — all code that knows a mesh exists (docs/design.md §2).
 
     mesh.py             make_mesh({"data": 2, "expert": 4}); axes data, fsdp, expert, context, tensor (Auto axis types)
     rules.py            the logical-axis → mesh-axis table (a column per strategy); per-parameter logical axes come

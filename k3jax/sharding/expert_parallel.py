@@ -1,4 +1,4 @@
-"""Expert-parallel MoE dispatch / combine with ``jax.shard_map`` (SPEC §7.2, §14.2).
+"""Expert-parallel MoE dispatch / combine with ``jax.shard_map`` (docs/model.md §7.2, docs/numerics.md §14.2).
 
     ep = ExpertParallel(mesh, "ep")                          # an experts_fn for the MoE layer
     logits = forward(params, tokens, cfg, dispatch=ep)       # tokens sharded over (data, fsdp, expert)
@@ -34,7 +34,7 @@ the ragged path's offset bookkeeping against an all_to_all emulation of the prim
 Bucket size C (rows one source shard may send one destination shard):
     worst case  C_max = m · min(A, El)     a token's A experts are distinct, so at most min(A, El) of its rows
                                            go to one shard; the receive buffer is X·C_max = min(X, E/A) × the
-                                           balanced size m·A (SPEC §7.2: up to 56× for K3)
+                                           balanced size m·A (docs/model.md §7.2: up to 56× for K3)
     capacity_factor = cf > 0: C = min(C_max, ceil(cf · m·A / X)); rows beyond C in a bucket are DROPPED (their
                                            expert output is 0) and counted.
     capacity_factor = -1 (default): C = C_max, dropless.

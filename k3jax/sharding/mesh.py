@@ -1,4 +1,4 @@
-"""Device meshes with the five k3jax axis names (STYLE.md §2, SPEC §14.6).
+"""Device meshes with the five k3jax axis names (docs/design.md §2, docs/numerics.md §14.6).
 
     mesh = make_mesh({"data": 2, "expert": 4})      # fsdp, context and tensor default to size 1
     mesh = make_mesh({"data": 2, "context": 4})     # the sequence split 4 ways (k3jax/sharding/context_parallel.py)
@@ -8,10 +8,10 @@ rule tables may name any of them on any mesh. Sizes not given are 1.
 
 Axis types: **Auto** (``jax.sharding.AxisType.Auto``) by default. The model is written as plain jnp over unannotated
 arrays; under Explicit axis types every einsum over a sharded contraction dimension and every shard_map whose inputs
-are not already laid out as its ``in_specs`` is a type error (SPEC §14.6), which would push sharding decisions into
-model code. With Auto, parameters are placed by ``param_specs`` and XLA propagates; the expert-parallel dispatch is
-a ``shard_map`` that chooses its own communication. ``axis_types="explicit"`` is accepted for callers that want
-sharding-in-types.
+are not already laid out as its ``in_specs`` is a type error (docs/numerics.md §14.6), which would push sharding
+decisions into model code. With Auto, parameters are placed by ``param_specs`` and XLA propagates; the expert-parallel
+dispatch is a ``shard_map`` that chooses its own communication. ``axis_types="explicit"`` is accepted for callers that
+want sharding-in-types.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Placing a whole train state on a mesh from the rules table (SPEC §14): parameters, optimizer state and batches.
+"""Placing a whole train state on a mesh from the rules table (docs/numerics.md §14): parameters, optimizer state and
+batches.
 
     sizes = parse_mesh("data=2,expert=4")                     # {"data": 2, "fsdp": 1, "expert": 4, "tensor": 1}
     strategy = default_strategy(sizes)                        # "ep"
@@ -66,7 +67,7 @@ def resolve_mesh(spec: str, *, devices: int, exact: bool = False, where: str = "
     if exact and n != devices:
         raise InputError(f"--mesh {spec}: {n} devices, but {where or 'the target'} has {devices}")
     if not exact and n > devices:
-        raise InputError(f"--mesh {spec}: needs {n} devices, {devices} available")
+        raise InputError(f"--mesh {spec}: needs {n} devices, {devices} available{_devices_note()}")
     strategy = check_strategy(strategy or default_strategy(sizes))
     if sizes["context"] > 1 and not uses_context(strategy, sizes):
         raise InputError(f"--mesh {spec}: strategy {strategy} does not split sequences, so the context axis (size "
@@ -80,6 +81,21 @@ def resolve_mesh(spec: str, *, devices: int, exact: bool = False, where: str = "
     return sizes, strategy
 
 
+def _devices_note() -> str:
+    """What the devices of a too-small mesh are: the platform, and on the CPU who fixed their count (`k3` starts as
+    many simulated CPU devices as a --mesh needs unless XLA_FLAGS or JAX_NUM_CPU_DEVICES chose the count)."""
+    import os
+
+    platform = jax.default_backend()
+    if platform != "cpu":
+        return f" ({platform})"
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return " (simulated CPU devices: XLA_FLAGS' --xla_force_host_platform_device_count sets their number)"
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return " (simulated CPU devices: JAX_NUM_CPU_DEVICES sets their number)"
+    return " (cpu)"
+
+
 def format_mesh(sizes) -> str:
     """The axes of size > 1, as ``data=2,expert=4`` (``data=1`` for a one-device mesh)."""
     parts = [f"{a}={n}" for a, n in axis_sizes(sizes).items() if n > 1]
@@ -87,7 +103,7 @@ def format_mesh(sizes) -> str:
 
 
 def default_strategy(sizes) -> str:
-    """The rules column a mesh's axes imply (../shared/CLI.md: data+expert → ``ep``): fsdp together with expert or
+    """The rules column a mesh's axes imply (docs/cli.md: data+expert → ``ep``): fsdp together with expert or
     tensor → ``fsdp_ep_tp``; tensor → ``ep_tp``; expert → ``ep``; otherwise ``fsdp`` (on a data-only mesh that is
     plain data parallelism: the fsdp axis has size 1, so parameters replicate and batches split over data)."""
     s = axis_sizes(sizes)

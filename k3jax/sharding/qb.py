@@ -1,8 +1,8 @@
-"""Quantile Balancing statistics across devices (SPEC §8): the per-expert histogram estimator of §8.2 with ONE
+"""Quantile Balancing statistics across devices (docs/model.md §8): the per-expert histogram estimator of §8.2 with ONE
 integer all-reduce per MoE layer, and the exact sort-based reference.
 
     r_ij = α_i − s_ij                       bias expert j needs to enter token i's top-k (α = the (k+1)-th s + b)
-    w = (max b − min b + 2)/B,  B = 1000    (SPEC: lo = min b − 1, hi = max b + 1)
+    w = (max b − min b + 2)/B,  B = 1000    (§8.2: lo = min b − 1, hi = max b + 1)
     lo_j = b_j + ε − w·ceil((b_j + ε − (min b − 1))/w),  ε = 1e-3·w      per-expert grid, see "Bin alignment"
     hist_j[u] = #{i : clip(floor((r_ij − lo_j)/w), 0, B−1) = u}        int32 [E, B], psum over all token shards
     m = Σ_u hist_j[u] (the same for every j: every token contributes to every expert), q = m·k/n
@@ -48,7 +48,7 @@ QB_BINS = 1000
 
 
 def qb_range(bias, bins: int = QB_BINS):
-    """(lo [E], w) of the histogram for the current bias: bin width from SPEC §8.2's range (s ∈ (0, 1) ⇒
+    """(lo [E], w) of the histogram for the current bias: bin width from docs/model.md §8.2's range (s ∈ (0, 1) ⇒
     r ∈ (min b − 1, max b + 1)), per-expert grid start lo_j aligned so that b_j + ε is a bin edge (see module)."""
     b = bias.astype(jnp.float32)
     lo = jnp.min(b) - 1.0

@@ -1,5 +1,5 @@
-"""Sharding as data (STYLE.md §3.6): ONE table logical axis → mesh axes (a column per strategy). The logical axes of
-each parameter live on the parameter itself (the ``axes`` metadata its block attaches, k3jax/layers/common.py).
+"""Sharding as data (docs/design.md §3.6): ONE table logical axis → mesh axes (a column per strategy). The logical axes
+of each parameter live on the parameter itself (the ``axes`` metadata its block attaches, k3jax/layers/common.py).
 Nothing else in k3jax maps names to mesh axes.
 
     specs = param_specs(cfg, "ep_tp", mesh)          # PartitionSpec per leaf of abstract_params(cfg)

@@ -93,7 +93,7 @@ def _matched_standard_ffn(cfg: K3Config) -> int:
     return max(1, round(latent / (3 * d * (S + k))))
 
 
-# The factors of issue #18 (name -> the defaults of its table; levels may depend on the base config).
+# The built-in ablation factors (name -> the defaults of its table; levels may depend on the base config).
 FACTORS: dict[str, dict[str, Any]] = {
     "attn_res": dict(keys=["model.attn_res_block_size"], varies=["params", "active_params"],
                      levels={"attn_res": {}, "plain": {"model": {"attn_res_block_size": "none"}}}),

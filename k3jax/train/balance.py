@@ -1,4 +1,4 @@
-"""Expert-load balancing during training (SPEC §8): Quantile Balancing (K3), with the DeepSeek sign rule and an
+"""Expert-load balancing during training (docs/model.md §8): Quantile Balancing (K3), with the DeepSeek sign rule and an
 auxiliary loss as ablation baselines.
 
     mode "qb"    b_new = centre(b̂) from the step's global r-histogram (k3jax.sharding.qb, §8.2)   [K3]

@@ -12,10 +12,10 @@ Because a batch depends only on (seed, step), a resumed run sees exactly the bat
 (the data position IS the step). Vocabularies smaller than 256 (k3-tiny: 97) see ``byte % vocab``. Windows of the
 held-out split, and their loss, are ``k3jax.train.evaluate``'s.
 
-Documents and packing (SPEC §4.7). Each text file, each ``{"text"}`` line and each ``{"messages"}`` conversation is
-one document. A ``Corpus`` keeps the token stream with every token's document index and whether it is a target
-(chat: the assistant's tokens, ``k3jax.chat.encode_chat``; text: every token). ``packed_batch_at`` returns rows of
-``seq_len + 1`` tokens with ``segments`` (the document index per token, so KDA, the conv and MLA restart at each
+Documents and packing (docs/model.md §4.7). Each text file, each ``{"text"}`` line and each ``{"messages"}``
+conversation is one document. A ``Corpus`` keeps the token stream with every token's document index and whether it is a
+target (chat: the assistant's tokens, ``k3jax.chat.encode_chat``; text: every token). ``packed_batch_at`` returns rows
+of ``seq_len + 1`` tokens with ``segments`` (the document index per token, so KDA, the conv and MLA restart at each
 boundary: ``k3jax.ops.segments``) and ``weights`` [b, seq_len] (1 where predicting token t + 1 counts: a target
 in the same document as token t — never a document's first token from the one before). Text is cut into random
 windows as ``batch_at`` cuts it (same tokens); chat conversations are packed whole into rows (``pack_rows``: in

@@ -1,4 +1,4 @@
-"""Owner-compute Muon on a mesh (#30 item 1): every orthogonalized block — one head's, one expert's, one layer's
+"""Owner-compute Muon on a mesh: every orthogonalized block — one head's, one expert's, one layer's
 matrix — is orthogonalized whole on one device, and the results return to the parameter's sharding.
 
     tx = owner_muon(dims_fn, lr, ..., mesh=mesh, specs=specs)   # the Muon group of train.optim.make_optimizer

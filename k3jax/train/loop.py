@@ -19,7 +19,14 @@ may resume on a different mesh shape.
 Exact resume: the batch of step s is a pure function of (seed, s) (``k3jax.train.data``), and the
 checkpoint holds params (QB biases included), optimizer state, step, RNG and the bad-step streak. Re-running the
 same command with the same ``ckpt_dir`` continues from the latest committed checkpoint (``k3jax.train.ckpt``) and
-ends with parameters bit-identical to an uninterrupted run.
+ends with parameters bit-identical to an uninterrupted run; re-running a finished one takes no step (its summary's
+``complete`` is True). A checkpoint written with different settings (``settings.resume_diff``: a changed ``steps``
+too, which sets the LR schedule's length) is refused before any compute unless ``fork``.
+
+SIGTERM — and SIGINT with ``train(..., sigint=True)``, as `k3 train` calls it — finishes the current step, saves a
+checkpoint and returns (``stopped``: "sigterm" / "sigint"); a second SIGINT raises KeyboardInterrupt at once.
+``export`` is checked before any compute (an existing non-empty directory only with ``overwrite``) and written
+through a temporary sibling renamed into place (``k3jax.checkpoint.atomic``).
 
 The run's settings, their defaults and every check of them live in ``k3jax.train.settings`` (``InputError`` before
 the first compile: `k3 train` exits 2); the records written to ``--metrics`` in ``k3jax.train.records``.
@@ -27,7 +34,6 @@ the first compile: `k3 train` exits 2); the records written to ``--metrics`` in 
 
 from __future__ import annotations
 
-import functools
 import signal
 import sys
 import time
@@ -40,20 +46,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from k3jax.checkpoint.atomic import check_out_dir
 from k3jax.checkpoint.save import export_trained
 from k3jax.config import K3Config, RunConfig
 from k3jax.errors import InputError
-from k3jax.layers.experts import merge_trees, packed_form, split_packed
-from k3jax.layers.lora import split_adapters
-from k3jax.sharding import param_shardings
+from k3jax.layers.experts import split_packed
 from k3jax.sharding import placement as place
-from k3jax.sharding.rules import param_specs
 from k3jax.train import data as tdata
 from k3jax.train.ckpt import manager, read_meta, restore_state, save_state
-from k3jax.train.evaluate import Windows, heldout_loss, make_scorer
+from k3jax.train.evaluate import Windows, heldout_loss
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
-from k3jax.train.optim import OptimConfig, make_optimizer, schedule
-from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, step_record
+from k3jax.train.optim import schedule
+from k3jax.train.program import full_params, initial_params, programs, trained_and_frozen
+from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, progress_line, step_record
 from k3jax.train.settings import (
     TrainConfig,
     check_frozen,
@@ -63,11 +68,11 @@ from k3jax.train.settings import (
     resolve_model,
     resolve_muon_layout,
     resume_diff,
+    resume_refusal,
     run_settings,
     step_spec,
     validate,
 )
-from k3jax.train.step import init_state, make_train_step
 
 
 class TrainingStoppedError(RuntimeError):
@@ -77,21 +82,37 @@ class TrainingStoppedError(RuntimeError):
 # -------------------------------------------------------------------------------------------------------- the loop
 
 
-class _Sigterm:
-    """``with _Sigterm() as term``: ``term.hit`` turns True on SIGTERM; the previous handler is restored on exit."""
+class _Stop:
+    """``with _Stop(sigint) as stop``: ``stop.hit`` becomes "sigterm" on SIGTERM — and, with ``sigint``, "sigint"
+    on SIGINT (Ctrl-C) — and the loop then finishes its step, saves a checkpoint and returns. A second SIGINT raises
+    KeyboardInterrupt at once. The previous handlers are restored on exit; a SIGINT the process ignores (a
+    background job) stays ignored."""
 
-    hit = False
+    NAMES = {signal.SIGTERM: "sigterm", signal.SIGINT: "sigint"}
+
+    def __init__(self, sigint: bool = False):
+        self.sigint = sigint
+        self.hit: str | None = None
+        self.prev: dict = {}
+
+    def _on(self, signum, frame):
+        if signum == signal.SIGINT and self.hit is not None:
+            raise KeyboardInterrupt  # the second Ctrl-C: abort now
+        self.hit = self.hit or self.NAMES[signum]
 
     def __enter__(self):
-        try:
-            self.prev = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "hit", True))
-        except ValueError:  # not the main thread: no handler (the run is then only stopped by its caller)
-            self.prev = None
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.sigint else (signal.SIGTERM,):
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
+            try:
+                self.prev[sig] = signal.signal(sig, self._on)
+            except ValueError:  # not the main thread: no handler (the run is then only stopped by its caller)
+                break
         return self
 
     def __exit__(self, *exc):
-        if self.prev is not None:
-            signal.signal(signal.SIGTERM, self.prev)
+        for sig, handler in self.prev.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -119,12 +140,15 @@ class _Run:
     lr_at: Callable | None = None
     mngr: Any = None
     meta: dict = field(default_factory=dict)
+    saved: int | None = None  # the step of the checkpoint in --ckpt-dir this run resumes from
+    forked: list = field(default_factory=list)  # the settings --fork lets differ from that checkpoint's
     start: int = 0
     last_good: int | None = None
     flops_tok: float | None = None
     peak: float | None = None
     mfile: MetricsFile = field(default_factory=lambda: MetricsFile(None))
     bar: Any = None
+    step_times: list = field(default_factory=list)  # seconds of each step taken in this process (--log-every)
 
     def write(self, rec: dict) -> None:
         self.mfile.write(rec)
@@ -132,6 +156,8 @@ class _Run:
 
 def _prepare(tc: TrainConfig, log) -> _Run:
     """Every user-facing check, before any compute; loads and splits the corpus."""
+    if tc.export:  # refused before anything runs, not after training (the write itself: export_trained)
+        check_out_dir(tc.export, overwrite=tc.overwrite, flag="--export", hint="pass --overwrite")
     cfg = resolve_model(tc)  # a ConfigError is an InputError
     check_frozen(tc, cfg)
     mesh, strategy = resolve_mesh(tc, cfg)
@@ -146,88 +172,20 @@ def _prepare(tc: TrainConfig, log) -> _Run:
         ContextParallel(mesh, strategy, batch=tc.batch // tc.micro_batches).check(tc.seq_len, "--seq-len")
     data = tdata.prepare(tc, cfg, n_dev, log)
     return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log, data=data,
-                train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy)
-
-
-@dataclass(frozen=True)
-class _Programs:
-    """The placement and jitted programs of one (model, run settings, optimizer, step settings, mesh)."""
-
-    param_sh: Any  # NamedSharding per parameter leaf (packed experts included)
-    init_params: Callable  # key -> the random initial parameters, placed
-    init_adapters: Callable  # key -> fresh LoRA adapters alone (B = 0), placed: beside a loaded base
-    tx: Any  # the optimizer
-    init_state: Callable  # (params, frozen, seed) -> the train state, placed
-    state_sh: dict
-    batch_sh: NamedSharding  # [M, b, T + 1]: b is split
-    dispatch: Any  # the MoE's expert-parallel dispatch, or None
-    step: Callable  # (state, tokens, poison) -> (state, metrics)
-    score: Callable  # the held-out scorer (k3jax.train.evaluate.make_scorer)
-
-
-@functools.lru_cache(maxsize=8)
-def _programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strategy: str, mesh: Mesh,
-              frozen_experts: bool, micro_batch: int) -> _Programs:
-    """A run's programs, built once per process for each key: runs that differ only in their seed, data, length,
-    initial parameters or outputs — `k3 ablate`'s seeds, a resumed run, a notebook's or a test's repeated runs —
-    reuse the jitted init, train step and scorer, and JAX reuses their compiled executables (a k3-tiny train step is
-    ~35 s of XLA:CPU compile, its random init ~20 s: experiments/LOG.md 2026-12-03, session 13)."""
-    from k3jax.model import abstract_params, init_params
-
-    abstract = abstract_params(cfg, settings)
-    if frozen_experts:
-        abstract = packed_form(abstract)
-    param_sh = param_shardings(cfg, strategy, mesh, abstract)
-    trained, frozen = _split(abstract, settings)
-    tx, _ = make_optimizer(trained, ocfg, mesh=mesh, specs=param_specs(cfg, strategy, mesh, trained))
-    init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
-    state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
-    batch_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
-    dispatch = place.expert_dispatch(strategy, mesh, batch=micro_batch)   # with a context axis: the sequence split
-    return _Programs(
-        param_sh=param_sh,
-        init_params=jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=param_sh),
-        init_adapters=jax.jit(lambda k: _split(init_params(cfg, k, settings), settings)[0],
-                              out_shardings=_split(param_sh, settings)[0]),
-        tx=tx, init_state=jax.jit(init, out_shardings=state_sh), state_sh=state_sh, batch_sh=batch_sh,
-        dispatch=dispatch,
-        step=jax.jit(make_train_step(cfg, settings, tx, spec, dispatch=dispatch),
-                     in_shardings=(state_sh, batch_sh, None), out_shardings=(state_sh, None), donate_argnums=0),
-        score=make_scorer(cfg, settings, params_sharding=_full(state_sh),
-                          batch_sharding=place.batch_sharding(strategy, mesh, 2), dispatch=dispatch))
-
-
-def _init_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, prog: _Programs, log=None):
-    """The initial parameters placed with the programs' parameter shardings."""
-    if tc.init_fn is not None:
-        return jax.device_put(tc.init_fn(cfg, settings), prog.param_sh)
-    if tc.init:
-        from k3jax.checkpoint.load import load
-
-        st: dict = {}
-        base_sh = _split(prog.param_sh, settings)[1] if settings.lora else prog.param_sh
-        _, params = load(tc.init, cfg=cfg, shardings=base_sh, dtype=jnp.float32, progress=tc.progress,
-                         strict_config=tc.strict_config, stats=st, keep_experts_packed=keeps_packed(tc, cfg))
-        if settings.lora:
-            params = merge_trees(params, prog.init_adapters(jax.random.key(tc.seed)))
-        if log is not None:
-            log(f"loaded {tc.init}: {st['bytes_read'] / 2**20:,.1f} MiB read in {st['seconds']:.1f} s "
-                f"({st['bytes_read'] / 2**20 / max(st['seconds'], 1e-9):,.0f} MiB/s), "
-                f"{place.bytes_per_device(params) / 2**20:,.1f} MiB of parameters per device")
-        return params
-    return prog.init_params(jax.random.key(tc.seed))
+                train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy,
+                meta={"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)})
 
 
 def _build(run: _Run) -> None:
     """Parameters and optimizer state placed by the rules, the train state, the jitted train step and the
-    held-out scorer (``_programs``: built once per process for each model, settings and mesh)."""
+    held-out scorer (``program.programs``: built once per process for each model, settings and mesh)."""
     tc, cfg = run.tc, run.cfg
     ocfg = optim_config(tc)
     packed = keeps_packed(tc, cfg)
-    prog = _programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, packed,
+    prog = programs(cfg, run.settings, ocfg, step_spec(tc), run.strategy, run.mesh, packed,
                      tc.batch // tc.micro_batches)
-    params = _init_params(cfg, run.settings, tc, prog, run.log)
-    params, frozen = _split(params, run.settings)
+    params = initial_params(cfg, run.settings, tc, prog, run.log)
+    params, frozen = trained_and_frozen(params, run.settings)
     if split_packed(frozen)[1] and not packed:
         raise InputError("the initial parameters hold packed routed experts (w*_packed / w*_scale): they can only "
                          "be trained frozen (frozen_experts=True, `k3 train --frozen-experts`)")
@@ -236,30 +194,47 @@ def _build(run: _Run) -> None:
     del params, frozen
     run.step_fn, run.score = prog.step, prog.score
     run.lr_at = schedule(tc.lr, ocfg)
-    run.meta = {"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)}
 
 
-def _resume(run: _Run) -> None:
-    """Continue from the latest checkpoint in --ckpt-dir, if any, refusing changed run settings unless --fork."""
+def _open_ckpt(run: _Run) -> None:
+    """The checkpoint manager over --ckpt-dir and, when it holds a checkpoint, its step (``run.saved``) once the
+    settings it was written with are checked against this run's: before any compute, no array read. A changed
+    setting is refused unless --fork; a changed Muon layout always (nothing to restore into)."""
     tc = run.tc
     run.mngr = manager(tc.ckpt_dir, keep=tc.keep, async_save=tc.async_ckpt) if tc.ckpt_dir else None
     if run.mngr is None or run.mngr.latest_step() is None:
         return
-    old_meta = read_meta(run.mngr)
-    diff = resume_diff(old_meta.get("train", {}), run.meta["train"])
+    old = read_meta(run.mngr).get("train", {})
+    diff = resume_diff(old, run.meta["train"])
     if "muon_layout" in diff:  # the optimizer state's structure differs: nothing to restore into, even with --fork
-        saved = old_meta["train"].get("muon_layout", "layer")
+        saved = old.get("muon_layout", "layer")
         raise InputError(f"{tc.ckpt_dir}: checkpoint's optimizer state has the {saved!r} Muon layout, this run's is "
                          f"{run.meta['train']['muon_layout']!r}; resume with --muon-layout {saved}")
-    if diff and not tc.fork:  # refused from the saved settings alone: no array is read
-        raise InputError(f"{tc.ckpt_dir}: checkpoint was written by a run with different {', '.join(diff)}; "
-                         "use a fresh --ckpt-dir")
+    if diff and not tc.fork:
+        raise InputError(f"--ckpt-dir {tc.ckpt_dir}: {resume_refusal(old, run.meta['train'], diff)}")
+    run.saved, run.forked = int(run.mngr.latest_step()), diff
+
+
+def _restore(run: _Run) -> None:
+    """Continue from the checkpoint ``_open_ckpt`` found, if any: its state restored into the built one's shapes
+    and shardings."""
+    if run.saved is None:
+        return
     run.state, _ = restore_state(run.mngr, run.state)
-    if diff:
-        run.log(f"fork: resuming with changed {', '.join(diff)}")
+    if run.forked:
+        run.log(f"fork: resuming with changed {', '.join(run.forked)}")
     run.start = int(run.state["step"])
-    run.log(f"resumed from {tc.ckpt_dir} at step {run.start}")
+    run.log(f"resumed from {run.tc.ckpt_dir} at step {run.start}")
     run.last_good = run.start
+
+
+def _complete_note(run: _Run) -> str:
+    """The log line of a re-run whose checkpoint already holds its last step."""
+    tc = run.tc
+    more = ("raise --steps and add --fork (--steps is also the LR schedule's length)" if tc.total_steps is None
+            else "raise --steps")
+    return (f"{tc.ckpt_dir}: the run is complete (checkpoint at step {run.saved}, --steps {tc.steps}); no step "
+            f"taken. To train further, {more}")
 
 
 def _open_outputs(run: _Run) -> None:
@@ -276,7 +251,7 @@ def _open_outputs(run: _Run) -> None:
         run.bar = tqdm(total=tc.steps, initial=run.start, desc="train", unit="step", file=sys.stderr)
     run.write({"event": "start", "step": run.start, "heldout_unigram_entropy": run.held_entropy,
                "devices": run.mesh.devices.size, "mesh": dict(run.mesh.shape), "strategy": run.strategy,
-               "param_bytes_per_device": place.bytes_per_device(_full(run.state)),
+               "param_bytes_per_device": place.bytes_per_device(full_params(run.state)),
                "opt_state_bytes_per_device": place.bytes_per_device(run.state["opt"]),
                "flops_per_token": run.flops_tok, "peak_flops": run.peak, "model": run.cfg.name, "qat": tc.qat})
 
@@ -300,34 +275,22 @@ def _stop_diverged(run: _Run, rec: dict, summary: dict, bad: int) -> None:
     run.write(rec)
     where = (f"last good checkpoint: step {run.last_good} in {run.tc.ckpt_dir}" if run.last_good is not None
              else "no checkpoint was written")
-    summary.update(stopped="non-finite", step=step, params=_full(run.state))
+    summary.update(stopped="non-finite", step=step, params=full_params(run.state))
     err = TrainingStoppedError(f"stopped at step {step}: {bad} non-finite steps in a row "
                                f"(steps {list(range(step - bad + 1, step + 1))}); {where}")
     err.summary = summary
     raise err
 
 
-def _split(tree, settings: RunConfig) -> tuple[dict, dict]:
-    """(trained leaves, frozen leaves) of a params tree (or of its shardings): with LoRA the adapters alone train
-    and the whole base is frozen; otherwise only packed routed experts are frozen (``--frozen-experts``)."""
-    if settings.lora is not None:
-        return split_adapters(tree)
-    return split_packed(tree)
-
-
-def _full(state: dict):
-    """The whole parameter tree of a train state (or of its shardings): the trained leaves and any frozen ones."""
-    return merge_trees(state["params"], state.get("frozen"))
-
-
 def _evaluate(run: _Run) -> float:
     """Held-out loss (nats per token) over the run's fixed eval windows, a micro-batch at a time."""
     b = run.tc.batch // run.tc.micro_batches
-    return heldout_loss(_full(run.state), run.eval_set, batch=b, score=run.score)[0]
+    return heldout_loss(full_params(run.state), run.eval_set, batch=b, score=run.score)[0]
 
 
-def _finish_step(run: _Run, rec: dict, summary: dict, term: _Sigterm) -> bool:
-    """Eval, metrics record, progress, checkpoint and SIGTERM handling after one step; False: stop the loop."""
+def _finish_step(run: _Run, rec: dict, summary: dict, stop: _Stop) -> bool:
+    """Eval, metrics record, progress, checkpoint and SIGTERM / SIGINT handling after one step; False: stop the
+    loop."""
     tc, step = run.tc, rec["step"]
     bad = int(run.state["bad_streak"])
     if bad >= tc.max_bad_steps:
@@ -339,15 +302,22 @@ def _finish_step(run: _Run, rec: dict, summary: dict, term: _Sigterm) -> bool:
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix(loss=f"{rec['loss']:.3f}", refresh=False)
-    if run.mngr is not None and bad == 0 and (step % tc.ckpt_every == 0 or step == tc.steps or term.hit):
-        save_state(run.mngr, run.state, run.meta, force=term.hit or step == tc.steps)
+    elif tc.log_every and step % tc.log_every == 0:  # no progress bar (not a terminal, --no-progress): a line
+        recent = run.step_times[-tc.log_every:]
+        run.log(progress_line(step, tc.steps, rec["loss"], tokens_per_s=tc.batch * tc.seq_len * len(recent) /
+                              max(sum(recent), 1e-9), eta_s=(tc.steps - step) * sum(recent) / len(recent)))
+    hit = stop.hit
+    if run.mngr is not None and bad == 0 and (step % tc.ckpt_every == 0 or step == tc.steps or hit):
+        save_state(run.mngr, run.state, run.meta, force=bool(hit) or step == tc.steps)
         run.last_good = step
-    if not term.hit:
+    if not hit:
         return True
-    summary["stopped"] = "sigterm"
-    run.write({"event": "sigterm", "step": step, "checkpoint": run.last_good})
-    run.log(f"SIGTERM: saved step {run.last_good} to {tc.ckpt_dir}; exiting" if run.mngr is not None
-            else "SIGTERM: no --ckpt-dir, exiting without a checkpoint")
+    summary["stopped"] = hit
+    run.write({"event": hit, "step": step, "checkpoint": run.last_good})
+    saved = (f"saved step {run.last_good} to {tc.ckpt_dir}" if run.last_good is not None
+             else f"no checkpoint saved (step {step} was not finite)")
+    run.log(f"{hit.upper()}: {saved}; exiting" if run.mngr is not None
+            else f"{hit.upper()}: no --ckpt-dir, exiting without a checkpoint")
     return False
 
 
@@ -356,14 +326,14 @@ def _compile_step(run: _Run, x, poison) -> None:
     metrics record (compile seconds, the compiler's per-device argument / output / temporary bytes, and the placed
     state's bytes on the fullest device)."""
     run.step_fn, rec = compile_ahead(run.step_fn, run.state, x, poison)
-    rec.update(param_bytes_per_device=place.bytes_per_device(_full(run.state)),
+    rec.update(param_bytes_per_device=place.bytes_per_device(full_params(run.state)),
                opt_state_bytes_per_device=place.bytes_per_device(run.state["opt"]))
     run.log(compile_summary(rec, place.format_mesh(run.mesh), run.strategy))
     run.write(rec)
 
 
-def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
-    """Steps ``run.start + 1 .. tc.steps`` (or until SIGTERM); returns the last step taken."""
+def _step_loop(run: _Run, summary: dict, stop: _Stop) -> int:
+    """Steps ``run.start + 1 .. tc.steps`` (or until SIGTERM / SIGINT); returns the last step taken."""
     tc = run.tc
     b = tc.batch // tc.micro_batches
     poison = {int(s) for s in tc.poison_steps}
@@ -378,11 +348,12 @@ def _step_loop(run: _Run, summary: dict, term: _Sigterm) -> int:
         run.state, m = run.step_fn(run.state, x, p)
         m = jax.device_get(m)
         dt = time.perf_counter() - t0
+        run.step_times.append(dt)
         step += 1
         rec = step_record(m, step, dt, tokens=tc.batch * tc.seq_len, lr=run.lr_at(step - 1),
                           flops_per_token=run.flops_tok, peak_flops=run.peak)
         _note_step(run, rec, summary)
-        if not _finish_step(run, rec, summary, term):
+        if not _finish_step(run, rec, summary, stop):
             break
     return step
 
@@ -396,38 +367,61 @@ def build(tc: TrainConfig, *, log=None) -> _Run:
     return run
 
 
-def train(tc: TrainConfig, *, log=None) -> dict:
-    """Run (or resume) training. Returns a summary dict; writes metrics JSONL / checkpoints / export as configured."""
+def _close(run: _Run) -> None:
+    """Wait for the checkpoint writes, close the manager, the progress bar and the metrics file."""
+    if run.mngr is not None:
+        run.mngr.wait_until_finished()
+        run.mngr.close()
+    if run.bar is not None:
+        run.bar.close()
+    run.mfile.close()
+
+
+def train(tc: TrainConfig, *, log=None, sigint: bool = False, need_params: bool = True) -> dict:
+    """Run (or resume) training. Returns a summary dict; writes metrics JSONL / checkpoints / export as configured.
+
+    ``sigint``: Ctrl-C stops the run as SIGTERM does (the step finished, a checkpoint saved, ``stopped`` "sigint");
+    a second one raises KeyboardInterrupt. ``need_params`` False: a re-run of a finished run (``complete``) returns
+    without building its state (``params`` None; `k3 train`, unless it exports)."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     run = _prepare(tc, log)
-    _build(run)
-    _resume(run)
-    _open_outputs(run)
-    summary = {"start_step": run.start, "heldout_unigram_entropy": run.held_entropy, "skipped_steps": [],
-               "evals": [], "losses": [], "qk_clip_events": 0, "stopped": None}
-    if tc.eval_at_start and run.start == 0:
-        summary["evals"].append((0, _evaluate(run)))
-        run.write({"event": "eval", "step": 0, "eval_loss": summary["evals"][0][1]})
+    summary = {"start_step": 0, "heldout_unigram_entropy": run.held_entropy, "skipped_steps": [], "evals": [],
+               "losses": [], "qk_clip_events": 0, "stopped": None, "complete": False}
     try:
-        with _Sigterm() as term:
-            step = _step_loop(run, summary, term)
+        _open_ckpt(run)
+        if run.saved is not None and run.saved >= run.tc.steps:  # a finished run: no step, no metrics record
+            log(_complete_note(run))
+            summary.update(complete=True, start_step=run.saved)
+            if not (need_params or tc.export):
+                summary.update(step=run.saved, final_loss=None, final_eval_loss=None, params=None)
+                return summary
+        _build(run)
+        _restore(run)
+        summary["start_step"] = step = run.start
+        if not summary["complete"]:
+            _open_outputs(run)
+            if tc.eval_at_start and run.start == 0:
+                summary["evals"].append((0, _evaluate(run)))
+                run.write({"event": "eval", "step": 0, "eval_loss": summary["evals"][0][1]})
+            with _Stop(sigint) as stop:
+                step = _step_loop(run, summary, stop)
     finally:
-        if run.mngr is not None:
-            run.mngr.wait_until_finished()
-            run.mngr.close()
-        if run.bar is not None:
-            run.bar.close()
-        run.mfile.close()
+        _close(run)
 
     summary.update(step=step, final_loss=summary["losses"][-1] if summary["losses"] else None,
-                   final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None, params=_full(run.state))
+                   final_eval_loss=summary["evals"][-1][1] if summary["evals"] else None,
+                   params=full_params(run.state))
+    if tc.export and summary["stopped"] is None:  # again: the directory may have been made while the run trained
+        check_out_dir(tc.export, overwrite=tc.overwrite, flag="--export", hint="pass --overwrite")
     if tc.export and summary["stopped"] is None and run.settings.lora is not None:
         from k3jax.checkpoint.peft import save_adapter
 
-        summary["export"] = save_adapter(summary["params"], run.cfg, run.settings, tc.export, base=tc.init)
+        summary["export"] = save_adapter(summary["params"], run.cfg, run.settings, tc.export, base=tc.init,
+                                         overwrite=tc.overwrite)
         log(f"adapters written to {tc.export} (PEFT layout)")
     elif tc.export and summary["stopped"] is None:
-        summary["export"] = export_trained(summary["params"], run.cfg, run.settings.qat, tc.export)
+        summary["export"] = export_trained(summary["params"], run.cfg, run.settings.qat, tc.export,
+                                           overwrite=tc.overwrite)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")
     return summary

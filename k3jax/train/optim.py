@@ -1,9 +1,9 @@
-"""K3's optimizer split (SPEC §9): per-head Muon for attention Q/K/V, per-expert Muon for expert stacks,
+"""K3's optimizer split (docs/model.md §9): per-head Muon for attention Q/K/V, per-expert Muon for expert stacks,
 full-matrix Muon for other matrices, AdamW for embeddings / head / norms / gates / convs / AttnRes vectors, nothing
 for the Quantile-Balancing bias buffers.
 
 Built on ``optax.contrib.muon`` (its ``MuonDimensionNumbers`` treat every other axis as a batch axis, so one
-Newton–Schulz runs per head or per expert) — no Newton–Schulz of our own. The traps SPEC §9.5 lists are set
+Newton–Schulz runs per head or per expert) — no Newton–Schulz of our own. The traps docs/model.md §9.5 lists are set
 explicitly: the AdamW branch gets its own learning rate, β2 = 0.95 and no Nesterov (we use ``optax.adamw`` for the
 AdamW groups, so Muon's ``nesterov`` never reaches them), and weight decay follows the group table.
 
@@ -33,7 +33,7 @@ MODES = ("per_head", "full", "adamw")
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 2e-3  # peak LR, shared by both groups thanks to the 0.2·sqrt(max) Muon scaling (SPEC §9.4)
+    lr: float = 2e-3  # peak LR, shared by both groups thanks to the 0.2·sqrt(max) Muon scaling (docs/model.md §9.4)
     adam_lr: float | None = None  # None → same as lr
     total_steps: int = 1000
     warmup_frac: float = 0.01  # cosine schedule with 1% linear warmup

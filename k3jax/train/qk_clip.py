@@ -1,4 +1,4 @@
-"""QK-Clip (MuonClip) for the MLA layers (SPEC §9.6): a per-head weight rescale after the optimizer update.
+"""QK-Clip (MuonClip) for the MLA layers (docs/model.md §9.6): a per-head weight rescale after the optimizer update.
 
     S_max[l, h] = max over the whole step (batch, micro-batches, DP ranks) of the §5.1 score of head h
     for every head with S_max > τ:   γ = τ / S_max

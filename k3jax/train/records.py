@@ -4,10 +4,13 @@
     {"event": "compile", "lower_s", "compile_s", "argument_bytes_per_device", ...}            the first step's compile
     {"step", "loss", "total_loss", "grad_norm", "finite", "lr", "tokens_per_s", "mfu", ...}    every step
     {"event": "eval", "step": 0, "eval_loss"}                                                 --eval-at-start
-    {"event": "sigterm", "step", "checkpoint"}                                                stopped by SIGTERM
+    {"event": "sigterm" | "sigint", "step", "checkpoint"}                                     stopped by a signal
+
+A re-run of a finished run takes no step and writes nothing.
 
 The records are built here from plain values (the step's device metrics, the compiled step, byte counts), so the
-loop only decides when to write them.
+loop only decides when to write them; so is the line printed every --log-every steps when no progress bar is shown
+(``progress_line``).
 """
 
 from __future__ import annotations
@@ -80,4 +83,11 @@ def compile_summary(rec: dict, mesh: str, strategy: str) -> str:
             f"optimizer state {mib(rec['opt_state_bytes_per_device'])}")
 
 
-__all__ = ["MetricsFile", "compile_ahead", "compile_summary", "step_record", "to_json"]
+def progress_line(step: int, steps: int, loss: float, *, tokens_per_s: float, eta_s: float) -> str:
+    """The --log-every line: ``step 10/300: loss 3.2145, 1,234 tokens/s, eta 0:05:12``."""
+    eta = int(round(eta_s))
+    return (f"step {step}/{steps}: loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, "
+            f"eta {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
+
+
+__all__ = ["MetricsFile", "compile_ahead", "compile_summary", "progress_line", "step_record", "to_json"]

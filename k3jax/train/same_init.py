@@ -14,8 +14,8 @@ owns, drawn from ``jax.random.key(seed)``, and every arm reads its leaves from t
 Why not simply the same key: the blocks draw their parameters from one sequential RNG stream, so one extra leaf
 (LatentMoE's projections, a softplus gate's A_log draw) shifts every later draw of that arm. And why the "kind" test:
 one path can be initialised differently in two arms (KDA's A_log: zeros for the safe gate, log U(1, 16) for the
-softplus gate, SPEC §4.2), and sharing it would hand one arm the other's init. Each run's init is drawn at two probe
-keys: a leaf is constant if the draws agree, random otherwise; two leaves are of the same kind when both are
+softplus gate, docs/model.md §4.2), and sharing it would hand one arm the other's init. Each run's init is drawn at two
+probe keys: a leaf is constant if the draws agree, random otherwise; two leaves are of the same kind when both are
 constant and equal, or both random with means and stds that agree within 6 standard errors.
 """
 

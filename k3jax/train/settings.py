@@ -38,6 +38,14 @@ _RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "
 # What a checkpoint that predates a key ran with, where that is not the key's default: every run before
 # --muon-layout existed used the per-layer Newton–Schulz, every run before --no-packing-masks mixed across documents.
 _BEFORE_KEY = {"muon_layout": "layer", "packing_masks": False}
+# The `k3 train` flag of each resume key that has one (the rest are TrainConfig fields only).
+_FLAG = {"preset": "--preset", "init": "--init", "seed": "--seed", "batch": "--batch",
+         "micro_batches": "--micro-batches", "seq_len": "--seq-len", "lr": "--lr", "optimizer": "--optimizer",
+         "qat": "--qat", "compute_dtype": "--compute-dtype", "balance": "--balance", "qb_ema": "--qb-ema",
+         "qk_clip": "--no-qk-clip", "qk_tau": "--qk-tau", "data": "--data", "max_bytes": "--max-bytes",
+         "heldout_frac": "--heldout-frac", "total_steps": "--steps", "frozen_experts": "--frozen-experts",
+         "opt_state_dtype": "--opt-state-dtype", "muon_layout": "--muon-layout", "packing_masks": "--no-packing-masks",
+         "lora": "--lora"}
 
 
 def resume_diff(saved: dict, now: dict) -> list[str]:
@@ -45,6 +53,20 @@ def resume_diff(saved: dict, now: dict) -> list[str]:
     not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default."""
     defaults = TrainConfig().resume_key() | _BEFORE_KEY
     return sorted(k for k in now if saved.get(k, defaults[k]) != now[k])
+
+
+def resume_refusal(saved: dict, now: dict, diff: list[str]) -> str:
+    """Why a checkpoint whose settings differ (``diff``, from ``resume_diff``) is not resumed, each setting named
+    by its flag with the checkpoint's value and this run's, and the way past it: --fork (or a fresh --ckpt-dir)."""
+    defaults = TrainConfig().resume_key() | _BEFORE_KEY
+
+    def show(k: str) -> str:
+        note = " (the LR schedule's length)" if k == "total_steps" else ""
+        return f"{_FLAG.get(k, k)} {saved.get(k, defaults[k])!r} then, {now[k]!r} now{note}"
+
+    return (f"the checkpoint was written with different settings: {'; '.join(show(k) for k in diff)}. Pass --fork "
+            "to resume from it anyway (the run then is not the one these settings give from the start), or use a "
+            "fresh --ckpt-dir")
 
 
 @dataclass(frozen=True)
@@ -85,6 +107,8 @@ class TrainConfig:
     async_ckpt: bool = True
     metrics: str | None = None
     export: str | None = None
+    overwrite: bool = False  # an existing non-empty export directory is replaced (else refused before any compute)
+    log_every: int = 10  # without a progress bar (not a terminal, --no-progress): a stderr line every N steps; 0: none
     max_bad_steps: int = 3
     devices: int | None = None  # data-parallel width (default: all devices); excludes mesh
     mesh: str | None = None  # "data=2,expert=4": axis sizes over data, fsdp, expert, tensor (placement by the rules)
@@ -148,17 +172,29 @@ def resolve_model(tc: TrainConfig) -> K3Config:
 
 def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") -> None:
     """The run's own settings; ``n_dev``: how many ways each micro-batch is split (``split`` names them)."""
+    from k3jax.train.balance import MODES as BALANCE
+    from k3jax.train.optim import MODES as OPTIMIZERS
     from k3jax.train.step import StepSpec
 
-    if tc.steps < 1:
-        raise InputError(f"--steps must be >= 1, got {tc.steps}")
-    if tc.batch < 1 or tc.micro_batches < 1 or tc.seq_len < 1:
-        raise InputError("--batch, --micro-batches and --seq-len must be >= 1")
+    for flag, value in (("--steps", tc.steps), ("--batch", tc.batch), ("--micro-batches", tc.micro_batches),
+                        ("--seq-len", tc.seq_len), ("--max-bytes", tc.max_bytes),
+                        ("--max-bad-steps", tc.max_bad_steps), ("--ckpt-every", tc.ckpt_every),
+                        ("--eval-every", tc.eval_every), ("--keep", tc.keep), ("eval_windows", tc.eval_windows)):
+        if value < 1:
+            raise InputError(f"{flag} must be >= 1, got {value}")
+    if tc.total_steps is not None and tc.total_steps < 1:
+        raise InputError(f"total_steps (the LR schedule's length) must be >= 1, got {tc.total_steps}")
+    if tc.log_every < 0:
+        raise InputError(f"--log-every must be >= 0 (0: no lines), got {tc.log_every}")
+    if not tc.lr > 0:  # also NaN
+        raise InputError(f"--lr must be > 0, got {tc.lr}")
+    if tc.optimizer not in OPTIMIZERS:
+        raise InputError(f"--optimizer {tc.optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     if tc.batch % tc.micro_batches:
         raise InputError(f"--batch {tc.batch} is not divisible by --micro-batches {tc.micro_batches}")
     b = tc.batch // tc.micro_batches
     if b % n_dev:
-        raise InputError(f"micro-batch size {b} (= batch {tc.batch} / {tc.micro_batches} micro-batches) is not "
+        raise InputError(f"micro-batch size {b} (= --batch {tc.batch} / --micro-batches {tc.micro_batches}) is not "
                          f"divisible by the {n_dev} {split}")
     if tc.qat not in QAT_MODES:
         raise InputError(f"--qat {tc.qat!r}: must be one of {', '.join(QAT_MODES)}")
@@ -170,8 +206,12 @@ def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") 
         raise InputError(f"--remat {tc.remat!r}: must be one of {', '.join(REMAT_POLICIES)}")
     if not 0.0 < tc.heldout_frac < 1.0:
         raise InputError(f"--heldout-frac must be in (0, 1), got {tc.heldout_frac}")
-    if tc.max_bad_steps < 1 or tc.ckpt_every < 1 or tc.eval_every < 1 or tc.keep < 1:
-        raise InputError("--max-bad-steps, --ckpt-every, --eval-every and --keep must be >= 1")
+    if tc.balance not in BALANCE:
+        raise InputError(f"--balance {tc.balance!r}: must be one of {', '.join(BALANCE)}")
+    if not 0.0 <= tc.qb_ema < 1.0:
+        raise InputError(f"--qb-ema must lie in [0, 1), got {tc.qb_ema}")
+    if not tc.qk_tau > 0:
+        raise InputError(f"--qk-tau must be > 0, got {tc.qk_tau}")
     StepSpec(balance=tc.balance, qb_ema=tc.qb_ema, qk_tau=tc.qk_tau)  # validates the balance mode, ρ and τ
     optim_config(resolve_muon_layout(tc, 1))  # validates the optimizer's settings ("auto" resolves later, per mesh)
 
@@ -272,4 +312,4 @@ def run_settings(tc: TrainConfig, cfg: K3Config) -> RunConfig:
 
 __all__ = ["TrainConfig", "check_frozen", "keeps_packed", "make_data_mesh", "optim_config", "resolve_mesh",
            "resolve_model",
-           "resolve_muon_layout", "resume_diff", "run_settings", "step_spec", "validate"]
+           "resolve_muon_layout", "resume_diff", "resume_refusal", "run_settings", "step_spec", "validate"]

@@ -6,8 +6,8 @@ update, and a finite-check that turns a NaN/Inf step into a no-op — all inside
     state, m = step_fn(state, tokens_mbt, poison)        # tokens [M, b, T + 1] int32; poison 0.0 (or NaN in tests)
     state, m = step_fn(state, packed, poison)            # packed documents: {"tokens", "segments", "weights"}
 
-Order inside one step (SPEC §8.1, §9.6): every micro-batch routes with the CURRENT bias; gradients, integer load
-statistics / QB histograms and per-head max logits are summed (max-ed) over micro-batches; then
+Order inside one step (docs/model.md §8.1, §9.6): every micro-batch routes with the CURRENT bias; gradients, integer
+load statistics / QB histograms and per-head max logits are summed (max-ed) over micro-batches; then
   1. finite = isfinite(loss) ∧ isfinite(‖g‖)
   2. params ← optax update (fp32 master weights; the bias leaves are labelled "frozen")
   3. QK-Clip on the updated MLA weights with the step's max logits

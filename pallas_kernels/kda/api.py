@@ -114,8 +114,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: i
     Unbounded gates (gate_lower_bound None) use in-sub-chunk differences of sums for the exact diagonal decays;
     see README.md "Known limits". ``platform``: "cpu", "gpu" ("cuda", "rocm") or "tpu" (None: ``target_platform()``)
     picks the schedule and the default ``block_v`` (``DEFAULT_BLOCK_V``); ``interpret`` None = platform is "cpu".
-    ``segment_ids``: None, or [B, T] integer document ids of packed rows (SPEC §4.7): every document runs from a
-    zero state (the initial state continues the first), the final state is the last document's; the kernel applies
+    ``segment_ids``: None, or [B, T] integer document ids of packed rows (docs/model.md §4.7): every document runs from
+    a zero state (the initial state continues the first), the final state is the last document's; the kernel applies
     the masks of ``kda_chunked(..., segment_ids=)`` (README.md "Packed documents"). Not differentiated.
     """
     kda_ops.validate_inputs(q, k, v, g, beta, initial_state, gate_lower_bound=gate_lower_bound)

@@ -1,4 +1,4 @@
-"""Pallas forward kernel for chunked KDA (SPEC §4.4, §4.5); see README.md for the math and tiling.
+"""Pallas forward kernel for chunked KDA (docs/model.md §4.4, §4.5); see README.md for the math and tiling.
 
 Grid (B, N, V / block_v), all parallel. One program owns one (batch, head, value tile) and walks the chunks of
 its sequence in an in-kernel ``lax.fori_loop`` carrying the state tile S [K, block_v] in fp32. (A sequential grid
@@ -28,7 +28,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     chunk: int = 64       # C, tokens per chunk (multiple of sub_chunk)
-    sub_chunk: int = 16   # c, rows per factorised sub-block (SPEC §4.5)
+    sub_chunk: int = 16   # c, rows per factorised sub-block (docs/model.md §4.5)
     block_v: int = 64     # value columns per program
 
 

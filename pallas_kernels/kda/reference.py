@@ -1,4 +1,5 @@
-"""The jnp rungs below the ``kda_chunk`` kernel (STYLE §3.2): chunked (same tiling) and recurrent, from k3jax.ops.
+"""The jnp rungs below the ``kda_chunk`` kernel (docs/design.md §3.2): chunked (same tiling) and recurrent, from
+k3jax.ops.
 
 The whole ladder, with the test of each rung: k3jax/ops/kda/README.md.
 """

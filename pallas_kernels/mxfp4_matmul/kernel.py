@@ -1,8 +1,9 @@
-"""pallas_call bodies for the MXFP4-weight matmul (SPEC §10.8) and the BlockSizes dataclass.
+"""pallas_call bodies for the MXFP4-weight matmul (docs/numerics.md §10.8) and the BlockSizes dataclass.
 
 Weights stay packed in memory: per tile the kernel loads bytes [bn, bk/2] and scale bytes [bn, bk/32] and decodes
 them in registers. The contraction is split into even and odd columns, because the low nibble of byte j is column 2j
-and the high nibble column 2j+1 (SPEC §10.3): with x_even = x[:, 0::2], x_odd = x[:, 1::2] (split once outside),
+and the high nibble column 2j+1 (docs/numerics.md §10.3): with x_even = x[:, 0::2], x_odd = x[:, 1::2] (split once
+outside),
 
     y_tile += x_even_tile @ decode(lo)ᵀ + x_odd_tile @ decode(hi)ᵀ        (fp32 accumulation)
 
@@ -10,7 +11,7 @@ so no nibble interleave is needed in the kernel. Each group of 16 bytes along K 
 
 Two schedules share the tile math:
   * ``grid``: grid (M/bm, N/bn, K/bk), reduction axis last, the fp32 output block stays resident across k and is
-    zeroed at k == 0 (the TPU-style pipeline of SPEC §10.8; also what interpret mode runs by default);
+    zeroed at k == 0 (the TPU-style pipeline of docs/numerics.md §10.8; also what interpret mode runs by default);
   * ``loop``: grid (tiles, N/bn) and a fori_loop over K inside the kernel. A GPU (Triton) grid has no sequential
     reduction axis, so this is the schedule for GPUs; it is also the grouped (per-expert) kernel, where each row
     tile reads its expert id from ``tile_group`` (-1 = unused tile: writes zeros, loads no weights);

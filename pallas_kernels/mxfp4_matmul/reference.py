@@ -1,6 +1,6 @@
-"""jnp rungs for the MXFP4 matmul kernels: dequantize, then matmul (SPEC §10.8).
+"""jnp rungs for the MXFP4 matmul kernels: dequantize, then matmul (docs/numerics.md §10.8).
 
-Ladder (STYLE §3.2): ``mxfp4_gmm_loop_reference`` (a masked loop over experts) -> ``mxfp4_gmm_reference``
+Ladder (docs/design.md §3.2): ``mxfp4_gmm_loop_reference`` (a masked loop over experts) -> ``mxfp4_gmm_reference``
 (``lax.ragged_dot`` on the dequantized stack) -> the ``mxfp4_gmm`` kernel; dense: ``mxfp4_matmul_reference``.
 """
 

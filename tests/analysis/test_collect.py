@@ -1,5 +1,5 @@
 """Routing collection: exact loads from the model's own routing, agreement with the float64 reference model,
-mesh == single device, static router analysis byte counts, and `k3 route` bad input (issue #17)."""
+mesh == single device, static router analysis byte counts, and `k3 route` bad input."""
 
 import functools
 import json

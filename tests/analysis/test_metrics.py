@@ -1,4 +1,4 @@
-"""Routing metrics on hand-built routings with known answers, and label-permutation equivariance (issue #17)."""
+"""Routing metrics on hand-built routings with known answers, and label-permutation equivariance."""
 
 import json
 

@@ -1,5 +1,5 @@
 """Static router analysis on the full-scale 96-file K3 layout (sparse files): it reads exactly the 92 layers'
-router and bias payloads plus the headers of the 92 shards holding them, out of 1.56 TB (issue #17)."""
+router and bias payloads plus the headers of the 92 shards holding them, out of 1.56 TB."""
 
 import os
 import shutil
@@ -10,11 +10,11 @@ from k3jax.analysis.static import static_router_analysis
 from k3jax.checkpoint.container import read_header
 from k3jax.checkpoint.sparse import MIN_FREE_BYTES, make_sparse_checkpoint
 
-K3 = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "k3")
+K3 = os.path.join(os.path.dirname(__file__), "..", "golden", "k3")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not os.path.exists(os.path.join(K3, "tensors_vision.tsv")), reason="needs shared/k3"),
+    pytest.mark.skipif(not os.path.exists(os.path.join(K3, "tensors_vision.tsv")), reason="needs tests/golden/k3"),
 ]
 
 

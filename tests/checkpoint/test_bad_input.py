@@ -149,7 +149,7 @@ def test_dtype_inconsistent_with_byte_length(tmp_path):
 
 
 def test_f8_e8m0_and_bf16_are_readable(tmp_path):
-    """What the safetensors library cannot return (SPEC §14.5) our reader views with ml_dtypes."""
+    """What the safetensors library cannot return (docs/numerics.md §14.5) our reader views with ml_dtypes."""
     h = _hdr(s={"dtype": "F8_E8M0", "shape": [2], "data_offsets": [0, 2]},
              w={"dtype": "F8_E4M3", "shape": [2], "data_offsets": [2, 4]})
     raw_shard(tmp_path / "x.safetensors", h, bytes([127, 130, 0x38, 0xC0]))

@@ -1,4 +1,4 @@
-"""Checkpoints other tools write (issue #12): each variant is our own export, rewritten by the safetensors library
+"""Checkpoints other tools write: each variant is our own export, rewritten by the safetensors library
 the way another writer stores it (other float dtypes, mixed across shards; A_log as [H] or [1, 1, H, 1]; layer 0's
 dense MLP under ``block_sparse_moe.`` as transformers 5 saves it; a transformers-5-style or torchtitan-style config
 with extra and derived keys). Each must pass ``k3 inspect`` naming what it tolerated and give logits identical to the
@@ -123,7 +123,7 @@ DENSE_MLP = re.compile(r"^(.*model\.layers\.\d+\.)mlp\.((gate|up|down)_proj\.wei
 
 
 def block_sparse_moe(name):
-    """transformers 5's save_pretrained name for a dense MLP tensor (SPEC §13)."""
+    """transformers 5's save_pretrained name for a dense MLP tensor (docs/model.md §13)."""
     return [DENSE_MLP.sub(r"\1block_sparse_moe.\2", name)]
 
 

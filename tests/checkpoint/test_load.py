@@ -95,8 +95,8 @@ def test_save_load_save_is_byte_identical_and_layout_is_official(mini, tmp_path)
     assert [n for n in names if n.endswith(".safetensors")] == [f"model-{k:05d}-of-000010.safetensors"
                                                                 for k in range(1, 11)]
     # Byte-identical, except that a dequantized -0 (code 0x8, a small negative weight) is re-quantized as an exact
-    # -0.0, which compressed-tensors' rule stores as 0x0 (SPEC §10.2): same values; the keep-packed re-export
-    # below is byte-identical everywhere.
+    # -0.0, which compressed-tensors' rule stores as 0x0 (docs/numerics.md §10.2): same values; the keep-packed
+    # re-export below is byte-identical everywhere.
     a, b = open_checkpoint(d), open_checkpoint(tmp_path / "again")
     changed_nibbles = 0
     for n in names:

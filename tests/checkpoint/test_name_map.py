@@ -1,4 +1,4 @@
-"""The HF name map and the safetensors header layout against the official K3 tensor list (SPEC §11)."""
+"""The HF name map and the safetensors header layout against the official K3 tensor list (docs/checkpoint.md §11)."""
 
 import csv
 import gzip
@@ -41,7 +41,7 @@ def test_k3_tensor_list_equals_official_in_order(k3_specs):
 
 def test_k3_totals(k3_specs):
     assert sum(s.nbytes for s in k3_specs) == 1_559_965_606_912
-    assert sum(s.num_params for s in k3_specs) == 2_779_484_478_208  # SPEC §12.1, A_log pad included
+    assert sum(s.num_params for s in k3_specs) == 2_779_484_478_208  # docs/checkpoint.md §12.1, A_log pad included
     assert sum(s.nbytes for s in k3_specs if s.dtype == "U8") == 1_446_456_066_048
     assert Counter(s.dtype for s in k3_specs) == {"U8": 494_592, "BF16": 1_954, "F32": 506}
 
@@ -55,8 +55,8 @@ def test_k3_shard_headers_reproduce_published(k3_specs):
     assert [s for _, specs in shards for s in specs] == k3_specs
     assert all(nm.shard_of(s.name, cfg) == k for k, (_, specs) in enumerate(shards, 1) for s in specs)
     pinned = set()
-    # every size class of SPEC §11.5 (layer 0; KDA / MLA with 1- and 2-digit layer ids; globals); all 94 shards
-    # are checked through `k3 plan --shards` in tests/cli/test_plan.py
+    # every size class of docs/checkpoint.md §11.5 (layer 0; KDA / MLA with 1- and 2-digit layer ids; globals); all 94
+    # shards are checked through `k3 plan --shards` in tests/cli/test_plan.py
     for k in (1, 2, 4, 8, 11, 12, 93, 94):
         fname, specs = shards[k - 1]
         lay = shard_layout((s.name, s.dtype, s.shape) for s in specs)
@@ -279,7 +279,7 @@ def test_mxfp4_expert_helpers_match_spec_shapes():
     packed2, scale2 = nm.expert_to_hf(dense, packed_spec)  # re-packing a quantized matrix is lossless
     np.testing.assert_array_equal(scale2, scale)
     np.testing.assert_array_equal(nm.expert_from_hf(packed2, scale2, packed_spec), dense)
-    # the bytes too, but for -0: a dequantized 0x8 is an exact -0.0, which packs as 0x0 (SPEC §10.2)
+    # the bytes too, but for -0: a dequantized 0x8 is an exact -0.0, which packs as 0x0 (docs/numerics.md §10.2)
     nib = lambda q: np.stack([q & 15, q >> 4], -1)  # noqa: E731
     diff = nib(packed2) != nib(packed)
     assert (nib(packed)[diff] == 8).all() and (nib(packed2)[diff] == 0).all()

@@ -1,4 +1,4 @@
-"""The release path at small scale (#14 item 3): a K3-shaped checkpoint in the official layout with MXFP4 experts,
+"""The release path at small scale: a K3-shaped checkpoint in the official layout with MXFP4 experts,
 written by the project's writer → ``load`` onto an 8-device mesh with the experts kept packed and split over
 ``expert`` (each device's callbacks read only its experts' bytes) → ``forward`` through the expert-parallel dispatch
 → logits equal to the one-device float32 run of the same checkpoint (experts dequantized on load). Once in one
@@ -47,7 +47,7 @@ def test_packed_release_checkpoint_on_8_devices_equals_one_device_float32(tmp_pa
 @pytest.mark.slow  # two processes (gloo collectives) + the one-process references
 @pytest.mark.multiprocess
 def test_two_process_release_path_and_sharded_export_equal_one_process(tmp_path):
-    """#14 item 3 over two jax.distributed processes (tests/checkpoint/release_2proc.py): each process reads only
+    """The release path over two jax.distributed processes (tests/checkpoint/release_2proc.py): each process reads only
     its experts' bytes, the expert-parallel logits equal the one-device float32 run, and the export, written by both
     processes (each only the tensors it holds), is byte-identical to a one-process export of the same load."""
     import json

@@ -14,12 +14,12 @@ from k3jax.checkpoint.plan import plan_load
 from k3jax.checkpoint.sparse import MIN_FREE_BYTES, make_sparse_checkpoint
 from k3jax.config import get_preset
 
-K3 = "/work/shared/k3"
-PAGE = 17_547_264  # one expert's six tensors (SPEC §10.4)
+K3 = os.path.join(os.path.dirname(__file__), "..", "golden", "k3")  # the release's layout metadata
+PAGE = 17_547_264  # one expert's six tensors (docs/numerics.md §10.4)
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not os.path.exists(os.path.join(K3, "shards.tsv")), reason="needs shared/k3 layout data"),
+    pytest.mark.skipif(not os.path.exists(os.path.join(K3, "shards.tsv")), reason="needs tests/golden/k3 layout data"),
 ]
 
 
@@ -52,7 +52,7 @@ def test_open_validate_and_read_one_devices_eighth_of_layer1_experts(sparse):
     ck = open_checkpoint(d)
     assert len(ck.tensors) == 497_052 and ck.total_size == 1_560_860_324_864
     plan = plan_load(ck, get_preset("kimi-k3"))
-    # byte anchors of SPEC §11.6 and the string order of expert ids on disk
+    # byte anchors of docs/checkpoint.md §11.6 and the string order of expert ids on disk
     pages = ck.expert_pages("language_model.model.layers.1.block_sparse_moe")
     assert pages[0] == ("model-00002-of-000096.safetensors", 818_704 + 1_267_744_256, 818_704 + 1_285_291_520)
     order = sorted(pages, key=lambda e: pages[e][1])

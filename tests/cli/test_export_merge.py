@@ -1,4 +1,4 @@
-"""`k3 export OUT --from BASE --merge-adapter DIR` (issue #31 item 4): the merged checkpoint in the official layout,
+"""`k3 export OUT --from BASE --merge-adapter DIR`: the merged checkpoint in the official layout,
 experts re-quantized to MXFP4, with the report of what the grid kept and the merged-vs-adapter comparison."""
 
 import hashlib

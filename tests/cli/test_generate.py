@@ -1,6 +1,7 @@
 """`k3 generate` (k3jax/cli/generate.py, k3jax/model/generate.py): greedy decoding agrees with the full forward and
 with HF transformers' own cached greedy generation on a checkpoint it wrote; same seed, same samples; stop ids;
-the checkpoint's tokenizer; bad input exits 2 and writes nothing."""
+the checkpoint's tokenizer; compile time reported apart from the decode throughput; bad input exits 2 and writes
+nothing."""
 
 import base64
 import json
@@ -15,7 +16,7 @@ import pytest
 from k3jax.cli.main import main
 from k3jax.config import get_preset
 from k3jax.model.functional import forward, init_params
-from k3jax.model.generate import Sampling, sample
+from k3jax.model.generate import CompileClock, Sampling, sample
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "kimi_linear")
 
@@ -79,6 +80,18 @@ def test_same_seed_same_samples(tmp_path, capsys):
     assert (a != c).any()
 
 
+def test_compile_clock():
+    """Seconds JAX spends compiling, nested spans counted once; a cached call adds none."""
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    with CompileClock() as clock:
+        f(jnp.ones(3)).block_until_ready()
+        n = len(clock)
+        f(jnp.ones(3)).block_until_ready()
+    assert n >= 1 and len(clock) == n and clock.seconds() > 0
+    clock.spans = [(0.0, 2.0), (1.0, 3.0), (1.5, 2.5), (5.0, 6.0)]
+    assert clock.seconds() == 4.0 and clock.seconds(3) == 1.0
+
+
 def test_sampling_filters():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 4000))
     key = jax.random.key(0)
@@ -127,9 +140,14 @@ def test_prompt_text_uses_the_checkpoint_tokenizer_and_streams(tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["tokenizer"] != "bytes"
     assert out["rows"][0]["prompt_tokens"] == 5         # "the", " th", "ing", "<|im_end|>" ... not 19 bytes
+    t = out["timing"]  # a first call at these shapes: the prefill and the first decode step compile
+    assert 0 < t["prefill_compile_s"] <= t["prefill_s"] and 0 < t["decode_compile_s"] <= t["first_step_s"]
+    assert t["decode_steps"] == 2 and t["decode_tokens_per_s"] == pytest.approx(1 / (t["decode_s"] - t["first_step_s"]))
     assert main(args) == 0                             # B = 1 without --json: the text streams to stdout
-    streamed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    streamed = captured.out
     assert streamed.startswith("the thing<|im_end|>") and streamed.endswith(out["rows"][0]["text"] + "\n")
+    assert captured.err.count("(compile 0.00 s") == 2 and "tokens/s after compile" in captured.err  # all cached
 
 
 @pytest.mark.parametrize("args, rows, match", [

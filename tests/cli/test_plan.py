@@ -1,4 +1,5 @@
-"""`k3 plan`: totals against SPEC §12/§13, the official tensor list and shard table, errors (exit 2)."""
+"""`k3 plan`: totals against docs/checkpoint.md §12, docs/model.md §13, the official tensor list and shard table, errors
+(exit 2)."""
 
 import contextlib
 import csv
@@ -19,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY_PARAMS = 302_438  # k3-tiny: the closed-form count the removed config.param_count_estimate gave, pinned
 
 
-# copies of shared/k3 data in the repo, else the sibling checkout ../shared (CI)
+# the release's tensor list and shard table, copied into the repo (tests/golden/k3/README.md); else a sibling ../shared
 GOLDEN = next((d for d in (REPO / "tests/golden/k3", REPO.parent / "shared/k3") if (d / "shards.tsv").exists()), None)
 needs_golden = pytest.mark.skipif(GOLDEN is None, reason="k3 data not found in tests/golden/k3/ nor ../shared/k3/")
 
@@ -41,12 +42,12 @@ def k3_plan():
 
 def test_kimi_k3_totals_via_cli(k3_plan):
     p = k3_plan
-    # SPEC §12.1: 2,779,484,478,208 with the A_log pad; 2,779,484,476,000 without. total_params is the k3jax
-    # tree (A_log [96]); checkpoint_params counts the stored tensors (A_log [128]).
+    # docs/checkpoint.md §12.1: 2,779,484,478,208 with the A_log pad; 2,779,484,476,000 without. total_params is the
+    # k3jax tree (A_log [96]); checkpoint_params counts the stored tensors (A_log [128]).
     assert p["total_params"] == 2_779_484_476_000
     assert p["checkpoint_params"] == 2_779_484_478_208
     assert abs(p["total_params"] / 2.7795e12 - 1) < 5e-4
-    # SPEC §12.1: 104,189,532,416 counts A_log as 128 per KDA layer; the tree has 96 → 69 * 32 fewer
+    # docs/checkpoint.md §12.1: 104,189,532,416 counts A_log as 128 per KDA layer; the tree has 96 → 69 * 32 fewer
     assert p["active_params"] == 104_189_532_416 - 69 * 32
     assert abs(p["active_params"] / 104.19e9 - 1) < 1e-3
     assert p["active_params_with_embedding"] - p["active_params"] == 1_174_405_120
@@ -84,8 +85,8 @@ def test_kimi_k3_breakdown(k3_plan):
 
 def test_kimi_k3_memory(k3_plan):
     mem = k3_plan["memory"]
-    page = 17_547_264  # one MXFP4 expert (SPEC §10.4)
-    replicated = 113_509_540_864  # non-expert text bytes (SPEC §12.2)
+    page = 17_547_264  # one MXFP4 expert (docs/numerics.md §10.4)
+    replicated = 113_509_540_864  # non-expert text bytes (docs/checkpoint.md §12.2)
     assert mem["replicated_weight_bytes"] == replicated
     assert mem["kda_state_bytes_per_sequence"] == 69 * 96 * 128 * 128 * 4
     assert mem["mla_cache_bytes_per_token"] == 24 * (512 + 64) * 2
@@ -140,7 +141,7 @@ def test_batch_and_context_scale_the_caches(capsys):
 
 def test_kimi_linear_48b(capsys):
     p = run_json(capsys, "--preset", "kimi-linear-48b")
-    assert abs(p["total_params"] / 49.12e9 - 1) < 1e-3  # SPEC §13
+    assert abs(p["total_params"] / 49.12e9 - 1) < 1e-3  # docs/model.md §13
     assert abs(p["active_params"] / 3.11e9 - 1) < 5e-3
     assert abs(p["active_params_with_embedding"] / 3.48e9 - 1) < 5e-3
     assert p["layout"] == "kimi-linear" and p["expert_format"] == "bf16"
@@ -199,7 +200,7 @@ def _capture(capsys, *argv) -> str:
 
 
 def test_mesh_of_hardware_is_a_deprecated_alias(capsys):
-    """../shared/CLI.md: `--mesh` never means hardware; the old `--mesh 8xB300` is read as --hardware for one
+    """docs/cli.md: `--mesh` never means hardware; the old `--mesh 8xB300` is read as --hardware for one
     release, with a warning naming the new spelling."""
     assert main(["plan", "--preset", "k3-mini", "--mesh", "8xH200", "--json"]) == 0
     cap = capsys.readouterr()

@@ -1,7 +1,12 @@
-"""`k3 run`, the README's main job: the shipped k3-mini's held-out loss, a greedy sample and the routing summary
-(issues #17, #34)."""
+"""`k3 run`, the README's main job: the shipped k3-mini's held-out loss, a greedy sample and the routing summary;
+what it is doing, phase by phase with its seconds, on stderr as it goes; the held-out text named by its sha256 and
+the Python whose standard library it is."""
 
+import hashlib
 import json
+import platform
+import re
+import sys
 
 import pytest
 
@@ -12,11 +17,32 @@ from k3jax.cli.source import default_ckpt
 SHIPPED = default_ckpt()
 
 
+# The phases `k3 run` reports on stderr, in order (each line: "k3 run: <what> ... <seconds> s", or with a bar on a
+# terminal "k3 run: <what> ...", the bar, "k3 run: <what>: <seconds> s"), then the total.
+PHASES = ("loading the model", "reading the held-out text", "compiling the scorer", "scoring", "greedy sample",
+          "routing", "writing the routing plots")
+
+
 @pytest.mark.skipif(SHIPPED is None, reason="the shipped k3-mini is not in this checkout")
-def test_main_job_on_the_shipped_model(tmp_path, capsys):
+def test_main_job_on_the_shipped_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the scoring and routing bars too
     assert main(["run", "--tokens", "8192", "--route-tokens", "4096", "--max-new-tokens", "24", "--plots",
                  str(tmp_path), "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)  # stdout: the one JSON object, nothing else
+    ends = re.findall(r"^k3 run: (.*?)(?: \.\.\. |: )\d+\.\d s", captured.err, re.MULTILINE)  # phases ended
+    assert [next((p for p in PHASES if w.startswith(p)), w) for w in ends] == list(PHASES), captured.err
+    assert re.search(r"k3 run: done in \d+\.\d s\n$", captured.err)
+    assert re.search(r"score: 100%.*\| 4/4 ", captured.err) and "route: 100%" in captured.err  # the bars
+    held = out["heldout_text"]  # the scored bytes named: comparable across machines when these agree
+    from k3jax.train import data as tdata
+    from k3jax.train.settings import TrainConfig
+
+    tail = tdata.split(tdata.load_corpus(None, max_bytes=TrainConfig().max_bytes), TrainConfig().heldout_frac)[1]
+    assert held == {"sha256": hashlib.sha256(tail[:8192].tobytes()).hexdigest(), "bytes": 8192,
+                    "python": platform.python_version()}
+    assert 0 < out["eval_compile_s"] < out["eval_s"]
+    assert out["sample"]["timing"]["decode_tokens_per_s"] > 0 and out["sample"]["timing"]["decode_compile_s"] > 0
     assert out["model"] == SHIPPED and out["config"] == "hf-kimi_k3"
     sample = out["sample"]  # greedy, no stop ids: exactly the bytes asked for, continuing the fixed prompt
     assert sample["prompt"] == SAMPLE_PROMPT and len(sample["tokens"]) == 24
@@ -37,6 +63,8 @@ def test_random_init_preset_and_text_output(capsys):
     text = capsys.readouterr().out
     assert "preset k3-mini (random init, seed 0)" in text and "bits/byte" in text
     assert "greedy sample, 4 new bytes" in text
+    assert re.search(rf"held-out text: the Python {re.escape(platform.python_version())} standard library, 2,048 "
+                     r"bytes, sha256 [0-9a-f]{64} ", text)
     assert text.count("\n") >= 3 + 8  # header lines + one line per MoE layer
 
 

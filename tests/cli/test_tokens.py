@@ -1,4 +1,4 @@
-"""One meaning of ``--tokens`` (shared/CLI.md; k3jax/cli/source.py ``load_token_file``): int32 [B, T] is B
+"""One meaning of ``--tokens`` (docs/cli.md; k3jax/cli/source.py ``load_token_file``): int32 [B, T] is B
 independent sequences right-padded with -1, [T] one stream. Bad ids, empty rows and padding inside a row exit 2 in
 `k3 route`, `k3 logits` and `k3 generate` alike, naming the flag, file and row, before any compute: nothing written.
 (Routing of good files: tests/analysis/test_collect.py; logits of ragged rows: tests/checkpoint/test_export.py.)"""

@@ -35,7 +35,7 @@ def test_official_config_parses_to_k3():
     assert c.kda_gate_lower_bound == -5.0 and c.kda_full_rank_gate and c.mla_output_gate
     assert (c.situ_beta, c.situ_linear_beta) == (4.0, 25.0) and c.hidden_act == "situ"
     assert c.expert_format == "mxfp4" and c.mla_norm_eps == 1e-6 and c.rms_norm_eps == 1e-5
-    assert n_params(c) == 2_779_484_476_000  # SPEC §12.1 (96 real A_log entries per layer)
+    assert n_params(c) == 2_779_484_476_000  # docs/checkpoint.md §12.1 (96 real A_log entries per layer)
 
 
 def test_official_config_file_is_byte_exact_copy():
@@ -51,7 +51,7 @@ def test_kimi_linear_preset():
     assert c.kda_gate == "softplus" and not c.kda_full_rank_gate and c.q_lora_rank is None
     assert not c.mla_output_gate and c.hidden_act == "silu" and not c.uses_attn_res and not c.is_latent_moe
     assert c.mla_layers == (3, 7, 11, 15, 19, 23, 26) and c.routed_scaling_factor == 2.446
-    assert abs(n_params(c) / 49.12e9 - 1) < 1e-3  # SPEC §13 sanity budget
+    assert abs(n_params(c) / 49.12e9 - 1) < 1e-3  # docs/model.md §13 sanity budget
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

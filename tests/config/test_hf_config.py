@@ -1,4 +1,4 @@
-"""The HF config key table: used / known-irrelevant / unknown keys, unsupported math, parse == emit (issue #12)."""
+"""The HF config key table: used / known-irrelevant / unknown keys, unsupported math, parse == emit."""
 
 import copy
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.config import PRESETS, ConfigError, architecture, from_hf, get_preset
 from k3jax.hf_config import UnknownConfigKeysWarning, classify_keys, to_hf_dict
-from k3jax.hf_keys import KEYS
+from k3jax.hf_keys import DERIVED_NAMES, KEYS
 
 HERE = os.path.dirname(__file__)
 PRESET_DIR = os.path.join(HERE, "..", "..", "k3jax", "presets")
@@ -49,7 +49,7 @@ def test_known_irrelevant_keys_are_accepted_silently_and_reported():
     assert architecture(c) == architecture(get_preset("kimi-k3"))
     assert report == {"unknown_keys": [], "ignored_keys": ["text_config.model_max_length",
                       "text_config.rope_parameters", "text_config.rope_theta", "text_config.rope_scaling"],
-                      "derived_keys": []}
+                      "derived_keys": [], "transformers_form": {}}
 
 
 def test_unknown_keys_warn_once_listing_every_path():
@@ -126,6 +126,8 @@ def test_emit_then_parse_is_the_identity_on_architectures(name, fmt):
     d = to_hf_dict(cfg, qc)
     tc = d.get("text_config", d)
     assert classify_keys(d, tc, "text_config." if tc is not d else "") == ([], [])  # emits only used keys
+    # the release's form: linear_attn_config and first_k_dense_replace, none of transformers' derived keys
+    assert "linear_attn_config" in tc and "first_k_dense_replace" in tc and not DERIVED_NAMES & set(tc)
     assert architecture(parse_quietly(copy.deepcopy(d), strict=True)) == architecture(cfg)
 
 
@@ -166,7 +168,7 @@ def test_transformers_written_config_parses_strictly_and_reports_its_derived_key
     report = {}
     c = parse_quietly(GOLDEN_CONFIG, strict=True, report=report)
     assert architecture(c) == architecture(get_preset("kimi-linear-tiny"))
-    assert report == {"unknown_keys": [], "derived_keys": DERIVED,
+    assert report == {"unknown_keys": [], "derived_keys": DERIVED, "transformers_form": {},
                       "ignored_keys": ["model_max_length", "output_router_logits", "pretraining_tp"]}
 
 
@@ -209,14 +211,11 @@ def _swap_first_mla(types):
     (lambda t: t.update(linear_conv_kernel_dim=3),
      ["'linear_conv_kernel_dim'", "3", "linear_attn_config.short_conv_kernel_size", "4"]),
     (lambda t: t.update(qk_head_dim=128), ["'qk_head_dim'", "128", "qk_nope_head_dim + qk_rope_head_dim", "192"]),
-    # transformers takes linear_head_dim when linear_attn_config has no head_dim; k3jax's default is 128
-    (lambda t: (t["linear_attn_config"].pop("head_dim"), t.update(linear_head_dim=64)),
-     ["'linear_head_dim'", "64", "128"]),
     (lambda t: t.update(layer_types="linear_attention"), ["'layer_types'", "list of strings"]),
     (lambda t: t.update(qk_head_dim=192.0), ["'qk_head_dim'", "expected int"]),
 ], ids=["layer_types-swapped", "layer_types-short", "layer_types-unknown-kind", "mlp-dense-too-many",
         "mlp-moe-at-0", "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "qk_head_dim",
-        "linear_head_dim-instead-of-default", "layer_types-not-a-list", "qk_head_dim-float"])
+        "layer_types-not-a-list", "qk_head_dim-float"])
 def test_a_derived_key_that_disagrees_is_an_error_naming_it_and_both_values(mutate, words):
     raw = with_transformers5_keys(kimi_linear())
     mutate(raw)
@@ -239,3 +238,99 @@ def test_pretraining_tp_is_math_neutral_at_any_value():
     report = {}
     assert architecture(parse_quietly(raw, strict=True, report=report)) == architecture(get_preset("kimi-linear-48b"))
     assert report["ignored_keys"] == ["pretraining_tp"]
+
+
+# ------------------------------------------ transformers' own form (a config transformers 5 built from its arguments)
+
+TF_GOLDEN_CONFIG = os.path.join(HERE, "..", "golden", "kimi_linear_transformers_form", "ckpt", "config.json")
+# used key -> the derived key k3jax reads in its place when the file lacks it
+TRANSFORMERS_FORM = {
+    "linear_attn_config.full_attn_layers": "layer_types", "linear_attn_config.num_heads": "linear_num_heads",
+    "linear_attn_config.head_dim": "linear_head_dim",
+    "linear_attn_config.short_conv_kernel_size": "linear_conv_kernel_dim", "first_k_dense_replace": "mlp_layer_types"}
+
+
+def transformers_form(tc: dict) -> dict:
+    """``tc`` as transformers 5's ``save_pretrained`` writes it when it built ``KimiLinearConfig`` from its own
+    arguments: its derived keys, and of the rest only the keys that class serializes (the set its golden checkpoint's
+    ``config.json`` has: no ``linear_attn_config``, ``first_k_dense_replace``, ``mla_use_nope``, ...;
+    ``max_position_embeddings`` is written as ``model_max_length``)."""
+    with open(TF_GOLDEN_CONFIG) as f:
+        keys = set(json.load(f))
+    with_transformers5_keys(tc)
+    tc["model_max_length"] = tc.pop("max_position_embeddings", 1048576)
+    return {k: v for k, v in tc.items() if k in keys}
+
+
+@pytest.mark.parametrize("source", ["kimi-linear-48b file", "kimi-linear-tiny preset"])
+def test_transformers_form_parses_to_the_release_forms_config_and_exports_the_release_form(source):
+    release = kimi_linear() if source == "kimi-linear-48b file" else to_hf_dict(get_preset("kimi-linear-tiny"))
+    tf = transformers_form(copy.deepcopy(release))
+    assert not {"linear_attn_config", "first_k_dense_replace", "mla_use_nope"} & set(tf)
+    report = {}
+    got = parse_quietly(tf, strict=True, report=report)
+    assert got == parse_quietly(release, strict=True)
+    assert report["transformers_form"] == TRANSFORMERS_FORM and report["derived_keys"] == DERIVED
+    assert report["unknown_keys"] == [] and sorted(report["ignored_keys"]) == ["model_max_length", "pretraining_tp"]
+    out = to_hf_dict(got)  # export: the release's form
+    assert out == to_hf_dict(parse_quietly(release)) and "linear_attn_config" in out and not DERIVED_NAMES & set(out)
+
+
+def test_transformers_form_accepts_its_legacy_layer_type_spellings():
+    tf = transformers_form(kimi_linear())
+    tf["layer_types"] = ["attention" if t == "full_attention" else "mamba" for t in tf["layer_types"]]
+    assert parse_quietly(tf, strict=True) == parse_quietly(kimi_linear())
+
+
+def test_golden_transformers_written_config_parses_to_its_architecture():
+    """The config.json transformers 5.25 wrote for a model it built itself (tests/golden/kimi_linear_transformers_form:
+    MLA at 1-based 2 and 5, dense MLPs at 1 and 2, short conv 3)."""
+    report = {}
+    cfg = parse_quietly(TF_GOLDEN_CONFIG, strict=True, report=report)
+    assert cfg == get_preset("kimi-linear-tiny").replace(
+        name="hf-kimi_linear", vocab_size=256, hidden_size=32, num_layers=5, full_attn_layers=(2, 5), kda_head_dim=16,
+        kda_conv_size=3, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, intermediate_size=64,
+        first_k_dense_replace=2, num_experts=4, moe_intermediate_size=16)
+    assert report["transformers_form"] == TRANSFORMERS_FORM and report["unknown_keys"] == []
+    lac = to_hf_dict(cfg)["linear_attn_config"]
+    assert (lac["full_attn_layers"], lac["kda_layers"], lac["short_conv_kernel_size"]) == ([2, 5], [1, 3, 4], 3)
+
+
+def test_a_derived_key_stands_in_for_a_used_key_the_file_lacks():
+    # transformers takes linear_head_dim when linear_attn_config has no head_dim; so does k3jax
+    raw = with_transformers5_keys(kimi_linear())
+    raw["linear_attn_config"].pop("head_dim")
+    raw["linear_head_dim"] = 64
+    report = {}
+    assert parse_quietly(raw, strict=True, report=report).kda_head_dim == 64
+    assert report["transformers_form"] == {"linear_attn_config.head_dim": "linear_head_dim"}
+
+
+@pytest.mark.parametrize("mutate,words", [
+    # both forms present and disagreeing: an error naming both fields
+    (lambda t: t.update(first_k_dense_replace=2),
+     ["'mlp_layer_types'", "first_k_dense_replace", "1-based layer 2: 'sparse' vs 'dense'"]),
+    (lambda t: t.update(linear_attn_config={"num_heads": 16}, mla_use_nope=True),
+     ["'linear_num_heads'", "32", "linear_attn_config.num_heads", "16"]),
+    (lambda t: t.update(linear_attn_config={"full_attn_layers": [4, 8]}, mla_use_nope=True),
+     ["'layer_types'", "linear_attn_config.full_attn_layers", "1-based layer 12"]),
+    # values k3jax does not implement: an error naming the derived key
+    (lambda t: t["layer_types"].__setitem__(0, "sliding_attention"),
+     ["'layer_types'", "1-based layer 1 is 'sliding_attention'", "'full_attention' and 'linear_attention'"]),
+    (lambda t: t["layer_types"].pop(), ["'layer_types'", "26 entries for 27 layers"]),
+    (lambda t: t["mlp_layer_types"].__setitem__(5, "dense"),
+     ["'mlp_layer_types'", "1-based layer 6 is 'dense' after the MoE layer 2", "first_k_dense_replace"]),
+    (lambda t: t["mlp_layer_types"].__setitem__(0, "moe"), ["'mlp_layer_types'", "1-based layer 1 is 'moe'"]),
+    (lambda t: t.update(linear_num_heads="32"), ["'linear_num_heads'", "expected int", "'32'"]),
+    (lambda t: t.update(mla_use_nope=False), ["'mla_use_nope'", "NoPE", "False"]),  # NoPE is the default only
+    (lambda t: t.pop("layer_types"), ["'linear_attn_config.full_attn_layers'", "required", "layer_types"]),
+], ids=["first_k_dense_replace-vs-mlp_layer_types", "num_heads-vs-linear_num_heads",
+        "full_attn_layers-vs-layer_types", "sliding-layer", "layer_types-short", "dense-after-moe", "unknown-mlp-kind",
+        "linear_num_heads-str", "rope", "no-layer-schedule"])
+def test_transformers_form_errors_name_the_field(mutate, words):
+    tf = transformers_form(kimi_linear())
+    mutate(tf)
+    with pytest.raises(ConfigError) as ei:
+        from_hf(tf)
+    for w in words:
+        assert w in str(ei.value), str(ei.value)

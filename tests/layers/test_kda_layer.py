@@ -1,4 +1,4 @@
-"""KDA token mixer (SPEC §4.1) against the float64 NumPy layer oracle; impls agree; cache round trips."""
+"""KDA token mixer (docs/model.md §4.1) against the float64 NumPy layer oracle; impls agree; cache round trips."""
 
 import jax
 import jax.numpy as jnp

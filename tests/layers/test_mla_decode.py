@@ -1,4 +1,4 @@
-"""MLA decode (SPEC §5.2): 256 steps of the absorbed form equal the materialized form and the training forward,
+"""MLA decode (docs/model.md §5.2): 256 steps of the absorbed form equal the materialized form and the training forward,
 in every MLA layer of k3-mini (its initial weights), per step; the per-layer report is printed."""
 
 import jax

@@ -1,4 +1,4 @@
-"""Gated MLA and the GLU FFN against the float64 NumPy transcription (SPEC §5.1, §6)."""
+"""Gated MLA and the GLU FFN against the float64 NumPy transcription (docs/model.md §5.1, §6)."""
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +83,8 @@ def test_glu_ffn_matches_reference(act, x64):
 
 
 def test_fused_shared_experts_equal_sum_of_two():
-    # SPEC §6: two F-wide SiTU-GLU experts == one 2F-wide expert with concatenated gate/up columns and down rows.
+    # docs/model.md §6: two F-wide SiTU-GLU experts == one 2F-wide expert with concatenated gate/up columns and down
+    # rows.
     a = GLU(d=16, hidden=8, rngs=nnx.Rngs(2))
     b = GLU(d=16, hidden=8, rngs=nnx.Rngs(3))
     pa, pb = params(a), params(b)

@@ -27,7 +27,7 @@ def test_bench_decode_tiny_json(capsys):
     assert out["config"]["ratio_contexts"] == {"1k": 4, "16k": 5, "64k": 5}
     assert set(out["checks"]) == set(TARGETS)
     assert out["ok"] == (all(c["ok"] for c in out["checks"].values()) and out["logits_finite"])
-    assert rc == (0 if out["ok"] else 1)  # CLI.md: a missed bench threshold exits 1, figures printed anyway
+    assert rc == (0 if out["ok"] else 1)  # docs/cli.md: a missed bench threshold exits 1, figures printed anyway
     assert out["logits_finite"]
     assert set(out["decode"]) == {"B1_ctx4", "B1_ctx5", "B1_ctx4_in_8_cache", "B1_ctx5_materialized"}
     assert all(d["steps"] == 1 and d["median_s"] > 0 for d in out["decode"].values())

@@ -1,4 +1,4 @@
-"""Document-masked packing (SPEC §4.7, issue #31 item 2): documents packed in one row give each document's own
+"""Document-masked packing (docs/model.md §4.7): documents packed in one row give each document's own
 per-token losses and gradients — through KDA (its state and its short conv), MLA and the whole network."""
 
 import dataclasses

@@ -34,5 +34,5 @@ def test_full_size_kimi_k3_nnx_eval_shape_no_mesh_under_1gb():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["all_sds"] and out["leaves"] > 0
     assert out["meshes"] == 0  # no mesh context was needed
-    assert out["params"] == 2_779_484_476_000  # SPEC §12.1 (A_log counted as [H], 96 per KDA layer)
+    assert out["params"] == 2_779_484_476_000  # docs/checkpoint.md §12.1 (A_log counted as [H], 96 per KDA layer)
     assert out["peak_rss"] < 1 << 30, f"peak RSS {out['peak_rss'] / 2**20:.0f} MiB"

@@ -14,13 +14,13 @@ separate venv (see the README there) and committed what it made:
   source with its internal float32 casts made float64), and ``versions`` (str: torch, transformers, python, numpy).
 
 Here: k3jax's float32 full forward on prompt + generated tokens (as ``k3 logits`` runs it) equals transformers'
-float32 forward logits within max abs ≤ 1e-4 and rel-RMS ≤ 1e-5 (both asserted; SPEC §15.4's tiny Kimi-Linear
-row; measured ≤ 4.2e-5 / 5.1e-6, which is float32 rounding: transformers' float32 is 5.2e-6 rel-RMS from the float64
-forward, k3jax's 2e-6); the checkpoint's config is the preset's architecture. Slow: the preset's run settings (small
-KDA chunks and key blocks), and k3jax in float64 against the float64 forward (≤ 1e-10; measured 7e-14).
+float32 forward logits within max abs ≤ 1e-4 and rel-RMS ≤ 1e-5 (both asserted; docs/numerics.md §15.2's tiny
+Kimi-Linear row; measured ≤ 4.2e-5 / 5.1e-6, which is float32 rounding: transformers' float32 is 5.2e-6 rel-RMS from the
+float64 forward, k3jax's 2e-6); the checkpoint's config is the preset's architecture. Slow: the preset's run settings
+(small KDA chunks and key blocks), and k3jax in float64 against the float64 forward (≤ 1e-10; measured 7e-14).
 
 The checkpoint is loaded as transformers wrote it, with ``strict_config``: layer 0's dense MLP under
-``block_sparse_moe.{gate,up,down}_proj`` (SPEC §13: "accept both") and the keys ``KimiLinearConfig`` derives
+``block_sparse_moe.{gate,up,down}_proj`` (docs/model.md §13: "accept both") and the keys ``KimiLinearConfig`` derives
 (``layer_types``, ``mlp_layer_types``, ...; checked to agree with the ones k3jax reads).
 """
 

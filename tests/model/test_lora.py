@@ -1,4 +1,4 @@
-"""LoRA adapters in the model (issue #31 item 3; k3jax/layers/lora.py): a fresh adapter is the base bit for bit, an
+"""LoRA adapters in the model (k3jax/layers/lora.py): a fresh adapter is the base bit for bit, an
 adapter equals its merged weight, on every target and both layer stacks."""
 
 import dataclasses

@@ -1,5 +1,5 @@
-"""The full network: float64 NumPy parity (SPEC §15.2), causality, dispatch equivalence, AttnRes bookkeeping,
-Kimi-Linear switches, full-size shapes via eval_shape, k3-mini forward + gradient."""
+"""The full network: float64 NumPy parity (docs/numerics.md §15.2), causality, dispatch equivalence, AttnRes
+bookkeeping, Kimi-Linear switches, full-size shapes via eval_shape, k3-mini forward + gradient."""
 
 import dataclasses
 
@@ -97,7 +97,7 @@ def _record_attn_res(monkeypatch):
 
 @pytest.mark.parametrize("L,S", [(5, 2), (25, 12), (93, 12)])
 def test_attn_res_source_counts(monkeypatch, L, S):
-    # SPEC §3.2: attention AR at l >= 1 has ceil(l/S)+1 sources, MLP AR floor(l/S)+2, output = blocks + 1.
+    # docs/model.md §3.2: attention AR at l >= 1 has ceil(l/S)+1 sources, MLP AR floor(l/S)+2, output = blocks + 1.
     cfg = get_preset("k3-tiny").replace(num_layers=L, attn_res_block_size=S,
                                         full_attn_layers=tuple(sorted(set(range(4, L + 1, 4)) | {L})))
     counts = _record_attn_res(monkeypatch)

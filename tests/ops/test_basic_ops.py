@@ -1,4 +1,4 @@
-"""RMSNorm, SiTU-GLU and AttnRes against the float64 NumPy transcription of SPEC §2.3 / §3 / §6."""
+"""RMSNorm, SiTU-GLU and AttnRes against the float64 NumPy transcription of docs/model.md §2.3 / §3 / §6."""
 
 import jax
 import jax.numpy as jnp

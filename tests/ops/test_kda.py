@@ -1,4 +1,4 @@
-"""KDA ladder (STYLE §3.2): fp64 NumPy oracle -> recurrent -> chunked, plus decode, layout and input checks.
+"""KDA ladder (docs/design.md §3.2): fp64 NumPy oracle -> recurrent -> chunked, plus decode, layout and input checks.
 
 Shapes use the k3jax/notation.py letters: [B, T, N, K] with N heads.
 """
@@ -247,7 +247,7 @@ def test_long_sequence_grad_memory_is_per_chunk():
     assert temp < per_token_states / 8, f"temp {temp / 2**20:.0f} MiB"
 
 
-# ---------------------------------------------------------------------------------------- packed documents (§4.7)
+# --------------------------------------------------------------------------- packed documents (docs/model.md §4.7)
 
 # Per row, the first token of each document: boundaries mid-chunk, at a chunk start (64, 16), on the last token,
 # length-1 documents and a row that is one document. T = 150 is not a multiple of the chunk.

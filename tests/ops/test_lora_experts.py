@@ -1,4 +1,4 @@
-"""Per-expert LoRA over the routed experts (``experts_lora``, issue #31 item 3): a float64 NumPy reference of the
+"""Per-expert LoRA over the routed experts (``experts_lora``): a float64 NumPy reference of the
 LoRA FFN, B = 0 against the plain experts, QLoRA (packed MXFP4 base) against LoRA over the dequantized stacks, and the
 CPU tile loop against the grouped path (``lax.ragged_dot`` / the Pallas grouped MXFP4 kernel in its interpreter)."""
 

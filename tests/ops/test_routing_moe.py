@@ -1,4 +1,5 @@
-"""Routing (SPEC §7.1, §15.3 item 6) and the two expert dispatches (dense vs sort-based) — forward and gradients."""
+"""Routing (docs/model.md §7.1, docs/numerics.md §15.3 item 6) and the two expert dispatches (dense vs sort-based) —
+forward and gradients."""
 
 import jax
 import jax.numpy as jnp

@@ -1,7 +1,7 @@
 """The GPU benchmark scripts (``python -m k3jax.bench.gpu_kda`` / ``gpu_mxfp4``): on CPU they print one JSON object
 saying there is no GPU and exit 2; on a GPU their correctness checks must pass (exit 0, ``"ok": true``). They live in
-k3jax/bench because kernel folders may import only k3jax.ops and k3jax.notation (STYLE.md §2), checked here with the
-other edge the bench moves fixed: train never imports bench (the MFU peak lives in k3jax.train.flops)."""
+k3jax/bench because kernel folders may import only k3jax.ops and k3jax.notation (docs/design.md §2), checked here with
+the other edge the bench moves fixed: train never imports bench (the MFU peak lives in k3jax.train.flops)."""
 
 import ast
 import glob

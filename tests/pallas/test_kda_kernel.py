@@ -1,4 +1,5 @@
-"""Pallas chunked-KDA kernel vs the jnp chunked rung (STYLE §3.3: shared bodies, interpret + compiled classes)."""
+"""Pallas chunked-KDA kernel vs the jnp chunked rung (docs/design.md §3.3: shared bodies, interpret + compiled
+classes)."""
 
 import jax
 import jax.numpy as jnp

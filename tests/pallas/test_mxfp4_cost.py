@@ -1,4 +1,4 @@
-"""The MXFP4 kernels' cost estimates are honest (#29): at K3's expert shapes, the bytes ``pallas_kernels/mxfp4_matmul
+"""The MXFP4 kernels' cost estimates are honest: at K3's expert shapes, the bytes ``pallas_kernels/mxfp4_matmul
 /cost.py`` declares equal the bytes the pipelined grid moves, counted here by walking the grid with block index
 maps written from the tiling table (pallas_kernels/mxfp4_matmul/README.md), not from the kernel's code: a block is
 fetched when its index differs from the previous step's, an output block written back when its index changes and

@@ -1,4 +1,4 @@
-"""Pallas MXFP4 matmul (dense and grouped) against its jnp references (SPEC §10.8; STYLE §3.3)."""
+"""Pallas MXFP4 matmul (dense and grouped) against its jnp references (docs/numerics.md §10.8; docs/design.md §3.3)."""
 
 import jax
 import jax.numpy as jnp

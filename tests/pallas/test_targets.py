@@ -1,4 +1,4 @@
-"""Every Pallas kernel builds for every target at K3's shapes, on this CPU-only machine (shared/ACCELERATORS.md):
+"""Every Pallas kernel builds for every target at K3's shapes, on a CPU-only machine (docs/numerics.md §14.3):
 
   * cuda: Triton lowering for an abstract NVIDIA H200 (jax.export; the module must hold the Triton custom call);
   * tpu:  Mosaic, compiled by libtpu for deviceless TPU v5p / v6e topologies (one chip of each).

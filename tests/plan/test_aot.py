@@ -77,7 +77,7 @@ def test_estimate_by_hand_for_kimi_k3():
     spec = plan_spec.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096, opt_state_dtype="float32")
     sizes, strategy = plan_spec.check(cfg, hardware.parse_target("cpu:64"), spec)
     est = estimate.estimate_arguments(cfg, spec, sizes, strategy)
-    n_total = 2_779_484_476_000  # SPEC §12.1, the k3jax tree (A_log unpadded)
+    n_total = 2_779_484_476_000  # docs/checkpoint.md §12.1, the k3jax tree (A_log unpadded)
     moe_layers = cfg.num_layers - cfg.first_k_dense_replace
     n_experts = moe_layers * cfg.num_experts * (3 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
                                                 + cfg.hidden_size + 1)

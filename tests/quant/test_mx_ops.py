@@ -1,4 +1,5 @@
-"""k3jax.ops.mx against the scalar float64 oracle k3jax.reference.mx (SPEC §10, §15.2: bit-exact / byte-exact)."""
+"""k3jax.ops.mx against the scalar float64 oracle k3jax.reference.mx (docs/numerics.md §10, §15.2: bit-exact /
+byte-exact)."""
 
 import math
 
@@ -100,8 +101,8 @@ def test_mxfp4_quantize_byte_exact(rule, seed):
     want_codes, want_scale = ref.quantize(x, "e2m1", rule)
     np.testing.assert_array_equal(np.asarray(scale), want_scale)
     np.testing.assert_array_equal(np.asarray(codes), want_codes)
-    # signed zeros as compressed-tensors writes them (SPEC §10.2): a negative that rounds to 0 -> 0x8 (also a
-    # negative subnormal), an exact -0.0 -> 0x0 (also in an all--0.0 block, whose scale byte is 0)
+    # signed zeros as compressed-tensors writes them (docs/numerics.md §10.2): a negative that rounds to 0 -> 0x8 (also
+    # a negative subnormal), an exact -0.0 -> 0x0 (also in an all--0.0 block, whose scale byte is 0)
     c = np.asarray(codes)
     assert c[2, 3] == 8 and c[2, 5] == 8 and c[2, 4] == 0
     assert (c[0, 32:] == 0).all() and np.asarray(scale)[0, 1] == 0

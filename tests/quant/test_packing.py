@@ -1,4 +1,5 @@
-"""k3jax.quant: compressed-tensors packing, expert-stack layout, lossless export of QAT weights (SPEC §10.3, §10.7)."""
+"""k3jax.quant: compressed-tensors packing, expert-stack layout, lossless export of QAT weights
+(docs/numerics.md §10.3, §10.7)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ def _w(shape, seed=0, dtype=np.float32):
 def test_pack_matches_oracle_bytes_and_nibble_order():
     w = _w((5, 96), 1)
     w[0, 1] = -1e-6  # odd column, tiny negative: high nibble 0x8
-    w[0, 2] = -0.0  # exact -0.0: code 0x0, as compressed-tensors writes it (SPEC §10.2)
+    w[0, 2] = -0.0  # exact -0.0: code 0x0, as compressed-tensors writes it (docs/numerics.md §10.2)
     w[1, 32:64] = -0.0  # an all--0.0 block: scale byte 0, every code 0x0
     packed, scale = quant.mxfp4_pack(jnp.asarray(w))
     codes, want_scale = ref.quantize(w, "e2m1", "even")
@@ -32,7 +33,7 @@ def test_pack_matches_oracle_bytes_and_nibble_order():
 
 
 def test_unpack_matches_float4_bitcast():
-    # SPEC §10.3: bitcast u8 -> float4_e2m1fn gives [..., m, 2] with the low nibble first.
+    # docs/numerics.md §10.3: bitcast u8 -> float4_e2m1fn gives [..., m, 2] with the low nibble first.
     packed = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
     scale = jnp.full((16, 1), 127, jnp.uint8)
     f4 = jax.lax.bitcast_convert_type(packed, jnp.float4_e2m1fn).astype(jnp.float32).reshape(16, 32)

@@ -1,5 +1,5 @@
-"""QAT in the full model (SPEC §10.7) on k3-tiny: gradients reach the expert weights, "off" is the plain model, the
-fake-quant touches exactly the expert stacks (along `in`), and exporting the trained experts is lossless."""
+"""QAT in the full model (docs/numerics.md §10.7) on k3-tiny: gradients reach the expert weights, "off" is the plain
+model, the fake-quant touches exactly the expert stacks (along `in`), and exporting the trained experts is lossless."""
 
 import jax
 import jax.numpy as jnp

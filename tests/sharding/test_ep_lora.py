@@ -1,4 +1,4 @@
-"""Per-expert LoRA under expert parallelism (issue #31 item 3): ``ExpertParallel`` on 8 simulated CPU devices running
+"""Per-expert LoRA under expert parallelism: ``ExpertParallel`` on 8 simulated CPU devices running
 ``LoraWeight`` stacks — over the packed MXFP4 bytes (QLoRA) or a float base — equals the one-device ``experts_lora``
 and LoRA over the dequantized experts: forward and the gradients w.r.t. the rows and every adapter factor."""
 

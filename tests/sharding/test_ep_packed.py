@@ -59,7 +59,7 @@ def test_ep_packed_matches_local_packed(axes, rules):
                                         pytest.param({"expert": 4, "tensor": 2}, "ep_tp", marks=pytest.mark.slow)],
                          ids=["data2-expert4", "expert4-tensor2"])
 def test_ep_pallas_kernel_equals_xla_tile_loop(axes, rules):
-    """#29's must-show: under ExpertParallel (bucketed exchange) the local packed experts run by the Pallas grouped
+    """The key check: under ExpertParallel (bucketed exchange) the local packed experts run by the Pallas grouped
     MXFP4 kernel — the TPU schedule in the TPU interpreter, inside shard_map: forward, and the transposed kernel for
     the rows' gradient — equal the XLA tile loop (f32, rel-RMS ≤ 1e-6; seen ~2e-7, each path ~2e-7 from float64),
     and the program really runs the kernel (its pallas_calls are in the jaxpr; the tile loop's has none). ep_tp

@@ -1,4 +1,5 @@
-"""Quantile Balancing (SPEC §8, §15.3 item 7): histogram vs exact quantile, fixed-cutoff loads, convergence, sign."""
+"""Quantile Balancing (docs/model.md §8, docs/numerics.md §15.3 item 7): histogram vs exact quantile, fixed-cutoff
+loads, convergence, sign."""
 
 import jax
 import jax.numpy as jnp
@@ -94,11 +95,11 @@ def test_iterating_on_fixed_scores_converges_and_sign_flip_does_not(estimator):
         return cvs
 
     good = run(1.0)
-    # SPEC §8.2: cv < 0.01 within ~30 updates. Without the per-expert bin alignment (qb.py) the histogram
+    # docs/model.md §8.2: cv < 0.01 within ~30 updates. Without the per-expert bin alignment (qb.py) the histogram
     # estimator plateaued at cv ≈ 0.03 here: the (k+1)-th-choice tokens sit exactly at r = b_j.
     assert good[-1] < 0.01, good
     bad = run(-1.0)
-    assert min(bad[5:]) >= 0.2, bad  # SPEC §15.3 item 7: a sign-flipped rule does not converge
+    assert min(bad[5:]) >= 0.2, bad  # docs/numerics.md §15.3 item 7: a sign-flipped rule does not converge
 
 
 def test_sharded_update_equals_single_device():

@@ -1,4 +1,4 @@
-"""Logical-axis rules as data: coverage, no doubled mesh axis, divisibility errors, goldens (STYLE.md §3.6)."""
+"""Logical-axis rules as data: coverage, no doubled mesh axis, divisibility errors, goldens (docs/design.md §3.6)."""
 
 import functools
 import importlib.util

@@ -191,7 +191,7 @@ SHIPPED = sorted(p for p in glob.glob(os.path.join(REPO, "experiments", "ablatio
 def test_every_builtin_factor_has_a_shipped_spec():
     stems = {os.path.basename(p)[:-5] for p in SHIPPED}
     assert set(FACTORS) <= stems
-    # the recorded three-factor grid; #30's optimizer-state study (a declared factor, not a built-in one)
+    # the recorded three-factor grid; the optimizer-state study (a declared factor, not a built-in one)
     assert stems - set(FACTORS) == {"micro3", "opt_state"}
     assert [f.name for f in load_spec(os.path.join(REPO, "experiments", "ablations", "micro3.toml")).factors] == [
         "attn_res", "glu", "optimizer"]

@@ -1,5 +1,5 @@
-"""Balancing updates (SPEC §8): QB settles loads on a fixed score matrix, the sign rule moves the right way, the
-auxiliary loss has its balanced value, and micro-batch statistics add up to the whole-step statistics."""
+"""Balancing updates (docs/model.md §8): QB settles loads on a fixed score matrix, the sign rule moves the right way,
+the auxiliary loss has its balanced value, and micro-batch statistics add up to the whole-step statistics."""
 
 import jax
 import jax.numpy as jnp

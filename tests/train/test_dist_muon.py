@@ -1,4 +1,4 @@
-"""Owner-compute Muon (k3jax/train/dist_muon.py, #30 item 1): blocks cut and restored exactly, pools and their
+"""Owner-compute Muon (k3jax/train/dist_muon.py): blocks cut and restored exactly, pools and their
 padding, and on 8 simulated devices three optimizer steps of k3-mini equal the single-device optimizer per leaf."""
 
 import math

@@ -88,7 +88,7 @@ def test_bad_frozen_input_exits_2_before_compute(argv, msg, tmp_path, capsys, mo
     def boom(*a, **k):
         raise AssertionError("initialised parameters despite bad input")
 
-    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    monkeypatch.setattr(loop_mod, "initial_params", boom)
     rc = main(["train", *[subst.get(a) or a for a in argv], "--steps", "1", "--max-bytes", "100000",
                "--no-progress"])
     assert rc == 2

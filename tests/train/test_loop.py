@@ -80,10 +80,15 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
     (["--preset", "k3-tiny", "--data", "BADJSONL"], "not JSON"),
     (["--preset", "k3-mini", "--init", "TINYCKPT"], "does not match --preset k3-mini"),
     (["--init", "NOCKPT"], "no config.json"),
-    (["--preset", "k3-tiny", "--qb-ema", "1.0"], "qb_ema must lie in [0, 1)"),
+    (["--preset", "k3-tiny", "--qb-ema", "1.0"], "--qb-ema must lie in [0, 1)"),
     (["--preset", "k3-tiny", "--opt-state-dtype", "int8"], "--opt-state-dtype 'int8'"),
+    (["--preset", "k3-tiny", "--lr", "-1"], "--lr must be > 0, got -1"),
+    (["--preset", "k3-tiny", "--qk-tau", "0"], "--qk-tau must be > 0"),
+    (["--preset", "k3-tiny", "--keep", "0"], "--keep must be >= 1, got 0"),
+    (["--preset", "k3-tiny", "--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--preset", "k3-tiny", "--log-every", "-1"], "--log-every must be >= 0"),
 ], ids=["preset", "steps", "micro", "mesh", "empty", "missing", "jsonl", "init-mismatch", "init-missing", "qb-ema",
-        "opt-state-dtype"])
+        "opt-state-dtype", "lr", "qk-tau", "keep", "seq-len", "log-every"])
 def test_bad_input_exits_2_before_compute(argv, msg, tmp_path, capsys, monkeypatch):
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
@@ -102,7 +107,7 @@ def test_bad_input_exits_2_before_compute(argv, msg, tmp_path, capsys, monkeypat
     def boom(*a, **k):
         raise AssertionError("initialised parameters despite bad input")
 
-    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    monkeypatch.setattr(loop_mod, "initial_params", boom)
     rc = main(["train", *[subst.get(a, a) for a in argv], "--no-progress"])
     assert rc == 2
     assert msg in capsys.readouterr().err

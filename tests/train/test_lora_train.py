@@ -1,4 +1,4 @@
-"""LoRA / QLoRA fine-tuning (`k3 train --init CKPT --lora ...`, issue #31): only the adapters get gradients and
+"""LoRA / QLoRA fine-tuning (`k3 train --init CKPT --lora ...`): only the adapters get gradients and
 optimizer state, the base checkpoint's files are untouched, an MXFP4 base stays packed, and --export writes the
 adapters in PEFT's layout, which `k3 logits --adapter` applies."""
 
@@ -85,6 +85,6 @@ def test_bad_lora_exits_2_before_compute(argv, msg, capsys, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("initialised parameters despite bad input")
 
-    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    monkeypatch.setattr(loop_mod, "initial_params", boom)
     assert main(["train", "--preset", "k3-tiny", *argv, "--no-progress"]) == 2
     assert msg in capsys.readouterr().err

@@ -245,7 +245,7 @@ def test_bad_mesh_input_exits_2_before_compute(argv, msg, capsys, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("initialised parameters despite bad input")
 
-    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    monkeypatch.setattr(loop_mod, "initial_params", boom)
     rc = main(["train", *argv, "--steps", "1", "--seq-len", "16", "--max-bytes", "100000", "--no-progress"])
     assert rc == 2
     assert msg in capsys.readouterr().err

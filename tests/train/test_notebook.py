@@ -18,7 +18,8 @@ NB = Path(__file__).resolve().parents[2] / "notebooks" / "qat_finetune.py"
 def test_qat_finetune_notebook_runs(tmp_path):
     # The kernel inherits this environment; without MPLBACKEND it picks matplotlib's inline backend, as in Jupyter.
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    env.update(K3_NB_OUT=str(tmp_path), K3_NB_STEPS="4", XLA_FLAGS=xla_flags(1))
+    # a 4-step base too: the base and the QAT-off fine-tune then share one compiled step program
+    env.update(K3_NB_OUT=str(tmp_path), K3_NB_STEPS="4", K3_NB_BASE_STEPS="4", XLA_FLAGS=xla_flags(1))
     nb = jupytext.read(NB)
     # raises CellExecutionError (the cell and its traceback) at the first cell that fails
     NotebookClient(nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(tmp_path)}}).execute(
@@ -32,6 +33,6 @@ def test_qat_finetune_notebook_runs(tmp_path):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert (tmp_path / "qat_loss.png").stat().st_size > 1000
     assert s["export_bytes"]["mxfp4"] < s["export_bytes"]["bf16"]
-    assert all(len(v) == 4 for v in s["losses"].values())
+    assert all(len(v) == 4 for v in s["losses"].values()) and s["base_steps"] == 4
     assert abs(s["gap_eval"]) < 0.5, s  # a few steps of fine-tuning: QAT on and off stay close
     assert "held-out gap" in "".join(o.text for o in outputs if o.output_type == "stream")

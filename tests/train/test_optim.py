@@ -1,5 +1,5 @@
-"""Optimizer split (SPEC §9): per-head / per-expert Muon, AdamW groups, frozen QB bias, K/V split of kv_b; stacked
-layer groups get one layer's rule with the ``layers`` axis as a batch axis."""
+"""Optimizer split (docs/model.md §9): per-head / per-expert Muon, AdamW groups, frozen QB bias, K/V split of kv_b;
+stacked layer groups get one layer's rule with the ``layers`` axis as a batch axis."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Training data as documents (issue #31 items 1-2): packed batches, their document ids and weights, chat rows,
+"""Training data as documents: packed batches, their document ids and weights, chat rows,
 the packed train step's loss, resume keys and bad input. The mixers' document masks are tests/model/test_packing.py."""
 
 import json
@@ -163,7 +163,7 @@ def test_bad_chat_data_exits_2_before_compute(conv, msg, tmp_path, capsys, monke
     def boom(*a, **k):
         raise AssertionError("initialised parameters despite bad input")
 
-    monkeypatch.setattr(loop_mod, "_init_params", boom)
+    monkeypatch.setattr(loop_mod, "initial_params", boom)
     rc = main(["train", "--preset", "k3-tiny", "--data", path, "--no-progress"])
     assert rc == 2
     err = capsys.readouterr().err

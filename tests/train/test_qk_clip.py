@@ -1,5 +1,5 @@
-"""QK-Clip (SPEC §9.6): a forced large logit is clipped so the recomputed max logit equals τ; v columns, the shared
-k^R (kv_a) and unclipped heads are untouched."""
+"""QK-Clip (docs/model.md §9.6): a forced large logit is clipped so the recomputed max logit equals τ; v columns, the
+shared k^R (kv_a) and unclipped heads are untouched."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention core (SPEC §4), in pure jnp; the math ladder is in README.md beside this file.
+"""Kimi Delta Attention core (docs/model.md §4), in pure jnp; the math ladder is in README.md beside this file.
 
     common.py     input contract, K-first / V-first state layouts, chunking checks
     gates.py      featurisation before the core: safe / softplus gates, causal conv + SiLU, L2 norm

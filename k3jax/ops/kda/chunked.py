@@ -1,4 +1,4 @@
-"""Chunked (UT/WY) KDA, SPEC §4.4 with the 16-token sub-chunk factorisation of §4.5.
+"""Chunked (UT/WY) KDA, docs/model.md §4.4 with the 16-token sub-chunk factorisation of §4.5.
 
 Per chunk of C tokens the state-independent work is matmuls (``chunk_intra``: A_kk, A_qk and the unit-lower
 solve for W, U); the state is carried chunk to chunk by ``_chunk_state_step``; ``kda_chunked`` groups chunks,
@@ -69,7 +69,7 @@ def _flush(x):
 
 
 def _invert_unit_lower(L):
-    """(I + L)^-1 for strictly lower L [..., c, c] by the exact nilpotent product (SPEC §4.4):
+    """(I + L)^-1 for strictly lower L [..., c, c] by the exact nilpotent product (docs/model.md §4.4):
     (I - L)(I + L^2)(I + L^4)(I + L^8)... = sum_{p < c} (-L)^p, since L^c = 0."""
     c = L.shape[-1]
     eye = jnp.eye(c, dtype=L.dtype)
@@ -136,7 +136,7 @@ def _diag_blocks(qs, ks, gs, L_r0, msk, gate_lower_bound):
 
 
 def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUNK, docs=None):
-    """State-independent per-chunk quantities (SPEC §4.4, §4.5), batched over any leading axes, all as matmuls.
+    """State-independent per-chunk quantities (docs/model.md §4.4, §4.5), batched over any leading axes, all as matmuls.
 
     q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (compute dtype). Returns a dict with
       G_last [..., K], qg = s (Q ⊙ Γ) [..., C, K], kd = K ⊙ exp(G_last - G) [..., C, K],
@@ -257,7 +257,7 @@ def _doc_masks(segment_ids, T_pad: int, C: int):
 def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
                 gate_lower_bound: float | None = None, sub_chunk: int = SUB_CHUNK, chunks_per_group: int = 4,
                 segment_ids=None):
-    """Chunked (UT/WY) KDA, SPEC §4.4 with the 16-token sub-chunk factorisation of §4.5.
+    """Chunked (UT/WY) KDA, docs/model.md §4.4 with the 16-token sub-chunk factorisation of §4.5.
 
     Args:
       q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] log decay <= 0; beta: [B, T, N] in [0, 1].
@@ -269,8 +269,8 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
         pairwise decays on the diagonal sub-blocks.
       chunks_per_group: chunks processed together (see Structure); changes speed and memory, not results. The
         default 4 was the fastest of 2/4/8/16 on the CI CPU at T = 1024, 4096 and 16384 (experiments/LOG.md).
-      segment_ids: None, or [B, T] document ids of packed rows (SPEC §4.7, ``k3jax.ops.segments``): every document
-        runs from a zero state (the initial state continues the first), by exact masks inside each chunk
+      segment_ids: None, or [B, T] document ids of packed rows (docs/model.md §4.7, ``k3jax.ops.segments``): every
+        document runs from a zero state (the initial state continues the first), by exact masks inside each chunk
         (``chunk_intra``'s ``docs``) and a zeroed decay where a chunk ends in a later document than it started;
         the final state is the last document's.
     Returns: o [B, T, N, V] in q.dtype; final state [B, N, K, V] in ``acc_dtype(q.dtype)``.

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUB_CHUNK = 16  # diagonal sub-block size of SPEC §4.5 (the bounded-gate factorisation needs <= 16 at lb = -5)
+SUB_CHUNK = 16  # diagonal sub-block size of docs/model.md §4.5 (the bounded-gate factorisation needs <= 16 at lb = -5)
 
 
 def state_k_first_to_v_first(state_bnkv):
@@ -100,7 +100,7 @@ def check_chunking(chunk_size: int, sub_chunk: int, gate_lower_bound: float | No
 
     chunk_size (C) must be a multiple of sub_chunk (c). With a bounded gate, lb must be negative and the factorised
     diagonal sub-block must fit fp32: its exponents span |lb| (c - 1) nats, which must stay below 126 in log2
-    units (SPEC §4.5 item 2). Used by ``kda_chunked`` and by the Pallas ``kda_chunk``, which share the tiling.
+    units (docs/model.md §4.5 item 2). Used by ``kda_chunked`` and by the Pallas ``kda_chunk``, which share the tiling.
     """
     if chunk_size % sub_chunk:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of sub_chunk {sub_chunk}")

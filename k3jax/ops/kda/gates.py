@@ -1,4 +1,5 @@
-"""Featurisation before the KDA core (SPEC §4.1, §4.2): the two decay gates, the short conv and the q/k L2 norm.
+"""Featurisation before the KDA core (docs/model.md §4.1, §4.2): the two decay gates, the short conv and the q/k L2
+norm.
 
 Parameter-free math shared by ``k3jax.layers.kda``; everything is computed in ``acc_dtype`` (fp32 or wider).
 Float64 twins: ``k3jax.reference.kda`` (``gate_safe``, ``gate_softplus``, ``short_conv``, ``l2norm``).

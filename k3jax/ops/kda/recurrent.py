@@ -1,4 +1,4 @@
-"""KDA as a recurrence over tokens (SPEC §4.3) and its one-token decode step (SPEC §4.6).
+"""KDA as a recurrence over tokens (docs/model.md §4.3) and its one-token decode step (docs/model.md §4.6).
 
 The rung just above the float64 oracle ``k3jax.reference.kda.kda_recurrent``: the same update, vectorised over
 (B, N) and scanned over T. Shapes and the state layout: see ``k3jax.ops.kda.common``.
@@ -24,11 +24,11 @@ def _step(S, q, k, v, g, beta, scale):
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_ids=None):
-    """Token-by-token KDA (SPEC §4.3) as one ``lax.scan`` over T; each step updates every (B, N) at once.
+    """Token-by-token KDA (docs/model.md §4.3) as one ``lax.scan`` over T; each step updates every (B, N) at once.
 
     Args: q, k, g [B, T, N, K]; v [B, T, N, V]; beta [B, T, N]; initial_state [B, N, K, V] K-first, fp32 or wider
-      (zeros if None). ``scale`` defaults to K^-0.5. ``segment_ids`` [B, T] (packed rows, SPEC §4.7): the state is
-      zeroed before the first token of every document after the row's first (``k3jax.ops.segments``).
+      (zeros if None). ``scale`` defaults to K^-0.5. ``segment_ids`` [B, T] (packed rows, docs/model.md §4.7): the state
+      is zeroed before the first token of every document after the row's first (``k3jax.ops.segments``).
     Returns: o [B, T, N, V] in q.dtype, final state [B, N, K, V] in ``acc_dtype(q.dtype)``.
     Memory under autodiff is one state per token (the scan saves them); use ``kda_chunked`` for training.
     """
@@ -56,7 +56,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None, segment_i
 
 
 def kda_step(q, k, v, g, beta, state, *, scale=None):
-    """One decode token (SPEC §4.6): natural-exp decay, delta write, read.
+    """One decode token (docs/model.md §4.6): natural-exp decay, delta write, read.
 
     Shapes: q, k, g [B, N, K]; v [B, N, V]; beta [B, N]; state [B, N, K, V] (K-first). A time axis of length 1
     ([B, 1, N, K], beta [B, 1, N]) is also accepted; the output then keeps it.

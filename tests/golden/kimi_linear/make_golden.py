@@ -65,8 +65,8 @@ def build() -> KimiLinearForCausalLM:
 
 def float64_model(ckpt: str):
     """``KimiLinearForCausalLM`` from ``ckpt`` in float64 throughout. transformers computes the KDA core, its gates,
-    the norms and the router in float32 even in a float64 model (SPEC §15.5), so its modelling source is re-executed
-    with every ``torch.float32`` / ``.float()`` made float64 (a diagnostic copy; nothing else changes)."""
+    the norms and the router in float32 even in a float64 model (docs/numerics.md §15.5), so its modelling source is
+    re-executed with every ``torch.float32`` / ``.float()`` made float64 (a diagnostic copy; nothing else changes)."""
     import transformers.models.kimi_linear.modeling_kimi_linear as orig
 
     with open(orig.__file__) as f:
