@@ -40,6 +40,7 @@ import os
 import numpy as np
 
 from k3jax.analysis.paired import aa_floor, bootstrap_ci, mean_std, paired_t, verdict
+from k3jax.checkpoint.atomic import staged_file
 
 LN2 = math.log(2.0)
 SCHEMA = "k3jax.ablate/1"
@@ -208,18 +209,15 @@ def save_figure(fig, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fig.savefig(tmp, format="png", dpi=110)
+    with staged_file(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def write_text(path: str, text: str) -> None:
     """``text`` at ``path``, written atomically (a temporary file, a rename)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def write_all(results: dict, out: str) -> None:

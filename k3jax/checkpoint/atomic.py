@@ -9,6 +9,12 @@ leaves a half-written directory, and never destroys the one that was there.
 
 In a multi-process (``jax.distributed``) save every process writes into one shared sibling
 (``sibling(out_dir, "dist")``, given as ``tmp=``) and process 0 alone enters ``staged_dir`` to rename it.
+
+Single files (a JSON record, a figure, a token array) take the same path through ``staged_file``:
+
+    with staged_file("runs/x/result.json") as tmp:            # tmp: a file name beside it, not yet created
+        write tmp                                             # an exception: tmp removed, the old file untouched
+    # on leaving the block: tmp is renamed over runs/x/result.json (one atomic os.replace)
 """
 
 from __future__ import annotations
@@ -60,6 +66,24 @@ def staged_dir(out_dir, *, overwrite: bool = False, flag: str | None = None, hin
         raise
 
 
+@contextlib.contextmanager
+def staged_file(path, *, suffix: str = "") -> Iterator[str]:
+    """Yield a temporary file name beside ``path`` (same directory, so the rename is atomic; ``suffix`` for writers
+    that append their own extension, e.g. ``np.save``'s ".npy"); when the block ends normally the file written there
+    replaces ``path`` (``os.replace``), when it raises the temporary file is removed and ``path`` is left as it was.
+    The parent directory is created if missing."""
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}{suffix}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
 def move_into_place(tmp: str, out_dir: str) -> None:
     """Rename the finished directory ``tmp`` (a sibling of ``out_dir``) to ``out_dir``; an existing ``out_dir`` is
     moved aside first and removed only once the new one is in place."""
@@ -77,4 +101,4 @@ def move_into_place(tmp: str, out_dir: str) -> None:
         os.rename(tmp, out_dir)
 
 
-__all__ = ["check_out_dir", "move_into_place", "sibling", "staged_dir"]
+__all__ = ["check_out_dir", "move_into_place", "sibling", "staged_dir", "staged_file"]

@@ -28,6 +28,7 @@ import sys
 
 import numpy as np
 
+from k3jax.checkpoint.atomic import staged_file
 from k3jax.cli.source import default_ckpt, load_model, load_token_file, model_config
 from k3jax.errors import InputError
 
@@ -116,9 +117,8 @@ def _max_len(args, ckpt) -> int:
 
 def _save(path: str, arr: np.ndarray) -> None:
     """Write atomically: a finished file or none."""
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
-    np.save(tmp, arr, allow_pickle=False)
-    os.replace(tmp, path)
+    with staged_file(path, suffix=".npy") as tmp:
+        np.save(tmp, arr, allow_pickle=False)
 
 
 def run(args) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from k3jax.checkpoint.atomic import staged_file
 from k3jax.train.ablate_check import eval_windows
 from k3jax.train.ablate_spec import AblationSpecError, Spec, sha256
 
@@ -66,11 +67,9 @@ def grid(spec: Spec) -> list[Job]:
 
 
 def _write_json(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with staged_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, sort_keys=True, default=list)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 def _read_json(path: str):

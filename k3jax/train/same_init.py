@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 
 import jax
 import numpy as np
 
+from k3jax.checkpoint.atomic import staged_file
 from k3jax.pytree import key_names
 
 PROBE_SEEDS = (1_000_003, 1_000_033)  # only classify each leaf's init; never a training seed's init
@@ -94,11 +94,8 @@ def write_seed_checkpoint(path: str, runs: dict, plan: dict, seed: int) -> None:
     for owner, leaves in need.items():
         own = native_init(runs[owner], seed)
         arrays |= {_key(owner, leaf): own[leaf] for leaf in leaves}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with staged_file(path) as tmp, open(tmp, "wb") as f:
         np.savez(f, **arrays)
-    os.replace(tmp, path)
 
 
 def arm_params(arm, plan: dict, ckpt) -> dict:
