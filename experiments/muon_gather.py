@@ -6,7 +6,7 @@ os.environ["JAX_PLATFORMS"]="cpu"
 import jax, math
 from k3jax.config import get_preset
 from k3jax.model import abstract_params
-from k3jax.train.optim import leaf_rule
+from k3jax.optim.optimizer import leaf_rule
 from k3jax.sharding.rules import param_specs
 from k3jax.sharding.placement import parse_mesh
 from k3jax.pytree import key_names

@@ -6,7 +6,7 @@ os.environ["JAX_PLATFORMS"]="cpu"
 import jax
 from k3jax.bench.compile import k3_schedule, _abstract_params
 from k3jax.config import get_preset, default_run
-from k3jax.train.optim import make_optimizer, OptimConfig
+from k3jax.optim.optimizer import make_optimizer, OptimConfig
 base = get_preset("k3-micro")
 for L in (12, 92):
     cfg = k3_schedule(base, L)

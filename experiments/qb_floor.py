@@ -27,8 +27,8 @@ import numpy as np
 def main() -> None:
     from k3jax.checkpoint import load
     from k3jax.model import forward
+    from k3jax.optim import balance as bal
     from k3jax.sharding.mesh import make_mesh
-    from k3jax.train import balance as bal
     from k3jax.train import data as tdata
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -27,8 +27,8 @@ import numpy as np
 
 def qb_exact(s, b, k):
     """One exact QB update on fixed scores s [m, E] with bias b [E] (float64): the centred sort-based b̂ of
-    k3jax.sharding.qb.qb_bias_exact, with the cutoff α = the (k+1)-th largest s + b."""
-    from k3jax.sharding.qb import qb_bias_exact
+    k3jax.optim.qb.qb_bias_exact, with the cutoff α = the (k+1)-th largest s + b."""
+    from k3jax.optim.qb import qb_bias_exact
 
     alpha = -np.partition(-(s + b), k, axis=1)[:, k]
     bh = qb_bias_exact(s, alpha, k)
@@ -55,8 +55,8 @@ def cmd_fit(args) -> None:
 
     from k3jax.checkpoint import load
     from k3jax.model import forward
+    from k3jax.optim import balance as bal
     from k3jax.sharding.mesh import make_mesh
-    from k3jax.train import balance as bal
     from k3jax.train import data as tdata
 
     cfg, params = load(args.ckpt, mesh=make_mesh({"expert": 1}, devices=jax.devices()[:1]), progress=False)

@@ -17,8 +17,8 @@ import numpy as np
 
 def main(src: str, dst: str) -> None:
     from k3jax.checkpoint import load, save
+    from k3jax.optim import balance as bal
     from k3jax.sharding.mesh import make_mesh
-    from k3jax.train import balance as bal
 
     cfg, params = load(src, mesh=make_mesh({"expert": 1}, devices=jax.devices()[:1]), progress=False)
     b = bal.biases(params, cfg)

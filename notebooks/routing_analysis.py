@@ -42,7 +42,7 @@ from k3jax.analysis import metrics as am
 from k3jax.analysis import plots as ap  # each function writes one file and returns its path; we display that file
 from k3jax.analysis.static import static_router_analysis
 from k3jax.checkpoint.load import load
-from k3jax.cli.source import default_ckpt
+from k3jax.checkpoint.source import default_ckpt
 from k3jax.train import data as tdata
 from k3jax.train.evaluate import windowed_loss
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default test suite (.ci/run's first pass): everything not marked slow/gpu, 2 workers, 8 simulated CPU devices.
 # Usage: bash scripts/test.sh [extra pytest args]      e.g. bash scripts/test.sh -m "slow and not gpu and not manual"
-# (a later -m replaces the default one; .ci/run runs the default suite, then that slow pass)
+# (a later -m replaces the default one; .ci/run runs the default suite; the slow pass is run by hand)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup.sh || exit 1

@@ -35,7 +35,7 @@ def tree_size(tree) -> int:
 
 
 def main(argv=None):
-    from k3jax.cli.source import default_ckpt, load_model
+    from k3jax.checkpoint.source import default_ckpt, load_model
     from k3jax.cli.train import parse_lora
     from k3jax.layers.lora import split_adapters
     from k3jax.train.loop import train
@@ -96,7 +96,7 @@ def rescore(out, ckpt, heldout):
     from k3jax.checkpoint.load import load
     from k3jax.checkpoint.merge import merge_adapter
     from k3jax.checkpoint.save import save
-    from k3jax.cli.source import load_model
+    from k3jax.checkpoint.source import load_model
     from k3jax.config import default_run
 
     arms = {"base": (ckpt, None), "lora": (ckpt, os.path.join(out, "lora-export")),

@@ -1,7 +1,7 @@
 """The results of a `k3 ablate` grid: ``results.json`` (schema below), ``results.md`` (the tables) and
 ``curves.png`` (held-out loss vs step, mean ± std band over seeds, one panel per factor).
 
-    results = assemble(spec, records, init)      # k3jax.train.ablate.run_grid's output
+    results = assemble(spec, records, init)      # k3jax.ablate.runner.run_grid's output
     write_all(results, "runs/smoke")
     strip_timing(results)                         # what two runs of one file agree on bit for bit
 
@@ -179,7 +179,7 @@ def markdown(r: dict) -> str:
 
 
 def plot_curves(r: dict, path: str) -> None:
-    import matplotlib
+    import matplotlib  # an optional dependency (the dev extra): needed only when a figure is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -206,7 +206,7 @@ def plot_curves(r: dict, path: str) -> None:
 
 def save_figure(fig, path: str) -> None:
     """``fig`` as a PNG at ``path``, written atomically (a temporary file, a rename), then closed."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency, as in plot_curves
 
     fig.tight_layout()
     with staged_file(path) as tmp:

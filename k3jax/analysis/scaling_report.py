@@ -2,7 +2,7 @@
 level's effective compute multiplier with bootstrap intervals, the tuning curves; ``results.json`` (schema below),
 ``results.md`` and ``scaling.png``.
 
-    results = assemble(meta, pts, tuning, form="auto", reps=1000)   # pts: k3jax.train.ablate_scaling.points(...)
+    results = assemble(meta, pts, tuning, form="auto", reps=1000)   # pts: k3jax.ablate.study.points(...)
     write_all(results, "runs/scaling")
 
 results.json (wall-clock figures sit under ``timing`` keys only, as in ``k3jax.analysis.ablate_report``)::
@@ -17,7 +17,7 @@ results.json (wall-clock figures sit under ``timing`` keys only, as in ``k3jax.a
                 aa: {estimate, ci95} | null}      # the calibration level's entry also has "true": k
     tuning     {factor: {level: {budget: {candidates: [{values, loss}], chosen}}}}
     repeat     {budget: the A/A determinism repeat of that budget's grid (ablate_report's aa.repeat) | null}
-    timing     {this_invocation_s, runs_wall_s, runs}      (added by `k3 ablate`, k3jax.cli.ablate.study)
+    timing     {this_invocation_s, runs_wall_s, runs}      (added by `k3 ablate`, k3jax.ablate.report.run_scaling)
 
 A multiplier is the compute the reference series' fitted curve needs to reach the level's fitted held-out loss at
 the largest common budget, divided by the compute the level spent there (the calibration level: the base's compute,
@@ -132,7 +132,7 @@ def _multiplier_entry(ref, arm, comp_arm, comp_ref, w: int) -> dict:
 def assemble(meta: dict, pts: dict, tuning: dict, *, form: str, reps: int, seed: int = 0,
              window: int | None = None) -> dict:
     """results.json's content (less ``timing``). ``meta``: {name, description, file, fingerprint, seeds, budgets};
-    ``pts``: ``ablate_scaling.points``; ``tuning``: {budget: ``ablate_scaling.pick``'s table}; ``window``: budgets
+    ``pts``: ``ablate.study.points``; ``tuning``: {budget: ``ablate.study.pick``'s table}; ``window``: budgets
     per local fit of the multipliers, in the study's form (None: ``LOCAL_WINDOW`` for the power law; every budget
     for the saturating form, whose E already bends the curve)."""
     wl, comp = _arrays(pts)

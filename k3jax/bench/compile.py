@@ -10,7 +10,7 @@ train step's value_and_grad per remat policy, for each stack.
 
 Nothing is executed: parameters, optimizer state and tokens are ShapeDtypeStructs and every program goes through
 ``jit(...).lower(...)`` (``lower_s``: tracing + StableHLO) then ``.compile()`` (``compile_s``: XLA). The train step
-is ``k3jax.train.step.make_train_step`` with the K3 optimizer (``k3jax.train.optim.make_optimizer``, per-head Muon),
+is ``k3jax.train.step.make_train_step`` with the K3 optimizer (``k3jax.optim.optimizer.make_optimizer``, per-head Muon),
 Quantile Balancing and QK-Clip, one micro-batch; ``grad`` is its ``make_loss`` under value_and_grad (the model's
 share of the step, what the scan acts on; the optimizer updates stacked leaves per layer whatever the stack).
 Depth L keeps K3's schedule (``k3_full_attn_layers``: MLA where l mod 4 = 3 and at the last layer; AttnRes blocks of
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run, get_preset, k3_full_attn_layers
-from k3jax.errors import InputError
+from k3jax.errors import InputError, int_list
 
 STACKS = ("loop", "scan")
 PARTS = ("forward", "grad", "train_step")
@@ -87,7 +87,7 @@ def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, lo
     ``{"forward": {"lower_s", "compile_s"}, "grad": {...}, "train_step": {...}}``; ``log(part, times)`` after each."""
     log = log or (lambda part, t: None)
     from k3jax.model import forward
-    from k3jax.train.optim import OptimConfig, make_optimizer
+    from k3jax.optim.optimizer import OptimConfig, make_optimizer
     from k3jax.train.step import StepSpec, init_state, make_train_step
 
     params = _abstract_params(cfg, run)
@@ -152,18 +152,8 @@ def _progress(part: str, t: dict) -> None:
     print(f"  {part}: lower {t['lower_s']:.1f} s, compile {t['compile_s']:.1f} s", file=sys.stderr, flush=True)
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"{what} {text!r}: must be comma-separated positive integers") from None
-    if not out or min(out) < 1:
-        raise InputError(f"{what} {text!r}: must be comma-separated positive integers")
-    return out
-
-
 def run(args) -> dict:
-    depths = sorted(set(_ints(args.depths, "--depths")))
+    depths = sorted(set(int_list(args.depths, "--depths", minimum=1)))
     stacks = [st for st in STACKS if st in args.stacks.split(",")]
     if not stacks or set(args.stacks.split(",")) - set(STACKS):
         raise InputError(f"--stacks {args.stacks!r}: must be loop, scan or loop,scan")

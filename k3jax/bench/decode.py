@@ -59,20 +59,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.bench.common import time_median
-from k3jax.errors import InputError
+from k3jax.errors import InputError, int_list
 
 TILE = 4096  # positions of random latents drawn per cache; longer contexts repeat them
 TARGETS = {"decode_time_16k_over_1k": 1.3, "decode_time_1k_in_64k_cache_over_1k_cache": 1.2}
 
 
 def _int_list(s: str) -> list[int]:
+    """``errors.int_list`` as an argparse type: its message on argparse's ``argument --contexts: ...`` line."""
     try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    return out
+        return int_list(s, minimum=1)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(parser) -> None:
@@ -166,17 +164,17 @@ class _Decode:
 
 
 def _compile_extend(params, cfg, run, cache, T: int, *, absorbed: bool):
-    """``cache._extend`` with the cache donated and ``last_only``, compiled for pieces [B, T] on ``cache``'s shapes:
-    with T = 1 the program ``decode_step(..., donate=True)`` runs, with T > 1 a prefill (without the copy of the
+    """``cache.extend_donated`` (the cache donated) with ``last_only``, compiled for pieces [B, T] on ``cache``'s
+    shapes: with T = 1 the program ``decode_step(..., donate=True)`` runs, with T > 1 a prefill (without the copy of the
     cache that an undonated call makes)."""
-    from k3jax.model.cache import _extend_donated
+    from k3jax.model.cache import extend_donated
 
     B = cache["lengths"].shape[0]
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
     n = jax.ShapeDtypeStruct((B,), jnp.int32)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
-    return _extend_donated.lower(params, ids, n, abstract, cfg=cfg, run=run, absorbed=absorbed,
-                                 last_only=True).compile()
+    return extend_donated.lower(params, ids, n, abstract, cfg=cfg, run=run, absorbed=absorbed,
+                                last_only=True).compile()
 
 
 def _attention_alone(cfg, run, B: int, S: int, context: int, *, reps: int) -> float:

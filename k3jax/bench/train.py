@@ -39,8 +39,8 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     from k3jax.config import default_run, get_preset
     from k3jax.model import init_params
+    from k3jax.optim.optimizer import OptimConfig, make_optimizer
     from k3jax.train.flops import flops_per_token
-    from k3jax.train.optim import OptimConfig, make_optimizer
     from k3jax.train.step import StepSpec, init_state, make_train_step
 
     quick = getattr(args, "quick", False)

@@ -52,6 +52,7 @@ from k3jax.checkpoint.leaves import (
 )
 from k3jax.checkpoint.plan import Plan, plan_load
 from k3jax.config import architecture_diff, from_hf
+from k3jax.pytree import get_path, set_path
 
 
 def _resolve_config(path: str, cfg, strict: bool):
@@ -69,21 +70,6 @@ def _resolve_config(path: str, cfg, strict: bool):
     return cfg, report
 
 
-def _tree_get(tree, path):
-    x = tree
-    for k in path:
-        x = x[k]
-    return x
-
-
-def _set(tree: dict, path: tuple, value) -> None:
-    """``tree[path] = value``, creating nested dicts (the state uses dicts with int keys for layer lists)."""
-    x = tree
-    for k in path[:-1]:
-        x = x.setdefault(k, {})
-    x[path[-1]] = value
-
-
 def _sharding_fn(shardings, mesh: Mesh):
     """``(path, shape, dtype, kind, stacked) -> Sharding`` from the ``shardings`` argument (None, callable or tree)."""
     def sharding_of(opath, shape, ldtype, kind, stacked):
@@ -91,7 +77,7 @@ def _sharding_fn(shardings, mesh: Mesh):
             return default_sharding(mesh, kind, shape, stacked)
         if callable(shardings):
             return shardings(opath, shape, ldtype)
-        return _tree_get(shardings, opath)
+        return get_path(shardings, opath)
     return sharding_of
 
 
@@ -158,7 +144,7 @@ def _build_leaves(ck: Checkpoint, plan: Plan, leaves: list, sharding_of, bar, tr
             ck.release(f)
         if track:
             built.leaf_peak = max(built.leaf_peak or 0, hwm_rss_bytes() - rss_before)
-        _set(params, opath, arr)
+        params = set_path(params, opath, arr)  # nested dicts, int keys for layer lists
         built.largest = max(built.largest, math.prod(shape) * np.dtype(ldtype).itemsize)
         if bar is not None:
             bar.update(ck.bytes_read - before)

@@ -43,11 +43,11 @@ import numpy as np
 from k3jax.checkpoint.safetensors_layout import nbytes, order_key, shard_file_name
 from k3jax.config import K3Config
 from k3jax.errors import InputError
+from k3jax.ops.mx import BLOCK_SIZE, mxfp4_packed_shapes
 
 Path = tuple  # a path into the params tree, e.g. ("layers", 3, "kda", "wq")
 
 A_LOG_PAD = 128  # the release pads A_log to a multiple of this (96 real heads + 32 zeros)
-MX_GROUP = 32  # MXFP4 block size along the input axis
 VISION_SHARDS = 2  # shards 95 (mm_projector) and 96 (vision_tower) of the full K3 release
 
 
@@ -125,10 +125,10 @@ def hf_shape(transform: str, leaf_shape: Sequence[int], in_axes: int = 1) -> tup
 
 def mxfp4_shapes(in_dim: int, out_dim: int, name: str = "expert") -> tuple[tuple[int, int], tuple[int, int]]:
     """(packed, scale) shapes of one MXFP4 matrix with torch shape [out, in]."""
-    if in_dim % MX_GROUP:
-        raise InputError(f"{name}: input width {in_dim} is not a multiple of the MXFP4 group {MX_GROUP}; "
+    if in_dim % BLOCK_SIZE:
+        raise InputError(f"{name}: input width {in_dim} is not a multiple of the MXFP4 group {BLOCK_SIZE}; "
                          "store the experts as bf16 (expert_format='bf16')")
-    return (out_dim, in_dim // 2), (out_dim, in_dim // MX_GROUP)
+    return mxfp4_packed_shapes((out_dim, in_dim))
 
 
 class HFLeafEntry(NamedTuple):

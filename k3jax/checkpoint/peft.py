@@ -48,10 +48,10 @@ from k3jax.checkpoint.atomic import check_out_dir, staged_dir
 from k3jax.checkpoint.container import PICKLE_SUFFIXES, read_header
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.io import Checkpoint
-from k3jax.checkpoint.save import _write_shard
+from k3jax.checkpoint.save import write_shard
 from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, architecture, architecture_diff
 from k3jax.layers.lora import adapter_names, is_adapter
-from k3jax.pytree import key_names
+from k3jax.pytree import get_path, key_names, set_path
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -153,10 +153,7 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
                 if loc not in held:
                     raise CheckpointError(f"params have no adapter leaf {'/'.join(map(str, loc))} (run.lora.targets "
                                           f"{lora.targets} includes {m.target!r})")
-                x = params
-                for k in loc:
-                    x = x[k]
-                hosts[loc] = np.asarray(x)
+                hosts[loc] = np.asarray(get_path(params, loc))
             x = hosts[loc] if g is None else hosts[loc][g]
             x = x if m.expert is None else x[m.expert]
             if tuple(x.shape) != shape:
@@ -174,7 +171,7 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
                                   "dropout": lora.dropout}, "architecture": architecture(cfg)}
     out_dir = os.path.abspath(os.fspath(out_dir))
     with staged_dir(out_dir, overwrite=overwrite) as tmp:
-        _write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), list(values), values)
+        write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), list(values), values)
         for fname, obj in ((ADAPTER_CONFIG, conf), (SIDECAR, side)):
             with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
                 json.dump(obj, f, indent=2, sort_keys=True)
@@ -327,9 +324,7 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
                                           tensor=e.name)
                 loc, g = leaf_location(spec.path, cfg)
                 if loc not in out:
-                    s = abstract
-                    for k in loc:
-                        s = s[k]
+                    s = get_path(abstract, loc)
                     out[loc] = np.zeros(s.shape, s.dtype)
                 idx = (() if g is None else (g,)) + (() if m.expert is None else (m.expert,))
                 out[loc][idx] = nm.leaf_from_hf(ck.read_entry(e), spec, m.a_shape if factor == "A" else m.b_shape)
@@ -337,10 +332,7 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
         ck.close()
     tree: dict = {}
     for loc, value in out.items():
-        node = tree
-        for k in loc[:-1]:
-            node = node.setdefault(k, {})
-        node[loc[-1]] = jnp.asarray(value)
+        tree = set_path(tree, loc, jnp.asarray(value))
     return lora, tree
 
 

@@ -28,12 +28,15 @@ import shutil
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_layout
-from k3jax.checkpoint.save import _leaf
 from k3jax.layers.experts import holds_packed, packed_name, parse_packed_name
+from k3jax.model import leaf_location
+from k3jax.pytree import get_path
+from k3jax.quant import pack_experts
 
 
 def _covers(index: tuple, region: tuple, shape: tuple) -> bool:
@@ -51,8 +54,8 @@ def _covers(index: tuple, region: tuple, shape: tuple) -> bool:
 class _Pieces:
     """Host values of checkpoint tensors from the shards this process holds (``owner`` / ``get``)."""
 
-    def __init__(self, params, cfg):
-        self.params, self.cfg = params, cfg
+    def __init__(self, params, cfg, rule: str = "even"):
+        self.params, self.cfg, self.rule = params, cfg, rule  # rule: the MXFP4 scale rule of float expert stacks
         self.me = jax.process_index()
         self._gathered: dict[tuple, np.ndarray] = {}
         self._shards: dict[tuple, np.ndarray] = {}
@@ -60,8 +63,6 @@ class _Pieces:
 
     def gather_unheld(self, specs_by_file) -> None:
         """Collectively gather every leaf with a tensor region that no single device holds (same order everywhere)."""
-        from jax.experimental import multihost_utils
-
         seen: set = set()
         for _, specs in specs_by_file:
             for s in specs:
@@ -69,7 +70,7 @@ class _Pieces:
                     if spath in seen:
                         continue
                     seen.add(spath)
-                    x = _leaf(self.params, spath)
+                    x = get_path(self.params, spath)
                     if not hasattr(x, "sharding") or self._writer(x, region) is not None:
                         continue
                     if x.is_fully_addressable and jax.process_count() == 1:
@@ -82,12 +83,10 @@ class _Pieces:
 
     def _regions(self, spec: nm.TensorSpec) -> list[tuple[tuple, tuple]]:
         """(state path, leading indices) of the leaf regions the tensor ``spec`` is made from."""
-        from k3jax.model import leaf_location
-
         spath, g = leaf_location(spec.path, self.cfg)
         lead = () if g is None else (g,)
         if spec.transform == "mxfp4":
-            experts = _leaf(self.params, leaf_location(spec.path[:-1], self.cfg)[0])
+            experts = get_path(self.params, leaf_location(spec.path[:-1], self.cfg)[0])
             w = spec.path[-1]
             if holds_packed(experts):
                 base = leaf_location((*spec.path[:-1], packed_name(w, spec.part)), self.cfg)[0]
@@ -117,7 +116,7 @@ class _Pieces:
         spath, region = self._regions(spec)[0]
         if spath in self._gathered:
             return 0
-        x = _leaf(self.params, spath)
+        x = get_path(self.params, spath)
         if not hasattr(x, "sharding"):
             return 0  # a host (numpy) leaf: the same in every process
         w = self._writer(x, region)
@@ -130,7 +129,7 @@ class _Pieces:
         """Leaf ``spath`` at ``region`` (leading indices dropped) from a local shard holding it."""
         if spath in self._gathered:
             return self._gathered[spath][region]
-        x = _leaf(self.params, spath)
+        x = get_path(self.params, spath)
         if not hasattr(x, "addressable_shards"):
             return np.asarray(x)[region]
         shape = tuple(x.shape)
@@ -150,9 +149,7 @@ class _Pieces:
         if spec.transform == "mxfp4":
             if parse_packed_name(spath[-1]):
                 return np.asarray(a, np.uint8)
-            from k3jax.quant import pack_experts
-
-            p, s = pack_experts(a[None], rule="even", name=spec.name)
+            p, s = pack_experts(a[None], rule=self.rule, name=spec.name)
             return np.asarray(p if spec.part == "packed" else s, np.uint8)[0]
         try:
             return nm.leaf_to_hf(a, spec)
@@ -168,11 +165,10 @@ def needs_distributed(params) -> bool:
     return any(hasattr(x, "is_fully_addressable") and not x.is_fully_addressable for x in jax.tree.leaves(params))
 
 
-def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], int, list[str]]:
+def write_shards(params, cfg, tmp: str, shards: list, rule: str = "even") -> tuple[dict[str, str], int, list[str]]:
     """Every process: write this process's tensors of ``shards`` ([(file name, specs)]) into ``tmp`` (created, and
-    the files preallocated with their headers, by process 0). Returns (weight map, payload bytes, file names)."""
-    from jax.experimental import multihost_utils
-
+    the files preallocated with their headers, by process 0), float expert stacks packed with the scale rule ``rule``
+    (``save``'s ``scale_rule``). Returns (weight map, payload bytes, file names)."""
     me = jax.process_index()
     layouts = {f: shard_layout((s.name, s.dtype, s.shape) for s in specs) for f, specs in shards}
     if me == 0:
@@ -183,7 +179,7 @@ def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], i
                 fh.write(lay.prefix())
                 fh.truncate(lay.file_bytes)
     multihost_utils.sync_global_devices(f"k3jax save: files created in {tmp}")
-    pieces = _Pieces(params, cfg)
+    pieces = _Pieces(params, cfg, rule)
     failure = None
     try:
         pieces.gather_unheld(shards)
@@ -226,15 +222,11 @@ def write_shards(params, cfg, tmp: str, shards: list) -> tuple[dict[str, str], i
 
 
 def barrier(name: str) -> None:
-    from jax.experimental import multihost_utils
-
     multihost_utils.sync_global_devices(name)
 
 
 def any_failed(flag: bool) -> bool:
     """True in every process when ``flag`` is true in any (one small all-gather)."""
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
 
 

@@ -1,8 +1,10 @@
 """`k3 export OUT` — write params in the official K3 checkpoint layout (byte-exact container, index, config).
 
 Either re-export a checkpoint (``--from DIR``: loaded, then written back; byte-identical for an official-layout
-input), or export freshly initialised params of a preset (``--preset``). MXFP4 experts use the compressed-tensors
-"even" scale rule.
+input), or export freshly initialised params of a preset (``--preset``). ``--from``'s MXFP4 experts are copied
+byte for byte, so a QAT-trained model's export keeps the grid it trained on (its rule, docs/numerics.md §10.7);
+float experts are packed with the compressed-tensors "even" scale rule. A training checkpoint exports with
+``k3 train --ckpt-dir DIR --export OUT`` (the finished run again), on the rule recorded with it.
 
     k3 export out/ --preset k3-mini --seed 0
     k3 export out2/ --from out/ --manifest
@@ -11,18 +13,28 @@ input), or export freshly initialised params of a preset (``--preset``). MXFP4 e
 ``--merge-adapter DIR`` writes the base with a LoRA adapter (PEFT's layout) merged in: W + (alpha / r) A B, routed
 experts re-quantized to MXFP4 (k3jax/checkpoint/merge.py reports, per layer and stack, how much of each delta the
 grid keeps), then reloads what it wrote and compares it with the base + adapter: logits on ``--tokens`` (default:
-the held-out file's conversations, else 4 rows of 64 random ids) and, with ``--heldout`` chat data, the loss on the
-assistant's tokens.
+4 rows of 64 random ids) and, with ``--heldout`` chat data, the loss on the assistant's tokens
+(k3jax/train/merged_export.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+
+import jax
+
+from k3jax.checkpoint.atomic import check_out_dir
+from k3jax.checkpoint.load import load
+from k3jax.checkpoint.save import save
+from k3jax.cli.args import add_strict_config, checkpoint_arg, preset_arg, preset_help
+from k3jax.config import get_preset
+from k3jax.errors import InputError
+from k3jax.model import init_params
+from k3jax.train.merged_export import export_merged
+
 
 def add_parser(sub) -> None:
-    import argparse
-
-    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
-
     p = sub.add_parser("export", help="write params as an official-layout safetensors checkpoint",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", metavar="OUT", help="output directory (written atomically)")
@@ -37,7 +49,7 @@ def add_parser(sub) -> None:
                         "copied byte for byte)")
     p.add_argument("--manifest", action="store_true", help="also write SHA256SUMS")
     p.add_argument("--overwrite", action="store_true", help="replace OUT when it exists and is not empty")
-    p.add_argument("--strict-config", action="store_true", help="unknown keys in --from's config are errors")
+    add_strict_config(p, "--from")
     p.add_argument("--merge-adapter", default=None, metavar="DIR",
                    help="merge this LoRA adapter (PEFT layout) into --from's weights before writing")
     p.add_argument("--tokens", default=None, help="with --merge-adapter: token file (.npy) to compare logits on")
@@ -49,33 +61,20 @@ def add_parser(sub) -> None:
 
 def _check_out(args) -> None:
     """OUT checked before anything is loaded: an existing non-empty directory only with --overwrite (exit 2)."""
-    from k3jax.checkpoint.atomic import check_out_dir
-
     check_out_dir(args.out, overwrite=args.overwrite, flag="OUT", hint="pass --overwrite")
 
 
 def run(args) -> int:
-    import jax
-
     if args.merge_adapter:
         return _merge(args)
     if args.tokens or args.heldout:
-        from k3jax.errors import InputError
-
         raise InputError("--tokens and --heldout compare a merged adapter: give --merge-adapter")
     _check_out(args)
-
-    from k3jax.checkpoint.load import load
-    from k3jax.checkpoint.save import save
-
     if args.src:
         # keep experts packed: exporting them again is then a byte copy, not a re-quantization
         cfg, params = load(args.src, keep_experts_packed=args.expert_format in (None, "mxfp4"),
                            strict_config=args.strict_config)
     else:
-        from k3jax.config import get_preset
-        from k3jax.model import init_params
-
         cfg = get_preset(args.preset)
         params = init_params(cfg, jax.random.key(args.seed))
     if args.expert_format:
@@ -86,61 +85,19 @@ def run(args) -> int:
 
 
 def _merge(args) -> int:
-    import json
-    import math
-
-    import numpy as np
-
-    from k3jax.checkpoint.load import load
-    from k3jax.checkpoint.merge import merge_adapter
-    from k3jax.checkpoint.peft import load_adapter
-    from k3jax.checkpoint.save import save
-    from k3jax.config import default_run
-    from k3jax.errors import InputError
-    from k3jax.layers.experts import merge_trees
-    from k3jax.model import forward
-    from k3jax.testing import rel_rms
-
     if not args.src:
         raise InputError("--merge-adapter merges into a checkpoint: give --from BASE")
     if args.expert_format == "bf16":
         raise InputError("--merge-adapter re-quantizes the experts as the base stores them; drop --expert-format")
     _check_out(args)
-    cfg, base = load(args.src, strict_config=args.strict_config)          # experts dequantized (exact)
-    run = default_run(cfg)
-    lora, leaves = load_adapter(args.merge_adapter, cfg, run)
-    adapted = merge_trees(base, leaves)
-    merged, report = merge_adapter(adapted, cfg, lora)
-    r = save(merged, cfg, args.out, overwrite=args.overwrite, manifest=args.manifest, progress=False)
-    _, reloaded = load(args.out)
-    run_l = run.replace(lora=lora)
-    if args.tokens:
-        from k3jax.cli.source import load_token_file
-
-        rows = load_token_file(args.tokens, cfg.vocab_size)
-        tokens = np.where(rows.mask, rows.tokens, 0)        # padding ids are scored too, identically on both sides
-    else:
-        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 64))
-    want = np.asarray(forward(adapted, tokens, cfg, run_l))
-    got = np.asarray(forward(reloaded, tokens, cfg, run))
-    out = {"dir": r["dir"], "adapter": args.merge_adapter, "rank": lora.rank, "alpha": lora.alpha,
-           "targets": list(lora.targets), "requantization": report["summary"],
-           "logits_rel_rms_merged_vs_adapter": rel_rms(got, want),
-           "logits_rel_rms_base_vs_adapter": rel_rms(np.asarray(forward(base, tokens, cfg, run)), want)}
-    if args.heldout:
-        from k3jax.train.chat_eval import answer_loss
-
-        out["heldout_answer_nats"] = {"adapter": answer_loss(adapted, cfg, run_l, args.heldout)[0],
-                                      "merged": answer_loss(reloaded, cfg, run, args.heldout)[0],
-                                      "base": answer_loss(base, cfg, run, args.heldout)[0]}
-        h = out["heldout_answer_nats"]
-        gain = h["base"] - h["adapter"]
-        out["adapter_gain_kept"] = (h["base"] - h["merged"]) / gain if gain and math.isfinite(gain) else None
+    result = export_merged(args.src, args.merge_adapter, args.out, tokens=args.tokens, heldout=args.heldout,
+                           overwrite=args.overwrite, manifest=args.manifest, strict_config=args.strict_config)
+    out = result.summary
     if args.json:
-        print(json.dumps(out | {"tensors": report["tensors"]}))
+        print(json.dumps(out | {"tensors": result.tensors}))
     else:
-        print(f"wrote {r['dir']}: the base with {args.merge_adapter} merged ({len(r['files'])} shards)")
-        s = report["summary"]
+        print(f"wrote {out['dir']}: the base with {args.merge_adapter} merged ({len(result.files)} shards)")
+        s = out["requantization"]
         if s:
             print(f"experts re-quantized: {s['expert_tensors']} stacks, share of the delta kept on the MXFP4 grid "
                   f"{s['delta_kept_mean']:.3f} mean ({s['delta_kept_min']:.3f} min), {s['moved_mean']:.1%} of "

@@ -29,23 +29,20 @@ import sys
 import numpy as np
 
 from k3jax.checkpoint.atomic import staged_file
-from k3jax.cli.source import default_ckpt, load_model, load_token_file, model_config
-from k3jax.errors import InputError
+from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file, model_config
+from k3jax.cli.args import add_model_source, add_strict_config
+from k3jax.errors import InputError, int_list
+from k3jax.model.generate import Sampling, generate
+from k3jax.tokenizer import TokenizerError, load_tokenizer
 
 # docs/model.md §1.1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
 DEFAULT_MAX_LEN = 1 << 20
 
 
 def add_parser(sub) -> None:
-    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
-
     p = sub.add_parser("generate", help="sample new tokens with the KDA-state + MLA-latent cache",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
-                     help="checkpoint directory (HF layout); default: the shipped k3-mini")
-    src.add_argument("--preset", type=preset_arg, metavar="NAME",
-                     help=preset_help("random init of this preset (init seed 0)"))
+    add_model_source(p, "random init of this preset (init seed 0)")
     p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
     inp = p.add_mutually_exclusive_group(required=True)
     inp.add_argument("--prompt", help="prompt text")
@@ -68,22 +65,17 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="write the new tokens [B, N] int32 here (.npy)")
     p.add_argument("--logits-out", help="write the logits [B, N, V] float32 here (.npy)")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stop_reason, timing)")
-    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    add_strict_config(p)
     p.set_defaults(func=run)
 
 
 def _stops(s: str | None, vocab: int) -> list[int]:
     if not s:
         return []
-    out = []
-    for part in s.split(","):
-        try:
-            v = int(part)
-        except ValueError:
-            raise InputError(f"--stop: {part!r} is not a token id") from None
+    out = int_list(s, "--stop")
+    for v in out:
         if not 0 <= v < vocab:
             raise InputError(f"--stop: id {v} is outside the vocabulary [0, {vocab})")
-        out.append(v)
     return out
 
 
@@ -122,9 +114,6 @@ def _save(path: str, arr: np.ndarray) -> None:
 
 
 def run(args) -> int:
-    from k3jax.model.generate import Sampling, generate
-    from k3jax.tokenizer import TokenizerError, load_tokenizer
-
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sampling = Sampling(greedy=args.temperature is None, temperature=args.temperature or 1.0, top_k=args.top_k,

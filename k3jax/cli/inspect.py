@@ -13,47 +13,31 @@ name. Every ``A_log`` is read (a few hundred bytes per layer) to check that its 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 
+from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint.errors import CheckpointError
+from k3jax.checkpoint.io import open_checkpoint
+from k3jax.checkpoint.plan import A_LOG_TRANSFORMS, plan_load
+from k3jax.cli.args import add_checkpoint_dir, add_strict_config, checkpoint_dir
+from k3jax.config import from_hf
 from k3jax.errors import InputError
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    from k3jax.cli.source import checkpoint_arg
-
     p = sub.add_parser("inspect", help="validate a checkpoint directory against its config", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", nargs="?", type=checkpoint_arg, metavar="DIR",
-                   help="checkpoint directory (index, shards, config.json)")
-    p.add_argument("--ckpt", dest="ckpt", default=None, type=checkpoint_arg, metavar="DIR",
-                   help="checkpoint directory (same as the positional DIR)")
+    add_checkpoint_dir(p, "checkpoint directory (index, shards, config.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--check-data", action="store_true", help="also read every E8M0 scale tensor and check it")
-    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    add_strict_config(p)
     p.set_defaults(func=run)
 
 
-def checkpoint_dir(args) -> str:
-    """The checkpoint directory from the positional DIR or ``--ckpt`` (exactly one of them)."""
-    if args.dir and args.ckpt and os.path.abspath(args.dir) != os.path.abspath(args.ckpt):
-        raise InputError(f"give the checkpoint once: DIR {args.dir!r} and --ckpt {args.ckpt!r} differ")
-    d = args.dir or args.ckpt
-    if not d:
-        raise InputError("give a checkpoint directory (DIR or --ckpt DIR)")
-    return d
-
-
 def inspect(path: str, check_data: bool = False, strict_config: bool = False) -> dict:
-    from k3jax.checkpoint import name_map as nm
-    from k3jax.checkpoint.errors import CheckpointError
-    from k3jax.checkpoint.io import open_checkpoint
-    from k3jax.checkpoint.plan import A_LOG_TRANSFORMS, plan_load
-    from k3jax.config import from_hf
-
     ck = open_checkpoint(path)
     report: dict = {}
     cfg = from_hf(os.path.join(path, "config.json"), strict=strict_config, report=report)

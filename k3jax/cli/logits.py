@@ -23,17 +23,21 @@ from __future__ import annotations
 
 import argparse
 
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from k3jax.checkpoint.source import load_model, load_token_file, model_config
+from k3jax.cli.args import add_checkpoint_dir, add_strict_config, checkpoint_dir, parse_mesh_arg
+from k3jax.config import default_run
+from k3jax.model import forward
+from k3jax.sharding.context_parallel import ContextParallel
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("logits", help="load a checkpoint and compute logits for a token file", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    from k3jax.cli.source import checkpoint_arg
-
-    p.add_argument("dir", nargs="?", type=checkpoint_arg, metavar="DIR", help="checkpoint directory")
-    p.add_argument("--ckpt", default=None, type=checkpoint_arg, metavar="DIR",
-                   help="checkpoint directory (same as the positional DIR)")
+    add_checkpoint_dir(p, "checkpoint directory")
     p.add_argument("--tokens", required=True,
                    help=".npy int32 [B, T]: B independent sequences, ragged rows right-padded with -1 (NaN logits "
                         "there); [T]: one sequence")
@@ -41,19 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--adapter", default=None, metavar="DIR", help="a LoRA adapter in PEFT's layout to apply")
     p.add_argument("--mesh", default=None, help="e.g. context=4: each sequence split over 4 devices; data=2,context=4")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
-    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    add_strict_config(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    import jax
-
-    from k3jax.cli.inspect import checkpoint_dir
-    from k3jax.cli.route import parse_mesh_arg
-    from k3jax.cli.source import load_model, load_token_file, model_config
-    from k3jax.config import default_run
-    from k3jax.model import forward
-
     ckpt = checkpoint_dir(args)
     mesh = parse_mesh_arg(args.mesh)
     rows = load_token_file(args.tokens, model_config(ckpt=ckpt, preset=None, strict_config=args.strict_config)
@@ -80,11 +76,6 @@ def run(args) -> int:
 
 def _on_mesh(mesh, tokens, params, cfg):
     """(tokens padded to the mesh's split and placed, params replicated, the model's dispatch)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from k3jax.sharding.context_parallel import ContextParallel
-
     rows = -(-tokens.shape[0] // mesh.shape["data"]) * mesh.shape["data"]
     dispatch, width = None, tokens.shape[1]
     if mesh.shape["context"] > 1:

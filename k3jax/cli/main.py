@@ -27,7 +27,15 @@ import importlib
 import importlib.util
 import math
 import os
+import select
 import sys
+import warnings
+
+from k3jax.errors import InputError
+
+# This module imports no jax, nor any k3jax module that may: JAX_PLATFORMS must be set (``jax_platforms_override``)
+# and the simulated CPU devices chosen (``start_simulated_cpu_devices``) before jax starts, and tests/conftest.py
+# imports it before jax; so jax, the config and the mesh parser are imported inside the functions that use them.
 
 # subcommand -> module (imported lazily so `k3 --help` stays fast and one broken module does not hide the rest)
 SUBCOMMANDS = {
@@ -74,7 +82,6 @@ def devices_asked(args) -> tuple[str, int] | None:
     command reports it) and for ``k3 plan`` (its ``--target cpu:N`` starts its own devices)."""
     mesh = getattr(args, "mesh", None)
     if isinstance(mesh, str):
-        from k3jax.errors import InputError
         from k3jax.sharding.placement import parse_mesh
 
         try:
@@ -185,9 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _warnings_as_messages(command: str):
     """Print k3jax's own warnings (e.g. unknown config keys) as one ``k3 CMD: warning: ...`` line on stderr,
     instead of Python's ``file:line: Category: ...`` plus the source line; other warnings keep the default."""
-    import warnings
-
-    from k3jax.hf_config import UnknownConfigKeysWarning
+    from k3jax.config import UnknownConfigKeysWarning
 
     default = warnings.showwarning
 
@@ -204,8 +209,6 @@ def _warnings_as_messages(command: str):
 def _stdout_gone() -> bool:
     """True when stdout is a pipe whose reader has gone (`k3 plan --tensors | head`), or when that cannot be told."""
     try:
-        import select
-
         poll = select.poll()
         poll.register(sys.stdout.fileno(), select.POLLOUT)
         return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
@@ -234,8 +237,6 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    from k3jax.errors import InputError
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -247,8 +248,6 @@ def _main(argv) -> int:
         if n is not None and start_simulated_cpu_devices(n):  # before anything the command runs starts jax
             print(f"k3 {args.command}: {asked[0]} needs {n} devices and JAX runs on this machine's CPU: starting {n} "
                   "simulated CPU devices", file=sys.stderr)
-    import warnings
-
     previous = _warnings_as_messages(args.command)
     try:
         rc = args.func(args)

@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 
-from k3jax.cli.source import preset_arg, preset_help
+from k3jax.cli.args import preset_arg, preset_help
+from k3jax.config import get_preset
 from k3jax.errors import InputError
-from k3jax.plan import formula
-from k3jax.plan.formula import DEFAULT_CONTEXT
-from k3jax.plan.hardware import DEFAULT_HARDWARE, GPU_BYTES
+from k3jax.plan import aot, formula
+from k3jax.plan.formula import DEFAULT_CONTEXT, build_plan, shard_rows, specs_with_fallback
+from k3jax.plan.hardware import DEFAULT_HARDWARE, GPU_BYTES, parse_target, xla_flags
+from k3jax.plan.spec import PlanSpec, check
 
 
 def add_parser(sub) -> None:
@@ -163,22 +167,11 @@ def _compile_argv(args) -> list[str]:
 
 def _respawn_cpu(args, n: int) -> int:
     """Run this plan in a child process whose XLA:CPU has ``n`` devices (XLA reads the count once, at start)."""
-    import os
-    import subprocess
-
-    from k3jax.plan.hardware import xla_flags
-
     env = dict(os.environ, XLA_FLAGS=xla_flags(n), JAX_PLATFORMS="cpu", **{_CHILD_ENV: str(n)})
     return subprocess.run([sys.executable, "-m", "k3jax.cli.main", *_compile_argv(args)], env=env).returncode
 
 
 def _compile(args, cfg) -> int:
-    import os
-
-    from k3jax.plan import aot
-    from k3jax.plan.hardware import parse_target
-    from k3jax.plan.spec import PlanSpec, check
-
     if not args.target:
         raise InputError("--compile needs --target (tpu:v5p:8x8x8, tpu:v6e:16x16 or cpu:<devices>)")
     if not args.mesh or len(args.mesh) > 1:
@@ -265,9 +258,6 @@ def _print_compiled(p: dict, out) -> None:
 
 
 def _main(args) -> int:
-    from k3jax.config import get_preset
-    from k3jax.plan.formula import build_plan, shard_rows, specs_with_fallback
-
     cfg = get_preset(args.preset)
     if args.compile:
         return _compile(args, cfg)

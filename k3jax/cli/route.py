@@ -28,18 +28,24 @@ import sys
 
 import numpy as np
 
-from k3jax.cli.source import checkpoint_arg, default_ckpt, load_model, load_token_file, preset_arg, preset_help
-from k3jax.errors import InputError
+from k3jax.analysis import collect as ac
+from k3jax.analysis import metrics as am
+from k3jax.analysis import plots as ap
+from k3jax.analysis.static import static_router_analysis
+from k3jax.checkpoint.host import peak_rss_bytes
+from k3jax.checkpoint.load import load
+from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file
+from k3jax.cli.args import add_model_source, add_strict_config, checkpoint_arg, parse_mesh_arg
+from k3jax.config import architecture_diff, from_hf, get_preset
+from k3jax.errors import InputError, int_list
+from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.tokenizer import ByteTokenizer, load_tokenizer
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("route", help="routing analysis: loads, co-activation, specialization, drift, static",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
-                     help="checkpoint directory (HF layout; default: the shipped k3-mini)")
-    src.add_argument("--preset", type=preset_arg, metavar="NAME", help=preset_help("random init of this preset "
-                                                                                   "(see --seed)"))
+    add_model_source(p, "random init of this preset (see --seed)")
     p.add_argument("--adapter", default=None, metavar="DIR",
                    help="a LoRA adapter in PEFT's layout, applied to --ckpt / --preset (not to --compare)")
     txt = p.add_mutually_exclusive_group()
@@ -59,35 +65,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compare", default=None, type=checkpoint_arg, metavar="DIR2",
                    help="second checkpoint: drift per layer")
     p.add_argument("--plots", default=None, metavar="DIR", help="write matplotlib figures and an HTML view here")
-    p.add_argument("--strict-config", action="store_true", help="unknown config keys are errors")
+    add_strict_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
-
-
-def parse_layers(s: str | None) -> list[int] | None:
-    if s is None:
-        return None
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"--layers must be comma-separated integers, got {s!r}") from None
-    if not out:
-        raise InputError("--layers is empty")
-    return out
-
-
-def parse_mesh_arg(s: str | None):
-    """The mesh a forward-only command splits its rows (``data``) and their sequences (``context``) over
-    (``--mesh data=N,context=M``; parameters stay whole on every device). ``k3 route`` and ``k3 logits`` use it."""
-    if s is None:
-        return None
-    import jax
-
-    from k3jax.sharding.mesh import make_mesh
-    from k3jax.sharding.placement import resolve_mesh
-
-    sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data", "context"))
-    return make_mesh({"data": sizes["data"], "context": sizes["context"]})
 
 
 def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
@@ -95,8 +75,6 @@ def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
     ``load_token_file`` reads it, a [T] file as a 1-D stream and a [B, T] file as its rows, right-padded with -1
     (tokenizer None). Every check is here, before any compute."""
     if args.text:
-        from k3jax.tokenizer import ByteTokenizer, load_tokenizer
-
         try:
             with open(args.text, "rb") as f:
                 raw = f.read()
@@ -125,7 +103,7 @@ def run(args) -> int:
         args.ckpt = default_ckpt()
         if args.ckpt is None:
             raise InputError("give --ckpt DIR or --preset NAME (no shipped model in this install)")
-    layers = parse_layers(args.layers)
+    layers = None if args.layers is None else int_list(args.layers, "--layers")
     if args.static:
         if args.adapter:
             raise InputError("--adapter does not apply to --static: adapters never change the router tensors it reads")
@@ -135,9 +113,6 @@ def run(args) -> int:
     if args.seq_len < 1 or args.batch < 1 or (args.max_tokens is not None and args.max_tokens < 1):
         raise InputError("--seq-len, --batch and --max-tokens must be >= 1")
     mesh = parse_mesh_arg(args.mesh)
-    from k3jax.analysis import collect as ac
-    from k3jax.config import architecture_diff, from_hf, get_preset
-
     # everything the flags can get wrong is checked on the configs, before any weight is read
     cfg0 = get_preset(args.preset) if args.preset else from_hf(os.path.join(args.ckpt, "config.json"),
                                                                strict=args.strict_config)
@@ -149,8 +124,6 @@ def run(args) -> int:
             print(f"k3 route: {long} of {len(n)} rows are longer than --seq-len {args.seq_len}: each is cut into "
                   f"windows of {args.seq_len} tokens, routed as independent sequences", file=sys.stderr)
     if mesh is not None and mesh.shape["context"] > 1 and tokens.ndim == 1:   # a stream's windows are --seq-len wide
-        from k3jax.sharding.context_parallel import ContextParallel
-
         ContextParallel(mesh, "fsdp", batch=mesh.shape["data"]).check(args.seq_len, "--seq-len")
     if args.compare:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
@@ -159,15 +132,11 @@ def run(args) -> int:
     cfg, settings, params = _model(args)
     other = None
     if args.compare:
-        from k3jax.checkpoint.load import load
-
         _, other = load(args.compare, cfg=cfg, dtype=settings.param_dtype, progress=False)
     report, stats, kept = ac.collect(params, cfg, tokens, layers=layers, seq_len=args.seq_len, batch=args.batch,
                                     max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots), run=settings,
                                     compare_params=other, progress=not args.json and sys.stderr.isatty())
     report["source"] = args.ckpt or f"preset:{args.preset}"
-    from k3jax.checkpoint.host import peak_rss_bytes
-
     report["peak_rss_bytes"] = peak_rss_bytes()
     if args.plots:
         report["plots"] = write_plots(args.plots, report, stats, kept, cfg, tok)
@@ -194,9 +163,6 @@ def run(args) -> int:
 
 
 def write_plots(out_dir: str, report: dict, stats, kept, cfg, tok=None) -> list[str]:
-    from k3jax.analysis import metrics as am
-    from k3jax.analysis import plots as ap
-
     files = [ap.load_heatmap(report, os.path.join(out_dir, "load_heatmap.png")),
              ap.load_histogram(report, os.path.join(out_dir, "load_histogram.png"))]
     l0 = report["layers"][0]["layer"]
@@ -220,17 +186,11 @@ def write_plots(out_dir: str, report: dict, stats, kept, cfg, tok=None) -> list[
 
 
 def _run_static(args, layers) -> int:
-    from k3jax.analysis.static import static_router_analysis
-
     if not args.ckpt:
         raise InputError("--static reads a checkpoint's router tensors: give --ckpt DIR")
-    from k3jax.config import from_hf
-
     cfg = from_hf(os.path.join(args.ckpt, "config.json"), strict=args.strict_config)
     rep = static_router_analysis(args.ckpt, layers, cfg=cfg)
     if args.plots:
-        from k3jax.analysis import plots as ap
-
         rep["plots"] = [ap.static_norms(rep, os.path.join(args.plots, "static_router.png"))]
     if args.json:
         print(json.dumps(rep))

@@ -19,6 +19,7 @@ sample, routing, plots) with its seconds, bars on a terminal —; stdout gets th
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -26,27 +27,36 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+from tqdm import tqdm
+
+from k3jax.analysis import collect as ac
+from k3jax.checkpoint.source import default_ckpt, load_model
+from k3jax.cli.args import add_model_source
+from k3jax.cli.route import write_plots
 from k3jax.config import KDA_IMPLS, MOE_IMPLS
+from k3jax.data import text_identity
 from k3jax.errors import InputError
+from k3jax.model import count_params
+from k3jax.model.generate import generate
+from k3jax.train import data as tdata
+from k3jax.train.evaluate import heldout_loss, make_scorer, tiled_windows
+from k3jax.train.settings import TrainConfig
 
 # The sample's fixed prompt: the opening of a stdlib-style function, text the shipped model's corpus is made of.
 SAMPLE_PROMPT = 'def read_lines(path, encoding="utf-8"):\n    """'
 
 
 def add_parser(sub) -> None:
-    import argparse
-
-    from k3jax.cli.source import checkpoint_arg, preset_arg, preset_help
-
+    d = TrainConfig()  # the shipped model was trained on `k3 train`'s default corpus and split
     p = sub.add_parser("run", help="held-out loss + routing summary of the shipped model (or a preset)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
-                     help="checkpoint directory (default: the shipped k3-mini)")
-    src.add_argument("--preset", type=preset_arg, metavar="NAME",
-                     help=preset_help("random init of this preset instead"))
-    p.add_argument("--tokens", type=int, default=None, help="held-out bytes to score (default: the whole tail, "
-                   "209,715 bytes)")
+    add_model_source(p, "random init of this preset instead")
+    held = p.add_mutually_exclusive_group()
+    held.add_argument("--heldout-bytes", type=int, default=None, metavar="N", help="held-out bytes to score "
+                      f"(default: the whole tail, {int(d.max_bytes * d.heldout_frac):,} bytes)")
+    held.add_argument("--tokens", type=int, default=None, metavar="N",
+                      help="deprecated spelling of --heldout-bytes (goes away in the next release)")
     p.add_argument("--route-tokens", type=int, default=32768, help="held-out bytes to route for the summary")
     p.add_argument("--seq-len", "--seq", dest="seq_len", type=int, default=64,
                    help="window length (the shipped model was trained at 64)")
@@ -67,8 +77,6 @@ def add_parser(sub) -> None:
 
 def _model(args):
     """(where the model came from, cfg, run settings, params): --preset, --ckpt or the shipped k3-mini."""
-    from k3jax.cli.source import default_ckpt, load_model
-
     over = {k: v for k, v in (("moe_impl", args.moe_impl), ("kda_impl", args.kda_impl)) if v}
     ckpt = None if args.preset else args.ckpt or default_ckpt()
     if not args.preset and ckpt is None:
@@ -80,10 +88,6 @@ def _model(args):
 def _sample(args, cfg, settings, params) -> dict:
     """The greedy continuation of ``--prompt`` (bytes in, bytes out: the model is byte-level), its wall time with
     the prefill and decode-step compiles included, and its ``timing`` (``k3jax.model.generate``: compiles apart)."""
-    import numpy as np
-
-    from k3jax.model.generate import generate
-
     prompt = np.frombuffer(args.prompt.encode("utf-8"), np.uint8).astype(np.int32)[None]
     out = generate(params, prompt, cfg, settings, max_new_tokens=args.max_new_tokens)
     ids = [int(x) for x in out.tokens[0] if x >= 0]
@@ -123,11 +127,6 @@ class _Progress:
 def _heldout_loss(progress, params, cfg, settings, tokens, *, seq_len: int, batch: int) -> tuple[float, int, float]:
     """(nats per byte, bytes scored, compile seconds): ``windowed_loss``'s figure, its scorer compiled ahead of
     time in a phase of its own and then run as that executable, batch by batch under a progress bar."""
-    import numpy as np
-    from tqdm import tqdm
-
-    from k3jax.train.evaluate import heldout_loss, make_scorer, tiled_windows
-
     windows = tiled_windows(tokens, seq_len=seq_len)
     with progress.phase(f"compiling the scorer ({batch} windows of {seq_len} bytes)"):
         t = time.perf_counter()
@@ -149,19 +148,18 @@ def _heldout_loss(progress, params, cfg, settings, tokens, *, seq_len: int, batc
 
 def run(args) -> int:
     progress = _Progress()
+    if args.tokens is not None:  # the old spelling, read for one release (docs/cli.md §4)
+        print("k3 run: warning: --tokens N is now --heldout-bytes N (--tokens names a token file everywhere else; "
+              "the old spelling goes away in the next release)", file=sys.stderr)
+        args.heldout_bytes = args.tokens
     if not args.prompt or args.max_new_tokens < 0:
         raise InputError(f"--prompt must be non-empty and --max-new-tokens >= 0 (got {args.prompt!r}, "
                          f"{args.max_new_tokens})")
-    if (args.tokens is not None and args.tokens < 2) or args.route_tokens < 2 or args.seq_len < 1 or args.batch < 1:
-        raise InputError(f"--tokens and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got {args.tokens}, "
-                         f"{args.route_tokens}, {args.seq_len}, {args.batch})")
+    n_held = args.heldout_bytes
+    if (n_held is not None and n_held < 2) or args.route_tokens < 2 or args.seq_len < 1 or args.batch < 1:
+        raise InputError(f"--heldout-bytes and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got "
+                         f"{n_held}, {args.route_tokens}, {args.seq_len}, {args.batch})")
     with progress.phase("loading the model") as note:
-        from k3jax.analysis import collect as ac
-        from k3jax.data import text_identity
-        from k3jax.model import count_params
-        from k3jax.train import data as tdata
-        from k3jax.train.settings import TrainConfig
-
         source, cfg, settings, params = _model(args)
         note["after"] = f" ({source}: {cfg.name})"
     if cfg.vocab_size < 256:
@@ -169,10 +167,10 @@ def run(args) -> int:
     with progress.phase("reading the held-out text") as note:
         d = TrainConfig()  # the shipped model was trained on `k3 train`'s default corpus and split
         _, held = tdata.split(tdata.load_corpus(None, max_bytes=d.max_bytes), d.heldout_frac)
-        text = text_identity(held[:args.tokens])  # the scored bytes: their hash names them across machines
+        text = text_identity(held[:n_held])  # the scored bytes: their hash names them across machines
         note["after"] = f" (the Python {text['python']} standard library's tail, sha256 {text['sha256'][:12]}...)"
     t0 = time.perf_counter()
-    nats, scored, compile_s = _heldout_loss(progress, params, cfg, settings, held[:args.tokens].astype("int32"),
+    nats, scored, compile_s = _heldout_loss(progress, params, cfg, settings, held[:n_held].astype("int32"),
                                             seq_len=args.seq_len, batch=max(args.batch, 32))
     eval_s = time.perf_counter() - t0
     sample = None
@@ -203,8 +201,6 @@ def run(args) -> int:
            "heldout_text": text, "eval_s": round(eval_s, 2), "eval_compile_s": round(compile_s, 2),
            "sample": sample, "routed_tokens": report["tokens"], "routing": routing}
     if not args.no_plots:
-        from k3jax.cli.route import write_plots
-
         plots = args.plots or tempfile.mkdtemp(prefix="k3-run-plots-")
         with progress.phase(f"writing the routing plots to {plots}"):
             report["source"] = source

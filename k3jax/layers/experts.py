@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.common import HFLeaf, normal, param
-from k3jax.ops.mx import BLOCK_SIZE
+from k3jax.ops.mx import mxfp4_packed_shapes
 
 STACKS = ("w1", "w3", "w2")
 PACKED_PARTS = ("packed", "scale")
@@ -52,7 +52,8 @@ def parse_packed_name(name) -> tuple[str, str] | None:
 def packed_shapes(shape) -> dict[str, tuple[int, ...]]:
     """{part: shape} of the packed leaves of a float stack of shape [..., in, out]."""
     *lead, n_in, n_out = shape
-    return {"packed": (*lead, n_out, n_in // 2), "scale": (*lead, n_out, n_in // BLOCK_SIZE)}
+    packed, scale = mxfp4_packed_shapes((*lead, n_out, n_in))  # the torch orientation: blocks along ``in``
+    return {"packed": packed, "scale": scale}
 
 
 def packed_axes(axes: tuple) -> tuple:

@@ -1,5 +1,6 @@
-"""The K3 network as Flax NNX modules (network.py, decoder.py), its stacked layout (layout.py), the functional
-face over the parameter state (functional.py) and its parameter counts (counts.py)."""
+"""The K3 network as Flax NNX modules (network.py, decoder.py; the residual stream a layer carries, residual.py), its
+stacked layout (layout.py), the functional face over the parameter state (functional.py) and its parameter counts
+(counts.py)."""
 
 from k3jax.model.counts import active_params, count_params
 from k3jax.model.functional import (

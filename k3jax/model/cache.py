@@ -177,7 +177,7 @@ def advance(params, tokens, lengths, cache, *, cfg: K3Config, run: RunConfig, ab
 
 _STATIC = ("cfg", "run", "absorbed", "last_only", "dispatch")
 _extend = jax.jit(advance, static_argnames=_STATIC)
-_extend_donated = jax.jit(advance, static_argnames=_STATIC, donate_argnames=("cache",))
+extend_donated = jax.jit(advance, static_argnames=_STATIC, donate_argnames=("cache",))  # bench/decode.py compiles it
 
 
 def _check_piece(tokens, lengths, cache, cfg: K3Config):
@@ -218,7 +218,7 @@ def extend(params, tokens, lengths, cache, cfg: K3Config, run: RunConfig | None 
     ``ContextParallel`` (k3jax.sharding.placement.expert_dispatch): the piece split over a mesh's context axis
     (a context-parallel prefill, whose cache decode then continues with any dispatch)."""
     tokens, lengths = _check_piece(tokens, lengths, cache, cfg)
-    fn = _extend_donated if donate else _extend
+    fn = extend_donated if donate else _extend
     return fn(params, tokens, lengths, cache, cfg=cfg, run=_run(cfg, run), absorbed=absorbed, last_only=last_only,
               dispatch=dispatch)
 
@@ -299,5 +299,5 @@ def decode_step(params, token_ids, cache, cfg: K3Config, run: RunConfig | None =
 
 
 __all__ = ["CACHE_AXES", "CacheError", "advance", "cache_bytes", "cache_leaf_axes", "cache_shapes", "capacity",
-           "decode_step", "extend", "init_cache", "layer_cache_shapes", "max_len_of", "prefill", "stack_cache",
-           "unstack_cache"]
+           "decode_step", "extend", "extend_donated", "init_cache", "layer_cache_shapes", "max_len_of", "prefill",
+           "stack_cache", "unstack_cache"]

@@ -2,9 +2,12 @@
 
     layer = {"input_norm": [D], "post_norm": [D], "attn_res" / "mlp_res": AttnResQuery (AttnRes only),
              "kda": KDA | "mla": MLA,  "mlp": GLU | "moe": MoE}
+    carry, (mixer_aux, ffn_aux) = layer(carry, l, mixer, cfg, run, dispatch)   # one layer on the residual carry
 
 A layer holds only what its parameters need; which layer index it is (and so where AttnRes commits a block) is the
-model's business, so the same class is vmapped into the stack.
+caller's, so the same class is vmapped into the stack. Its ``__call__`` owns the residual wiring, written once for the
+plain residual and both AttnRes forms (k3jax/model/residual.py): the unrolled stack, the scanned one and the cached
+``extend`` all call it, with their own token-mixer call.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from k3jax.layers.lora import add_adapters
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from k3jax.model.layout import layer_kind
+from k3jax.model.residual import unpinned
+from k3jax.ops.norms import rms_norm
 
 
 class DecoderLayer(nnx.Module):
@@ -61,6 +66,23 @@ class DecoderLayer(nnx.Module):
                            latent_norm=cfg.latent_moe_use_norm, dtype=dtype, rngs=rngs)
         else:
             self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, carry, l, mixer, cfg: K3Config, run: RunConfig, dispatch, pin=unpinned):
+        """Layer l on the residual carry (``residual.Stream`` / ``Blocks`` / ``Buffer``; l traced for a ``Buffer``)
+        → (the new carry, (token mixer aux, FFN aux)). Pre-norm sublayers: the token mixer reads the carry's mix
+        through ``attn_res`` (AttnRes commits its block at l mod S = 0 first), the FFN through ``mlp_res``, and each
+        adds its output to the stream.
+
+        ``mixer(layer, x)``: the token mixer on the normed input → (y, aux): ``mixer`` or ``mixer_cached`` bound by
+        the caller; the layer is handed back because under remat it is this one merged inside the checkpoint.
+        ``dispatch``: the FFN's (``ffn``). ``pin``: constrains stream arrays to the token sharding."""
+        eps, size, cdt = cfg.rms_norm_eps, cfg.attn_res_block_size, jnp.dtype(run.compute_dtype)
+        x, carry, mark = carry.enter(getattr(self, "attn_res", None), l, size, eps, pin)
+        a, ax = mixer(self, rms_norm(x, self.input_norm[...], eps, out_dtype=cdt))
+        carry = carry.add(a, pin)
+        x = carry.ffn_input(getattr(self, "mlp_res", None), mark, eps)
+        f, fx = self.ffn(rms_norm(x, self.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+        return carry.add(f, pin), (ax, fx)
 
     def add_lora(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
         """LoRA adapters on the blocks ``lora.targets`` name (k3jax/layers/lora.py); works on a stacked group's

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import jax
 
 from k3jax.config import K3Config
+from k3jax.pytree import get_path, set_path
 
 
 class Layout(NamedTuple):
@@ -80,16 +81,10 @@ def layout(cfg: K3Config) -> Layout:
     return Layout(tuple(range(start)), start, p, G, tuple(range(end, L)))
 
 
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
 def layer_view(params, cfg: K3Config, l: int) -> dict:
     """Layer l's parameter dict (stacked leaves sliced at its group index)."""
     prefix, g = layout(cfg).locate(l)
-    d = _get(params, prefix)
+    d = get_path(params, prefix)
     return d if g is None else jax.tree.map(lambda x: _row(x, g), d)
 
 
@@ -146,18 +141,10 @@ def map_layers(params, cfg: K3Config, layers, fn, values) -> dict:
             continue
         if not all(hit):
             raise ValueError(f"map_layers: layers {ls} are stacked together; list all or none of them")
-        d = _get(params, prefix)
+        d = get_path(params, prefix)
         new = (jax.vmap(fn)(d, jnp.stack([values[row[l]] for l in ls])) if stacked else fn(d, values[row[ls[0]]]))
-        out = _set(out, prefix, new)
+        out = set_path(out, prefix, new)
     return out
-
-
-def _set(tree: dict, path: tuple, value) -> dict:
-    """A copy of nested dict ``tree`` with ``tree[path] = value`` (copies along the path only)."""
-    if not path:
-        return value
-    head, *rest = path
-    return {**tree, head: _set(tree[head], tuple(rest), value)}
 
 
 def leaf_location(path: tuple, cfg: K3Config) -> tuple[tuple, int | None]:

@@ -9,11 +9,15 @@
 With AttnRes (K3, docs/model.md §1.3 / §3.2) there is no classic residual: sublayer outputs accumulate into the running
 block sum ``part``; committed block sums form ``blocks``; every sublayer input is an AttnRes mix of
 ``blocks ++ [part]``. Sources and partial sums are kept in at-least-fp32. Without AttnRes (Kimi-Linear) the
-standard pre-norm residual is used. The model reads ``K3Config`` (architecture) and ``RunConfig`` (dtypes,
+standard pre-norm residual is used. One layer's wiring is ``DecoderLayer.__call__`` over a carry of
+k3jax/model/residual.py; this module only loops the layers (the unrolled stack, ``extend``) or scans them (the
+repeating group), with remat around each. The model reads ``K3Config`` (architecture) and ``RunConfig`` (dtypes,
 kernels, dispatch, QAT, block sizes; default: the preset's, ``config.default_run``); blocks get plain arguments.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +30,7 @@ from k3jax.layers.experts import PackedExperts
 from k3jax.model.block_scan import scan_saving_parts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
+from k3jax.model.residual import Blocks, Buffer, Stream, unpinned
 from k3jax.ops.norms import acc_dtype, rms_norm
 
 
@@ -45,6 +50,30 @@ def remat_policy(remat: str):
     if remat not in REMAT_POLICIES or remat == "none":
         raise ValueError(f"remat policy {remat!r}: must be one of {REMAT_POLICIES[1:]}")
     return None if remat in ("full", "group") else getattr(jax.checkpoint_policies, remat)
+
+
+def _collect(aux: dict, *per_layer: dict) -> None:
+    """Append each layer's aux entries (``mla_max_logit``, ``routing``) to the model's lists, in layer order."""
+    for a in per_layer:
+        for k, v in a.items():
+            aux[k].append(v)
+
+
+def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin):
+    """``step(layer, carry, l)``: ``DecoderLayer.__call__`` with ``mixer(l, layer, x)`` bound to l, the unit that
+    ``K3Model._checkpointed`` wraps."""
+    def step(layer, carry, l):
+        return layer(carry, l, partial(mixer, l), cfg, run, dispatch, pin)
+    return step
+
+
+def _on_slot(mixer, sides: list, j: int, g):
+    """``mixer`` of the stacked position j in group g (traced), on its carried cache ``sides[j]``, which it replaces:
+    ``mixer(l, layer, x) → (y, aux)``."""
+    def on_slot(l, layer, x):
+        y, aux, sides[j] = mixer(l, layer, x, sides[j], g)
+        return y, aux
+    return on_slot
 
 
 class K3Model(nnx.Module):
@@ -112,14 +141,15 @@ class K3Model(nnx.Module):
         if context is not None:
             context.check(tokens.shape[1])
 
-        def mixer(l, layer, h):
-            return layer.mixer(h, self.cfg, self.run, segment_ids, context)
+        def mixer(l, layer, x):
+            return layer.mixer(x, self.cfg, self.run, segment_ids, context)
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
 
     def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None):
-        """The layer stack on tokens [B, T]; ``mixer(l, layer, normed h) → (y, aux)`` runs each token mixer (with
-        ``scan``, l is traced inside the repeating group: the mixer must not index by it).
+        """The layer stack on tokens [B, T]: each layer is ``DecoderLayer.__call__`` on the residual carry
+        (k3jax/model/residual.py) with ``mixer(l, layer, normed x) → (y, aux)`` bound to its index (with ``scan``, l
+        is traced inside the repeating group: the mixer must not index by it).
 
         ``scan``: the layout's head (``pre``) and tail (``post``) run as a Python loop, the repeating group as one
         ``lax.scan`` over its stacked parameters. The AttnRes block sums then live in a fixed buffer [NB, B, T, D]
@@ -135,7 +165,7 @@ class K3Model(nnx.Module):
 
         ``side`` (with ``scan``): {"groups": per position j of the period, a pytree stacked over the groups} carried
         through the scan — the inference cache of the stacked layers (``extend``). The mixer of a stacked layer is
-        then called as ``mixer(l, layer, h, side_j, g)`` and returns ``(y, aux, new side_j)``; after the scan
+        then called as ``mixer(l, layer, x, side_j, g)`` and returns ``(y, aux, new side_j)``; after the scan
         ``side["groups"]`` holds the final value.
 
         A ``dispatch`` object with a ``constrain_tokens(x, batch_dim)`` method (``ExpertParallel``) pins the
@@ -144,71 +174,31 @@ class K3Model(nnx.Module):
         (``zero3_ep_tp``) it replicated the batch, and the full model asked the TPU compiler for terabytes of
         temporaries per chip (experiments/LOG.md, 2026-12-02 session 10)."""
         cfg, run = self.cfg, self.run
-        pin = getattr(dispatch, "constrain_tokens", None) or (lambda x, batch_dim=0: x)
-        cdt = jnp.dtype(run.compute_dtype)
-        acc = acc_dtype(cdt)
-        eps = cfg.rms_norm_eps
+        pin = getattr(dispatch, "constrain_tokens", None) or unpinned
         dispatch = dispatch or run.moe_impl
         aux = {"routing": [], "mla_max_logit": []}
         lay = layout(cfg)
+        h = pin(self.embed[...][tokens].astype(acc_dtype(jnp.dtype(run.compute_dtype))))
+        carry = Blocks(h) if cfg.uses_attn_res else Stream(h)
 
-        def collect(a):
-            for k, v in a.items():
-                aux[k].append(v)
+        step = _layer_step(mixer, cfg, run, dispatch, pin)
 
-        def ffn(layer, h):
-            return layer.ffn(rms_norm(h, layer.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+        def unrolled(pairs, carry):
+            for l, layer in pairs:                        # l static: bound, not a checkpoint input
+                carry, (ax, fx) = self._checkpointed(partial(step, l=l), remat)(layer, carry)
+                _collect(aux, ax, fx)
+            return carry
 
-        def mix(l, layer, h, *slot):
-            return mixer(l, layer, rms_norm(h, layer.input_norm[...], eps, out_dtype=cdt), *slot)
-
-        S = cfg.attn_res_block_size
-
-        def plain_layer(l, layer, h):
-            a, ax = mix(l, layer, h)
-            h = pin(h + a.astype(acc))
-            f, fx = ffn(layer, h)
-            return pin(h + f.astype(acc)), (ax, fx)
-
-        def attn_res_layer(l, layer, part, blocks):
-            """blocks: the block sums committed before layer l (a commit at l appends ``part``, the caller's)."""
-            blocks = list(blocks)
-            h = part if not blocks else layer.attn_res(blocks + [part], eps)
-            if l % S == 0:
-                blocks.append(part)
-                part = None
-            a, ax = mix(l, layer, h)
-            part = pin(a.astype(acc) if part is None else part + a.astype(acc))
-            f, fx = ffn(layer, layer.mlp_res(blocks + [part], eps))
-            return pin(part + f.astype(acc)), (ax, fx)
-
-        def unrolled(pairs, state):
-            for l, layer in pairs:
-                if cfg.uses_attn_res:
-                    fn = self._checkpointed(lambda layer, *xs, l=l: attn_res_layer(l, layer, *xs), remat)
-                    new, (ax, fx) = fn(layer, state, tuple(blocks))
-                    if l % S == 0:
-                        blocks.append(state)
-                else:
-                    fn = self._checkpointed(lambda layer, *xs, l=l: plain_layer(l, layer, *xs), remat)
-                    new, (ax, fx) = fn(layer, state)
-                collect(ax)
-                collect(fx)
-                state = new
-            return state
-
-        stacked = scan and lay.groups > 0
-        blocks: list = []
-        state = pin(self.embed[...][tokens].astype(acc))     # h (plain residual) or part (AttnRes)
-        if not stacked:
-            state = unrolled(self.layers(), state)
+        if not (scan and lay.groups > 0):
+            carry = unrolled(self.layers(), carry)
         else:
-            state = unrolled(zip(lay.pre, self.pre, strict=True), state)
-            state, blocks[:] = self._scan_groups(state, blocks, mix, ffn, remat, pin, side)(collect)
-            state = unrolled(zip(lay.post, self.post, strict=True), state)
-        if not cfg.uses_attn_res:
-            return state, aux
-        return self.out_res(blocks + [state], eps), aux
+            carry = unrolled(zip(lay.pre, self.pre, strict=True), carry)
+            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side)
+            _collect(aux, *per_layer)
+            carry = unrolled(zip(lay.post, self.post, strict=True), carry)
+        if isinstance(carry, Stream):
+            return carry.h, aux
+        return self.out_res([*carry.blocks, carry.part], cfg.rms_norm_eps), aux
 
     @staticmethod
     def _checkpointed(fn, remat: str):
@@ -220,86 +210,57 @@ class K3Model(nnx.Module):
         kept); any other name is the ``jax.checkpoint_policies`` entry of that name. ``prevent_cse`` stays on in
         the unrolled stack (XLA could otherwise merge the recompute with the forward and keep the activations after
         all); the scanned stack's group checkpoint turns it off, since the loop already keeps them apart (the JAX
-        docs' advice for checkpoint in scan)."""
+        docs' advice for checkpoint in scan).
+
+        An input ``fn`` returns unchanged (the AttnRes blocks a layer passes on, or commits) goes around the
+        checkpoint, not out of it: as an output it would take its later uses' gradient inside the checkpoint's
+        backward, summed there in another order."""
         if remat == "none":
             return fn
         policy = remat_policy(remat)
 
         def wrapped(layer, *xs):
             gdef, state = nnx.split(layer)
+            ins, out = jax.tree.leaves(xs), {}
 
             def pure(state, *xs):
-                return fn(nnx.merge(gdef, state), *xs)
+                leaves, out["tree"] = jax.tree.flatten(fn(nnx.merge(gdef, state), *xs))
+                given = {id(x): i for i, x in enumerate(jax.tree.leaves(xs))}
+                out["given"] = [given.get(id(x)) for x in leaves]
+                return [x for x, i in zip(leaves, out["given"]) if i is None]
 
-            return jax.checkpoint(pure, policy=policy)(state, *xs)
+            made = iter(jax.checkpoint(pure, policy=policy)(state, *xs))
+            return jax.tree.unflatten(out["tree"], [next(made) if i is None else ins[i] for i in out["given"]])
 
         return wrapped
 
-    def _scan_groups(self, state, blocks: list, mix, ffn, remat: str = "none", pin=lambda x, batch_dim=0: x,
-                     side: dict | None = None):
-        """The repeating group as one lax.scan (see ``_walk``). Returns a function of ``collect`` that hands the
-        per-layer aux to it in layer order and returns (the new state, the committed blocks as a list); with
-        ``side``, the scan carries ``side["groups"]`` and leaves its final value there."""
+    def _scan_groups(self, carry, mixer, dispatch, remat: str = "none", pin=unpinned, side: dict | None = None):
+        """The repeating group as one lax.scan (see ``_walk``) on the carry of the layers before it → (the carry
+        after it, in the same form, and the per-layer aux dicts in layer order); with ``side``, the scan carries
+        ``side["groups"]`` and leaves its final value there."""
         cfg = self.cfg
         lay = layout(cfg)
-        acc = state.dtype
-        eps = cfg.rms_norm_eps
         gdef, gparams, grest = nnx.split(self.groups, STACKED, ...)
         attn_res = cfg.uses_attn_res
         S = cfg.attn_res_block_size
         commits = [l for l in range(cfg.num_layers) if attn_res and l % S == 0]
-        NB = len(commits)
-        if attn_res:
-            buf = jnp.zeros((NB, *state.shape), acc)
-            for i, b in enumerate(blocks):
-                buf = buf.at[i].set(b)
-            buf = pin(buf, batch_dim=1)
-        carry0 = (state, buf) if attn_res else (state,)
+        carry0 = tuple(carry.buffered(len(commits), pin) if attn_res else carry)
         if side is not None:
             carry0 = (*carry0, tuple(side["groups"]))
-
-        def one_layer(layer, carry, l, mixer):
-            """Layer l (traced) of the group on the carry → (the new carry, (mixer aux, FFN aux))."""
-            if attn_res:
-                part, buf = carry
-                nb = (l + S - 1) // S                     # blocks committed before layer l
-                h = layer.attn_res.masked(buf, nb, part, eps)
-                commit = l % S == 0
-                # a commit writes slot nb; otherwise slot nb gets its own value back: one slot of traffic, where a
-                # select between the updated and the old buffer read and wrote all NB of them at every layer (the
-                # frozen-experts v5p-512 plan's ~3.2 TB of f32 [8, B, T, D] selects, experiments/LOG.md)
-                slot = jax.lax.dynamic_index_in_dim(buf, nb, 0, keepdims=False)
-                buf = pin(jax.lax.dynamic_update_index_in_dim(buf, jnp.where(commit, part, slot), nb, 0), batch_dim=1)
-                part = jnp.where(commit, jnp.zeros_like(part), part)     # 0 + a == a exactly
-                a, ax = mixer(l, layer, h)
-                part = pin(part + a.astype(acc))
-                f, fx = ffn(layer, layer.mlp_res.masked(buf, nb + commit, part, eps))
-                return (pin(part + f.astype(acc)), buf), (ax, fx)
-            (h,) = carry
-            a, ax = mixer(l, layer, h)
-            h = pin(h + a.astype(acc))
-            f, fx = ffn(layer, h)
-            return (pin(h + f.astype(acc)),), (ax, fx)
+        form = Buffer if attn_res else Stream
 
         def group(p, carry, g, per_layer: bool = False):
+            """One scan iteration: group g's layers on the scan carry → (the new carry, per position its aux)."""
             grp = nnx.merge(gdef, p, grest)
-            core, sides = (carry[:-1], list(carry[-1])) if side is not None else (carry, None)
+            core, sides = (form(*carry[:-1]), list(carry[-1])) if side is not None else (form(*carry), None)
             outs = []
-            def carried(j):                               # the mixer of position j on the carried cache, at g
-                def mixer(l, layer, h):
-                    y, ax, sides[j] = mix(l, layer, h, sides[j], g)
-                    return y, ax
-                return mixer
-
             for j, layer in enumerate(grp.layers):
-                mixer = mix if sides is None else carried(j)
-                if per_layer:
-                    run_layer = self._checkpointed(lambda layer, core, l, m=mixer: one_layer(layer, core, l, m), "full")
-                else:
-                    run_layer = lambda layer, core, l, m=mixer: one_layer(layer, core, l, m)  # noqa: E731
-                core, ax_fx = run_layer(layer, core, lay.start + g * lay.period + j)
+                step = _layer_step(mixer if sides is None else _on_slot(mixer, sides, j, g), cfg, self.run,
+                                   dispatch, pin)
+                step = self._checkpointed(step, "full") if per_layer else step
+                core, ax_fx = step(layer, core, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
-            return ((*core, tuple(sides)) if sides is not None else core), outs
+            return ((*core, tuple(sides)) if sides is not None else tuple(core)), outs
 
         # The remat unit of the scanned stack is one scan iteration (a group of ``period`` layers), not one layer:
         # the carry holds the AttnRes block sums [NB, B, T, D], which a per-layer checkpoint saves at every layer
@@ -320,22 +281,13 @@ class K3Model(nnx.Module):
                 return group(p, carry, g)
 
             carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
-        last = lay.start + lay.groups * lay.period          # first layer after the group
-        n_end = sum(1 for l in commits if l < last)
-
         if side is not None:
             side["groups"], carry = carry[-1], carry[:-1]
-
-        def finish(collect):
-            for g in range(lay.groups):
-                for ax, fx in ys:
-                    collect(jax.tree.map(lambda x, g=g: x[g], ax))
-                    collect(jax.tree.map(lambda x, g=g: x[g], fx))
-            if attn_res:
-                return carry[0], [carry[1][i] for i in range(n_end)]
-            return carry[0], blocks
-
-        return finish
+        per_layer = [jax.tree.map(lambda x, g=g: x[g], a) for g in range(lay.groups) for ax_fx in ys for a in ax_fx]
+        last = lay.start + lay.groups * lay.period          # first layer after the group
+        if attn_res:
+            return Buffer(*carry).listed(sum(1 for l in commits if l < last)), per_layer
+        return Stream(*carry), per_layer
 
     def _logits(self, h):
         cdt = jnp.dtype(self.run.compute_dtype)

@@ -37,8 +37,10 @@ They accept a last block shorter than 32 along ``axis`` (padded with zeros, whic
 packed storage in k3jax.quant requires whole blocks.
 
 This module is the one home of the element codes: E2M1 rounding and decoding, nibble packing (``pack_codes`` /
-``unpack_codes``: low nibble = even column) and the host lookup tables the numpy decoders use (``E2M1_VALUES``,
-``E2M1_BYTE_LO`` / ``_HI`` / ``_PAIR``, ``E8M0_VALUES``). Kernels import it; storage layouts live in k3jax.quant.
+``unpack_codes``: low nibble = even column), the stored shapes that follow (``mxfp4_packed_shapes``: [..., n/2]
+and [..., n/32]), the block size (``BLOCK_SIZE``) and the host lookup tables the numpy decoders use
+(``E2M1_VALUES``, ``E2M1_BYTE_LO`` / ``_HI`` / ``_PAIR``, ``E8M0_VALUES``). Kernels, the expert layers and the
+checkpoint code import them; storage layouts live in k3jax.quant.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from k3jax.config import SCALE_RULES  # the rule names are run settings (RunConfig.qat_*_rule); defined there
+
 BLOCK_SIZE = 32
-SCALE_RULES = ("floor", "ceil", "even")
 SCALE_NAN = 0xFF
 
 # Host (numpy) tables, read-only. E2M1 code -> value; bit 3 = sign, bits 2-1 = exponent (bias 1), bit 0 = mantissa.
@@ -228,6 +231,23 @@ def pack_codes(codes: jax.Array) -> jax.Array:
     column, docs/numerics.md §10.3)."""
     c = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return c[..., 0] | (c[..., 1] << 4)
+
+
+def mxfp4_packed_shapes(shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stored shapes of an MXFP4 tensor of logical ``shape`` [..., n] blocked along its last axis: (packed uint8
+    [..., n/2] (``pack_codes``), scale uint8 [..., n/32] (one E8M0 byte per block)). The one statement of the rule;
+    n must be a multiple of ``BLOCK_SIZE`` (callers check it with their own wording)."""
+    *lead, n = shape
+    return (*lead, n // 2), (*lead, n // BLOCK_SIZE)
+
+
+def is_mxfp4_pair(packed_shape, scale_shape) -> bool:
+    """Whether ``packed_shape`` / ``scale_shape`` are ``mxfp4_packed_shapes`` of one logical [..., n] (n = twice the
+    packed last axis, a multiple of ``BLOCK_SIZE``)."""
+    if len(packed_shape) < 1:
+        return False
+    logical = (*packed_shape[:-1], packed_shape[-1] * 2)
+    return logical[-1] % BLOCK_SIZE == 0 and (tuple(packed_shape), tuple(scale_shape)) == mxfp4_packed_shapes(logical)
 
 
 def unpack_codes(packed: jax.Array) -> jax.Array:

@@ -226,7 +226,7 @@ _packed_ffn.defvjp(_packed_ffn_fwd, _packed_ffn_bwd)
 
 
 def _check(w: PackedWeight, name: str, n: int, k: int, num: int) -> None:
-    want_p, want_s = (num, n, k // 2), (num, n, k // mx.BLOCK_SIZE)
+    want_p, want_s = mx.mxfp4_packed_shapes((num, n, k))
     if w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or w.packed.shape != want_p \
             or w.scale.shape != want_s or k % mx.BLOCK_SIZE:
         raise ValueError(f"{name}: expected packed uint8 {want_p} and scale uint8 {want_s} (in = {k} a multiple of "

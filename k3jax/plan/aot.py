@@ -29,19 +29,29 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.experimental import mesh_utils
 
 from k3jax.checkpoint.host import peak_rss_bytes
 from k3jax.config import K3Config
+from k3jax.layers.mla import big_key_block
+from k3jax.model import forward
+from k3jax.model.cache import advance, cache_shapes, capacity
+from k3jax.ops.latent_attention import key_loop_trips
+from k3jax.optim.dist_muon import NS_SCOPE, OPTIMIZER_SCOPE
 from k3jax.plan.estimate import cache_bytes, estimate_arguments, model_flops
 from k3jax.plan.hardware import Target, roofline
-from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, with_defaults
-from k3jax.train.dist_muon import NS_SCOPE, OPTIMIZER_SCOPE
+from k3jax.plan.hlo_cost import largest_values, program_stats
+from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, train_config, with_defaults
+from k3jax.sharding import placement as place
+from k3jax.sharding.mesh import MESH_AXES, make_mesh
+from k3jax.sharding.rules import param_shardings
+from k3jax.train.program import train_step_program
+from k3jax.train.settings import optim_config, step_spec
 
 
 def target_devices(target: Target) -> list:
     if target.platform == "tpu":
-        from jax.experimental import topologies
+        from jax.experimental import topologies  # libtpu's deviceless topologies: a TPU target only
 
         return list(topologies.get_topology_desc(topology_name=target.topology, platform="tpu").devices)
     devs = jax.devices("cpu")
@@ -52,12 +62,8 @@ def target_devices(target: Target) -> list:
 
 
 def _mesh(sizes: dict, devices: list):
-    from k3jax.sharding.mesh import MESH_AXES, make_mesh
-
     shape = tuple(sizes[a] for a in MESH_AXES)
     if devices[0].platform == "tpu":
-        from jax.experimental import mesh_utils
-
         try:  # physical locality: the innermost mesh axes on the nearest chips
             arr = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
             return make_mesh(sizes, devices=arr.reshape(-1))
@@ -71,15 +77,9 @@ def _sds(shapes, shardings):
 
 
 def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
-    """(jitted function, abstract arguments with shardings) of the mode's program on ``mesh``."""
-    from k3jax.layers.experts import split_packed
-    from k3jax.layers.lora import split_adapters
-    from k3jax.model import forward
-    from k3jax.sharding import placement as place
-    from k3jax.sharding.rules import param_shardings, param_specs
-    from k3jax.train.optim import OptimConfig, make_optimizer
-    from k3jax.train.step import StepSpec, init_state, make_train_step
-
+    """(jitted function, abstract arguments with shardings) of the mode's program on ``mesh``. The train modes
+    compile `k3 train`'s step (``k3jax.train.program.train_step_program``) with the plan's settings
+    (``spec.train_config``)."""
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
     small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
@@ -97,24 +97,11 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
                      out_shardings=place.batch_sharding(strategy, mesh, 3) if context is None else context.sharding(3))
         return fn, (_sds(abstract, p_sh), jax.ShapeDtypeStruct((spec.batch, spec.seq_len), jnp.int32,
                                                               sharding=tok_sh))
-    lora = spec.mode == "lora"
-    params, frozen = split_adapters(abstract) if lora else split_packed(abstract)
-    # make_optimizer reads per-layer shapes by slicing stacked leaves: zero-stride views, no memory
-    tx, _ = make_optimizer(jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), params),
-                           OptimConfig(total_steps=1000, state_dtype=spec.opt_state_dtype,
-                                       muon_layout=spec.muon_layout, mode="adamw" if lora else "per_head"),
-                           mesh=mesh, specs=param_specs(cfg, strategy, mesh, params))
-    shapes = jax.eval_shape(lambda p, f: init_state(p, tx, frozen=f or None), params, frozen)
-    st_sh = place.state_shardings(cfg, strategy, mesh, shapes)
-    tok_sh = (place.batch_sharding(strategy, mesh, 3, batch_dim=1) if context is None else
-              context.sharding(3, batch_dim=1, seq=False))     # [1, B, T + 1]: the model splits the T it runs on
-    # lora: the base stays as loaded (k3 train --lora: train.settings.step_spec)
-    step = make_train_step(cfg, run, tx, StepSpec(balance="off", qk_clip=False) if lora else StepSpec(),
-                           dispatch=dispatch)
-    fn = jax.jit(step, in_shardings=(st_sh, tok_sh, None), out_shardings=(st_sh, None), donate_argnums=0)
-    return fn, (_sds(shapes, st_sh), jax.ShapeDtypeStruct((1, spec.batch, spec.seq_len + 1), jnp.int32,
-                                                          sharding=tok_sh),
-                jax.ShapeDtypeStruct((), jnp.float32))
+    tc = train_config(spec)
+    ts = train_step_program(cfg, run, optim_config(tc), step_spec(tc), strategy, mesh, abstract, dispatch)
+    return ts.step, (_sds(ts.state_shapes, ts.state_sh),            # [1, B, T + 1]: one micro-batch
+                     jax.ShapeDtypeStruct((1, spec.batch, spec.seq_len + 1), jnp.int32, sharding=ts.batch_sh),
+                     jax.ShapeDtypeStruct((), jnp.float32))
 
 
 def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool,
@@ -125,10 +112,6 @@ def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, 
     logits out → (jitted fn(params, tokens, cache), abstract arguments). ``params``: the parameter tree (arrays or
     ShapeDtypeStructs), for its shardings. ``context``: a ``ContextParallel`` (a context-parallel prefill: the
     tokens and the latent cache's positions split over its sequence axes)."""
-    from k3jax.model.cache import advance, cache_shapes
-    from k3jax.sharding import placement as place
-    from k3jax.sharding.rules import param_shardings
-
     T = spec.seq_len
     p_sh = param_shardings(cfg, strategy, mesh, params)
     shapes = cache_shapes(cfg, spec.batch, spec.context, run, stacked=True)  # the scanned group: one group compiled
@@ -152,10 +135,6 @@ def loop_hints(cfg: K3Config, spec: PlanSpec) -> dict[str, int]:
     from an empty cache. Other modes: none."""
     if spec.mode not in ("prefill", "decode"):
         return {}
-    from k3jax.layers.mla import big_key_block
-    from k3jax.model.cache import capacity
-    from k3jax.ops.latent_attention import key_loop_trips
-
     spec = with_defaults(spec)[0]
     block = run_settings(cfg, spec).mla_block_size
     keys = spec.context if spec.mode == "decode" else spec.seq_len
@@ -216,10 +195,6 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     """Compile ``spec``'s program for ``target`` and report (see the module docstring). Raises HbmOomError (with
     ``.plan`` holding everything known before the compile) when the program does not fit. ``hlo_out``: a path
     to write the compiled HLO text to."""
-    from k3jax.plan.hlo_cost import largest_values, program_stats
-    from k3jax.sharding import placement as place
-    from k3jax.sharding.placement import format_mesh
-
     log = log or (lambda s: None)
     t_start = time.perf_counter()
     sizes, strategy = check(cfg, target, spec)
@@ -228,7 +203,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     mesh = _mesh(sizes, target_devices(target))
     run = run_settings(cfg, spec)
     out = {"preset": cfg.name, "target": target.spec, "platform": target.platform, "devices": target.devices,
-           "mesh": format_mesh(sizes), "strategy": strategy, "mode": spec.mode, "remat": spec.remat,
+           "mesh": place.format_mesh(sizes), "strategy": strategy, "mode": spec.mode, "remat": spec.remat,
            "batch": spec.batch, "seq_len": spec.seq_len, "layer_stack": run.layer_stack, "qat": run.qat,
            "param_dtype": run.param_dtype, "compute_dtype": run.compute_dtype,
            "capacity_factor": spec.capacity_factor, "packed_kernel": spec.packed_kernel, "defaults": defaults,

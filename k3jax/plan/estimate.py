@@ -46,9 +46,9 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     gradient term; not an argument)."""
     from k3jax.layers.experts import parse_packed_name
     from k3jax.layers.lora import is_adapter
+    from k3jax.optim.optimizer import leaf_rule
     from k3jax.sharding import placement as place
     from k3jax.sharding.rules import param_specs
-    from k3jax.train.optim import leaf_rule
 
     spec = with_defaults(spec)[0]
     abstract = plan_params(cfg, spec)
@@ -114,10 +114,10 @@ def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> di
 
 def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, ns_steps: int) -> dict:
     """Matmul FLOPs of Muon's Newton–Schulz in one optimizer step, from the config and the optimizer's rules: per
-    orthogonalized [m, n] block (per head / per expert / per layer, ``train.optim.leaf_rule``), a = min(m, n),
+    orthogonalized [m, n] block (per head / per expert / per layer, ``optim.optimizer.leaf_rule``), a = min(m, n),
     b = max(m, n), each step is A = X·Xᵀ (2a²b), A·A (2a³), (c₁A + c₂A²)·X (2a²b) — optax's quintic iteration.
     ``global``: each block once. ``per_device``: what one device computes under ``spec.muon_layout`` —
-    owner (``train.dist_muon``): the blocks its pools hand it, padding included (``pool_plan``: a pool of P blocks
+    owner (``optim.dist_muon``): the blocks its pools hand it, padding included (``pool_plan``: a pool of P blocks
     held alike by a group of g devices costs each ceil(P / g) blocks; a stack updated one layer group at a time,
     ``dist_muon.loops``, pools per group: its pools' ``per_device`` are per group, their names say how many;
     ``padding`` = per_device × devices / global - 1); layer: each leaf's share if the work split as its sharding
@@ -125,10 +125,10 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256 each
     shared-expert block's 6144² A·A, 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
     from k3jax.layers.experts import split_packed
+    from k3jax.optim.dist_muon import loops, one_group, pool_plan, route, view_spec
+    from k3jax.optim.optimizer import OptimConfig, whole_leaf_rule
     from k3jax.pytree import path_str
     from k3jax.sharding.rules import param_specs
-    from k3jax.train.dist_muon import loops, one_group, pool_plan, route, view_spec
-    from k3jax.train.optim import OptimConfig, whole_leaf_rule
 
     out = {"global": 0.0, "per_device": 0.0, "padding": 0.0}
     if spec.mode in SERVING:  # no optimizer step
@@ -204,7 +204,7 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     per device x devices, so a replicated block counts once per device, as the compiled program's total does).
     ``useful``: the same without the remat recompute (the roofline's compute term)."""
     from k3jax.model import active_params
-    from k3jax.train.optim import OptimConfig
+    from k3jax.optim.optimizer import OptimConfig
 
     spec = with_defaults(spec)[0]
     n_active, n_exp = active_params(cfg)

@@ -3,7 +3,8 @@ a plan fills in (the program one deploys at full size), the run settings and par
 check before a compile.
 
 Modes (each the program a user runs, with the rules table's shardings and the expert-parallel dispatch when the
-rules shard the experts; the layer stack scanned):
+rules shard the experts; the layer stack scanned; the train modes are `k3 train`'s step with the settings of
+``train_config``):
     forward         serving prefill in the stored form: BF16 weights, routed experts as packed MXFP4 bytes,
                     tokens [B, T] → logits [B, T, V] (f32)
     train           the QAT fine-tune step (``k3jax.train.step``): fp32 master weights, per-head Muon / AdamW state,
@@ -31,11 +32,19 @@ device runs its local experts on every row, one psum), in decode only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from k3jax.config import REMAT_POLICIES, K3Config, default_run
+from k3jax.config import LORA_TARGETS, REMAT_POLICIES, K3Config, LoRAConfig, RunConfig, default_run
 from k3jax.errors import InputError
+from k3jax.layers.experts import packed_form
+from k3jax.model import abstract_params
+from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
+from k3jax.sharding import placement as place
+from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.sharding.expert_parallel import PACKED_KERNELS
+from k3jax.train.settings import TrainConfig
+from k3jax.train.settings import run_settings as train_run_settings
 
 MODES = ("forward", "train", "frozen-experts", "lora", "prefill", "decode")
 TRAIN_MODES = ("train", "frozen-experts", "lora")  # a backward and an optimizer
@@ -84,18 +93,12 @@ PLAN_DECODE_CAPACITY = -1.0
 def plan_strategy(sizes: dict) -> str:
     """The rules column of a plan: ``zero3_ep_tp`` when the mesh has fsdp and expert axes (every non-expert weight
     over fsdp x expert, as full-size training state needs), otherwise the mesh's default (``default_strategy``)."""
-    from k3jax.sharding import placement as place
-
     s = place.axis_sizes(sizes)
     return "zero3_ep_tp" if s["fsdp"] > 1 and s["expert"] > 1 else place.default_strategy(sizes)
 
 
 def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
     """(``spec`` with every unset field filled, the filled fields and their values)."""
-    from dataclasses import replace
-
-    from k3jax.sharding import placement as place
-
     d = {}
     if spec.remat is None:
         d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT.get(spec.mode, PLAN_REMAT_DEFAULT)
@@ -111,22 +114,33 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
     return replace(spec, **d, **quiet), d
 
 
-def run_settings(cfg: K3Config, spec: PlanSpec):
+def train_config(spec: PlanSpec) -> TrainConfig:
+    """The `k3 train` settings whose train step a train-mode plan compiles (``k3jax.train.program``): QAT
+    weights+acts, bf16 matmuls, the layer stack scanned, the plan's remat, optimizer-state dtype and Muon layout;
+    lora: AdamW over the adapters of ``plan_lora``, the base as loaded. The schedule's peak and length are constants
+    of the program, not its shape: 2e-3 over 1,000 steps (``OptimConfig``'s defaults when plans began)."""
     spec = with_defaults(spec)[0]
-    if spec.mode in SERVING:  # prefill / decode: the scanned cache layout (model.cache) runs the group as a scan
+    lora = spec.mode == "lora"
+    return TrainConfig(preset=None, steps=1000, lr=2e-3, batch=spec.batch, seq_len=spec.seq_len,
+                       optimizer="adamw" if lora else "per_head", opt_state_dtype=spec.opt_state_dtype,
+                       muon_layout=spec.muon_layout, qat="weights+acts", compute_dtype="bfloat16", layer_stack="scan",
+                       remat=spec.remat, frozen_experts=spec.mode == "frozen-experts",
+                       lora=plan_lora(spec) if lora else None)
+
+
+def run_settings(cfg: K3Config, spec: PlanSpec) -> RunConfig:
+    """How the mode's model runs. Serving: BF16 weights, the layer stack scanned (prefill / decode: the scanned cache
+    layout of model.cache runs the group as a scan), no remat. The train modes: `k3 train`'s run settings of
+    ``train_config(spec)`` (``k3jax.train.settings.run_settings``); lora holds its frozen base in BF16."""
+    spec = with_defaults(spec)[0]
+    if spec.mode in SERVING:
         return default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
-    if spec.mode == "lora":  # a BF16 frozen base; the adapters are fp32 whatever their base (layers/lora.py)
-        return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16",
-                           param_dtype="bfloat16", qat="weights+acts", lora=plan_lora(spec))
-    return default_run(cfg, layer_stack="scan", remat=spec.remat, compute_dtype="bfloat16", param_dtype="float32",
-                       qat="weights+acts")
+    return train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32")
 
 
 def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     """(mesh sizes, strategy) after every check a plan needs before it compiles; InputError naming the value.
     Unset fields of ``spec`` are checked as ``with_defaults`` fills them."""
-    from k3jax.sharding import placement as place
-
     if spec.mode not in MODES:
         raise InputError(f"--mode {spec.mode!r}: unknown; known: {', '.join(MODES)}")
     spec, _ = with_defaults(spec)
@@ -135,8 +149,6 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     if spec.mode in SERVING and spec.remat != "none":
         raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode {spec.mode} has "
                          "none")
-    from k3jax.sharding.expert_parallel import PACKED_KERNELS
-
     if spec.packed_kernel not in PACKED_KERNELS:
         raise InputError(f"--packed-kernel {spec.packed_kernel!r}: unknown; known: {', '.join(PACKED_KERNELS)}")
     if spec.batch < 1 or spec.seq_len < 1:
@@ -159,14 +171,10 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     if spec.opt_state_dtype != "float32":
         if spec.mode in SERVING:
             raise InputError(f"--opt-state-dtype {spec.opt_state_dtype}: --mode {spec.mode} has no optimizer")
-        from k3jax.train.optim import OptimConfig
-
         OptimConfig(state_dtype=spec.opt_state_dtype)  # a float dtype, or InputError naming the flag
     if spec.muon_layout != "owner":
         if spec.mode in SERVING:
             raise InputError(f"--muon-layout {spec.muon_layout}: --mode {spec.mode} has no optimizer")
-        from k3jax.train.optim import OptimConfig
-
         OptimConfig(muon_layout=spec.muon_layout)
     if target.platform == "cpu" and spec.packed_kernel == "pallas":
         raise InputError(f"--packed-kernel pallas --target {target.spec}: the Pallas kernel compiles for TPU targets "
@@ -182,8 +190,6 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
     if place.uses_context(strategy, sizes):                   # the batch takes the token axes it divides
-        from k3jax.sharding.context_parallel import ContextParallel
-
         if spec.mode == "decode":
             raise InputError(f"--mesh {spec.mesh} --mode decode: a context axis splits sequences, and a decode step "
                              "is one token per row (plan the prefill with it: --mode prefill)")
@@ -201,19 +207,16 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
 
 
 def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
-    from k3jax.layers.experts import packed_form
-    from k3jax.model import abstract_params
-
+    """The mode's parameter tree as ShapeDtypeStructs: the routed experts packed where the mode holds MXFP4 bytes."""
     p = abstract_params(cfg, run_settings(cfg, spec))
     return packed_form(p) if spec.mode in (*SERVING, "frozen-experts", "lora") else p
 
 
 def plan_lora(spec: PlanSpec):
     """The adapters of a lora plan: rank ``spec.lora_rank``, alpha 2·rank, every target."""
-    from k3jax.config import LORA_TARGETS, LoRAConfig
-
     return LoRAConfig(rank=spec.lora_rank, alpha=2.0 * spec.lora_rank, targets=LORA_TARGETS)
 
 
 __all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "TRAIN_MODES",
-           "PlanSpec", "check", "plan_lora", "plan_params", "plan_strategy", "run_settings", "with_defaults"]
+           "PlanSpec", "check", "plan_lora", "plan_params", "plan_strategy", "run_settings", "train_config",
+           "with_defaults"]

@@ -36,8 +36,7 @@ def check_packed(packed, scale, *, name: str = "weight") -> None:
         raise ValueError(f"{name}_packed must be uint8, got {packed.dtype} (shape {packed.shape})")
     if scale.dtype != jnp.uint8:
         raise ValueError(f"{name}_scale must be uint8 E8M0 bytes, got {scale.dtype} (shape {scale.shape})")
-    if packed.ndim < 1 or scale.shape != (*packed.shape[:-1], packed.shape[-1] * 2 // mx.BLOCK_SIZE) \
-            or (packed.shape[-1] * 2) % mx.BLOCK_SIZE:
+    if not mx.is_mxfp4_pair(packed.shape, scale.shape):
         raise ValueError(f"{name}: packed shape {packed.shape} and scale shape {scale.shape} do not match "
                          f"(expected packed [..., n/2] and scale [..., n/32] with n a multiple of {mx.BLOCK_SIZE})")
 

@@ -8,7 +8,7 @@ batches.
 
 Optimizer state: optax keeps per-parameter moments (Muon momentum, AdamW mu / nu) in trees that mirror the
 parameters, nested under its own containers; k3jax's optimizer keeps the per-layer state of the stacked group
-stacked [G, ...] like its parameters (under "stacked", ``k3jax.train.optim``). A state leaf is matched to its
+stacked [G, ...] like its parameters (under "stacked", ``k3jax.optim.optimizer``). A state leaf is matched to its
 parameter by the longest suffix of its key path that is a parameter path and gets that parameter's logical axes. A
 moment Muon keeps in a reshaped view (kv_b [R, N, 2·X] → [R, N, 2, X]) keeps the axes of the dimensions the view
 leaves unchanged. Leaves that match no parameter (step counts, Newton–Schulz coefficients; per layer under
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.errors import InputError
 from k3jax.layers.lora import has_adapters, is_adapter
-from k3jax.pytree import key_names, path_str
+from k3jax.pytree import get_path, key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
 from k3jax.sharding.rules import STRATEGIES, get_rules, logical_to_spec, mesh_axes_of, param_specs
 
@@ -218,10 +218,7 @@ def _slice_table(cfg, params) -> dict:
     table = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         names = key_names(path)
-        logical = axes
-        for k in names:
-            logical = logical[k]
-        logical, shape = tuple(logical), tuple(x.shape)
+        logical, shape = tuple(get_path(axes, names)), tuple(x.shape)
         table[names] = (logical, shape)
     return table
 
@@ -248,7 +245,7 @@ def opt_specs(cfg, strategy: str, mesh, opt_shapes, params):
         shape = tuple(x.shape)
         hit = _match(table, key_names(path))
         if hit is None:
-            # the optimizer's per-layer state of the stacked group ("stacked", k3jax/train/optim.py) is [G, ...]
+            # the optimizer's per-layer state of the stacked group ("stacked", k3jax/optim/optimizer.py) is [G, ...]
             per_layer = shape[1:] if key_names(path)[:1] == ("stacked",) else shape
             if math.prod(per_layer) <= _HYPER_STATE_MAX:
                 return PartitionSpec()

@@ -40,7 +40,7 @@ from k3jax.errors import InputError
 from k3jax.layers.experts import packed_axes, parse_packed_name
 from k3jax.layers.lora import has_adapters, is_adapter
 from k3jax.notation import LOGICAL_AXES
-from k3jax.pytree import key_names, path_str
+from k3jax.pytree import get_path, key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,17 +160,15 @@ def leaf_axes(axes, names: tuple) -> tuple:
     stack's axes with the last two swapped: the packed bytes run along ``in``."""
     packed = parse_packed_name(names[-1]) if len(names) >= 2 and names[-2] == "experts" else None
     if packed:
-        return packed_axes(tuple(_get(axes, (*names[:-1], packed[0]))))
-    return tuple(_get(axes, names))
+        return packed_axes(tuple(_axes_at(axes, (*names[:-1], packed[0]))))
+    return tuple(_axes_at(axes, names))
 
 
-def _get(tree, keys):
+def _axes_at(axes, names: tuple):
     try:
-        for k in keys:
-            tree = tree[k]
+        return get_path(axes, names)
     except (KeyError, IndexError, TypeError):
-        raise ValueError(f"no parameter {'.'.join(map(str, keys))} in the model; its axes are unknown") from None
-    return tree
+        raise ValueError(f"no parameter {'.'.join(map(str, names))} in the model; its axes are unknown") from None
 
 
 def param_shardings(cfg: K3Config, rules, mesh: jax.sharding.Mesh, params=None):

@@ -4,6 +4,12 @@
     save_state(mngr, state, meta)                  # state: {"params", "opt", "step", "rng", "bad_streak"}
     state, meta = restore_state(mngr, like=fresh_state)
     step, params = load_checkpoint_params("runs/mini")   # numpy, on any device count
+    settings = trained_settings(meta, settings)          # the QAT rounding rules the checkpoint trained with
+
+``meta`` is the run's record beside each step: ``{"train": TrainConfig.resume_key(), "run": run_record(settings),
+"model": cfg.to_dict()}``. ``run`` keeps the run settings that are not train settings but belong to the trained
+model: the QAT rounding rules, whose weight rule is the grid its MXFP4 export must use (docs/numerics.md §10.7);
+a checkpoint written before they were recorded reads as the defaults it trained with.
 
 Orbax commits atomically (tmp dir + rename), so a run killed during an async save resumes from the previous step
 that was saved.
@@ -17,7 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.config import RunConfig
 from k3jax.errors import InputError
+
+# orbax is imported inside the functions that use it: it takes ~2 s to import, which a run without --ckpt-dir (and
+# every module importing the loop) would otherwise pay.
+
+# The run settings a checkpoint records (``run_record``), and what one written before they were recorded ran with.
+_RECORDED = {"qat_weight_rule": "even", "qat_act_rule": "ceil"}
 
 
 def manager(directory: str, *, keep: int, async_save: bool):
@@ -66,6 +79,18 @@ def read_meta(mngr, step: int | None = None) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
+def run_record(settings: RunConfig) -> dict:
+    """The run settings a checkpoint keeps beside its train settings (``meta["run"]``): the QAT rounding rules."""
+    return {k: getattr(settings, k) for k in _RECORDED}
+
+
+def trained_settings(meta: dict, settings: RunConfig) -> RunConfig:
+    """``settings`` with the QAT rounding rules of the checkpoint whose ``meta`` is given (``run_record``; absent in
+    a checkpoint that predates the record: the defaults every run used then, weights "even", activations "ceil")."""
+    saved = meta.get("run") or {}
+    return settings.replace(**{k: saved.get(k, before) for k, before in _RECORDED.items()})
+
+
 def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int, dict]:
     """(step, params as numpy) of a training checkpoint, on any device count (for comparisons, export, tests)."""
     import orbax.checkpoint as ocp
@@ -84,4 +109,5 @@ def load_checkpoint_params(ckpt_dir: str, step: int | None = None) -> tuple[int,
     return step, r["params"]
 
 
-__all__ = ["load_checkpoint_params", "manager", "read_meta", "restore_state", "save_state"]
+__all__ = ["load_checkpoint_params", "manager", "read_meta", "restore_state", "run_record", "save_state",
+           "trained_settings"]

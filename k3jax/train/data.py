@@ -1,11 +1,11 @@
 """Training data: tokens, document boundaries and target weights, a held-out split, and batches that are a pure
 function of (seed, step).
 
-    train, heldout = split(load_corpus(None, max_bytes=4 << 20), heldout_frac=0.05)
+    train, heldout = split(load_corpus(None, max_bytes=CORPUS_BYTES), heldout_frac=HELDOUT_FRAC)
     x = batch_at(train, seed=0, step=17, batch=16, seq_len=128)   # [16, 129] int32; inputs x[:, :-1]
 
-    corpus = load_documents(paths, max_bytes=4 << 20, tokenizer=tok, template=tpl)   # text, {"text"} or {"messages"}
-    train, held = split_documents(corpus, 0.05)
+    corpus = load_documents(paths, tokenizer=tok, template=tpl)   # text, {"text"} or {"messages"}
+    train, held = split_documents(corpus)                         # held out: the last HELDOUT_FRAC (0.05)
     b = packed_batch_at(train, seed=0, step=17, batch=16, seq_len=128)   # {"tokens", "segments", "weights"}
 
 Because a batch depends only on (seed, step), a resumed run sees exactly the batches an uninterrupted run would
@@ -32,8 +32,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from k3jax.chat import encode_chat, jsonl_records, read_chat_jsonl, sniff_jsonl, template_for
 from k3jax.data import stdlib_documents
 from k3jax.errors import InputError
+from k3jax.tokenizer import load_tokenizer
+from k3jax.train.evaluate import Windows, spaced_windows
+from k3jax.train.settings import CORPUS_BYTES, HELDOUT_FRAC
 
 
 def _text_documents(path: str) -> list[bytes]:
@@ -46,8 +50,6 @@ def _text_documents(path: str) -> list[bytes]:
                 return [f.read()]
         except OSError as e:
             raise InputError(f"--data: cannot read {path!r}: {e}") from e
-    from k3jax.chat import jsonl_records
-
     out = []
     for n, rec in jsonl_records(path):
         if not isinstance(rec.get("text"), str):
@@ -56,7 +58,7 @@ def _text_documents(path: str) -> list[bytes]:
     return out
 
 
-def load_corpus(paths=None, *, max_bytes: int = 4 << 20) -> np.ndarray:
+def load_corpus(paths=None, *, max_bytes: int = CORPUS_BYTES) -> np.ndarray:
     """uint8 tokens: the stdlib corpus (``paths`` None) or the concatenation of user text / ``{"text"}`` files, each
     joined to the next by a newline (``load_documents``' stream, without the document boundaries)."""
     return load_documents(paths, max_bytes=max_bytes).tokens
@@ -70,12 +72,10 @@ class Corpus(NamedTuple):
 
 
 def _is_chat(path: str) -> bool:
-    from k3jax.chat import sniff_jsonl
-
     return path.endswith(".jsonl") and os.path.isfile(path) and sniff_jsonl(path) == "messages"
 
 
-def load_documents(paths=None, *, max_bytes: int = 4 << 20, tokenizer=None, template=None) -> Corpus:
+def load_documents(paths=None, *, max_bytes: int = CORPUS_BYTES, tokenizer=None, template=None) -> Corpus:
     """The corpus as documents: the stdlib one file a document (``paths`` None), text files / ``{"text"}`` lines,
     or ``{"messages"}`` conversations rendered by ``template`` and tokenized by ``tokenizer``
     (``k3jax.chat.encode_chat``; both needed for chat data). Text and chat files cannot be mixed. Text tokens are
@@ -106,8 +106,6 @@ def load_documents(paths=None, *, max_bytes: int = 4 << 20, tokenizer=None, temp
 
 
 def _chat_corpus(paths, max_tokens: int, tokenizer, template) -> Corpus:
-    from k3jax.chat import encode_chat, read_chat_jsonl
-
     if tokenizer is None or template is None:
         raise InputError("--data: chat data needs the model's tokenizer and chat template")
     ids, tgt, n = [], [], 0
@@ -125,7 +123,7 @@ def _chat_corpus(paths, max_tokens: int, tokenizer, template) -> Corpus:
                   [a.size for a in ids]), np.concatenate(tgt), chat=True)
 
 
-def split_documents(corpus: Corpus, heldout_frac: float = 0.05) -> tuple[Corpus, Corpus]:
+def split_documents(corpus: Corpus, heldout_frac: float = HELDOUT_FRAC) -> tuple[Corpus, Corpus]:
     """(train, heldout): text as ``split`` (the tail of the stream, the same tokens), chat at the document boundary
     nearest the fraction (at least one conversation on each side)."""
     N = corpus.tokens.size
@@ -228,17 +226,12 @@ def prepare(tc, cfg, n_dev: int, log) -> TrainData:
     """The corpus of ``tc.data`` split, checked and set up for ``tc.seq_len``: text with document masks
     (``tc.packing_masks``) or as plain windows (today's batches, exactly), chat packed into rows (with
     ``--no-packing-masks`` every row is one sequence to the mixers; the assistant-only weights stay)."""
-    from k3jax.train.evaluate import Windows, spaced_windows
-
     vocab = min(cfg.vocab_size, 256)
     if cfg.vocab_size < 256:
         log(f"vocab {cfg.vocab_size} < 256: tokens are byte % {cfg.vocab_size}")
     chat = any(_is_chat(os.fspath(p)) for p in tc.data)
     tok = tpl = None
     if chat:
-        from k3jax.chat import template_for
-        from k3jax.tokenizer import load_tokenizer
-
         tok = load_tokenizer(tc.init, max(cfg.vocab_size, 256))
         tpl = template_for(tc.init, tok)
     corpus = load_documents(tc.data, max_bytes=tc.max_bytes, tokenizer=tok, template=tpl)
@@ -268,7 +261,7 @@ def prepare(tc, cfg, n_dev: int, log) -> TrainData:
     return TrainData(train, ev, unigram_entropy(held.tokens, vocab), vocab, True, rows)
 
 
-def split(tokens: np.ndarray, heldout_frac: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+def split(tokens: np.ndarray, heldout_frac: float = HELDOUT_FRAC) -> tuple[np.ndarray, np.ndarray]:
     """(train, heldout): the held-out part is the corpus tail, so no training window overlaps it."""
     n_held = int(len(tokens) * heldout_frac)
     return tokens[: len(tokens) - n_held], tokens[len(tokens) - n_held:]

@@ -11,7 +11,7 @@ from the mesh's axes) place parameters, optimizer state (Muon momentum and AdamW
 the QB bias buffers and every batch; nothing the rules shard is replicated. XLA inserts the FSDP gathers and
 gradient reductions from those shardings; the MoE layers run through the expert-parallel shard_map dispatch when
 the rules shard the experts. On more than one device Muon's Newton–Schulz is owner-computed (``--muon-layout auto``
-→ owner, ``k3jax.train.dist_muon``): each block whole on one device, returned to its parameter's sharding. Without
+→ owner, ``k3jax.optim.dist_muon``): each block whole on one device, returned to its parameter's sharding. Without
 ``mesh``, ``devices`` N keeps meaning a 1-D data mesh.
 Checkpoints are saved sharded and restore onto whatever mesh the resuming run builds (orbax reshards), so a run
 may resume on a different mesh shape.
@@ -45,18 +45,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from tqdm import tqdm
 
 from k3jax.checkpoint.atomic import check_out_dir
+from k3jax.checkpoint.peft import save_adapter
 from k3jax.checkpoint.save import export_trained
 from k3jax.config import K3Config, RunConfig
 from k3jax.errors import InputError
 from k3jax.layers.experts import split_packed
+from k3jax.model import abstract_params
+from k3jax.optim.optimizer import schedule
 from k3jax.sharding import placement as place
+from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.train import data as tdata
-from k3jax.train.ckpt import manager, read_meta, restore_state, save_state
+from k3jax.train.ckpt import manager, read_meta, restore_state, run_record, save_state, trained_settings
 from k3jax.train.evaluate import Windows, heldout_loss
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
-from k3jax.train.optim import schedule
 from k3jax.train.program import full_params, initial_params, programs, trained_and_frozen
 from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, progress_line, step_record
 from k3jax.train.settings import (
@@ -167,13 +171,13 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     validate(tc, n_dev, f"ways the batch is split (mesh axes {', '.join(axes)})" if tc.mesh else
              "data-parallel devices")
     if place.uses_context(strategy, mesh):   # the micro-batch takes the token axes, the sequence the context axis
-        from k3jax.sharding.context_parallel import ContextParallel
-
         ContextParallel(mesh, strategy, batch=tc.batch // tc.micro_batches).check(tc.seq_len, "--seq-len")
     data = tdata.prepare(tc, cfg, n_dev, log)
-    return _Run(tc=tc, cfg=cfg, settings=run_settings(tc, cfg), mesh=mesh, strategy=strategy, log=log, data=data,
+    settings = run_settings(tc, cfg)
+    return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, strategy=strategy, log=log, data=data,
                 train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy,
-                meta={"train": tc.resume_key(), "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)})
+                meta={"train": tc.resume_key(), "run": run_record(settings),
+                      "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)})
 
 
 def _build(run: _Run) -> None:
@@ -204,7 +208,8 @@ def _open_ckpt(run: _Run) -> None:
     run.mngr = manager(tc.ckpt_dir, keep=tc.keep, async_save=tc.async_ckpt) if tc.ckpt_dir else None
     if run.mngr is None or run.mngr.latest_step() is None:
         return
-    old = read_meta(run.mngr).get("train", {})
+    meta = read_meta(run.mngr)
+    old = meta.get("train", {})
     diff = resume_diff(old, run.meta["train"])
     if "muon_layout" in diff:  # the optimizer state's structure differs: nothing to restore into, even with --fork
         saved = old.get("muon_layout", "layer")
@@ -213,6 +218,9 @@ def _open_ckpt(run: _Run) -> None:
     if diff and not tc.fork:
         raise InputError(f"--ckpt-dir {tc.ckpt_dir}: {resume_refusal(old, run.meta['train'], diff)}")
     run.saved, run.forked = int(run.mngr.latest_step()), diff
+    # the QAT rounding rules travel with the trained model: its weight rule is the grid the export packs onto
+    run.settings = trained_settings(meta, run.settings)
+    run.meta["run"] = run_record(run.settings)
 
 
 def _restore(run: _Run) -> None:
@@ -241,13 +249,10 @@ def _open_outputs(run: _Run) -> None:
     """MFU terms and the metrics file (--metrics), the progress bar; writes the metrics' start record."""
     tc = run.tc
     if tc.metrics:
-        from k3jax.model import abstract_params
-
         run.flops_tok = flops_per_token(run.cfg, abstract_params(run.cfg, run.settings), tc.seq_len)
         run.peak = tc.peak_flops or matmul_peak_flops(dtype=jnp.dtype(tc.compute_dtype))
     run.mfile = MetricsFile(tc.metrics)
     if tc.progress if tc.progress is not None else sys.stderr.isatty():
-        from tqdm import tqdm
         run.bar = tqdm(total=tc.steps, initial=run.start, desc="train", unit="step", file=sys.stderr)
     run.write({"event": "start", "step": run.start, "heldout_unigram_entropy": run.held_entropy,
                "devices": run.mesh.devices.size, "mesh": dict(run.mesh.shape), "strategy": run.strategy,
@@ -414,13 +419,11 @@ def train(tc: TrainConfig, *, log=None, sigint: bool = False, need_params: bool 
     if tc.export and summary["stopped"] is None:  # again: the directory may have been made while the run trained
         check_out_dir(tc.export, overwrite=tc.overwrite, flag="--export", hint="pass --overwrite")
     if tc.export and summary["stopped"] is None and run.settings.lora is not None:
-        from k3jax.checkpoint.peft import save_adapter
-
         summary["export"] = save_adapter(summary["params"], run.cfg, run.settings, tc.export, base=tc.init,
                                          overwrite=tc.overwrite)
         log(f"adapters written to {tc.export} (PEFT layout)")
     elif tc.export and summary["stopped"] is None:
-        summary["export"] = export_trained(summary["params"], run.cfg, run.settings.qat, tc.export,
+        summary["export"] = export_trained(summary["params"], run.cfg, run.settings, tc.export,
                                            overwrite=tc.overwrite)
         log(f"exported to {tc.export}: {summary['export']['total_size']:,} payload bytes "
             f"({summary['export']['expert_format']} experts)")

@@ -2,7 +2,11 @@
 mesh): the parameters' and the train state's placement, the jitted random init, train step and held-out scorer
 (``programs``), the initial parameters (``initial_params``: a checkpoint, a function or the random init), and how a
 parameter tree splits into what trains and what stays frozen (``trained_and_frozen``, ``full_params``).
-``k3jax.train.loop`` runs them."""
+``k3jax.train.loop`` runs them.
+
+The train step itself — the optimizer, the train state's and the batch's placement, the step jitted with the state
+donated — is built by ``train_step_program`` alone: `k3 train` (``programs``) and `k3 plan --compile`'s train modes
+(``k3jax.plan.aot``) both call it, so the program a plan measures is the one a run runs."""
 
 from __future__ import annotations
 
@@ -13,18 +17,61 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from k3jax.checkpoint.load import load
 from k3jax.config import K3Config, RunConfig
 from k3jax.layers.experts import merge_trees, packed_form, split_packed
 from k3jax.layers.lora import split_adapters
+from k3jax.model import abstract_params, init_params
+from k3jax.optim.optimizer import OptimConfig, make_optimizer
 from k3jax.sharding import param_shardings
 from k3jax.sharding import placement as place
 from k3jax.sharding.rules import param_specs
 from k3jax.train.evaluate import make_scorer
-from k3jax.train.optim import OptimConfig, make_optimizer
 from k3jax.train.settings import TrainConfig, keeps_packed
 from k3jax.train.step import init_state, make_train_step
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """The train step of one (model, run settings, optimizer, step settings, mesh, dispatch) and its placement."""
+
+    tx: Any  # the optimizer
+    init_state: Callable  # (trained params, frozen params, seed) -> the train state (not jitted)
+    state_shapes: dict  # ShapeDtypeStructs of the train state
+    state_sh: dict  # NamedSharding per train-state leaf
+    batch_sh: NamedSharding  # [M, b, T + 1]: b is split
+    step: Callable  # jitted (state, tokens, poison) -> (state, metrics), the state donated
+
+
+def train_batch_sharding(strategy: str, mesh: Mesh, dispatch) -> NamedSharding:
+    """The placement of a train step's batches [M, b, T + 1]: b over the token axes — with a context split, over
+    its batch axes (the model splits the T it runs on)."""
+    context = getattr(dispatch, "context", None)  # the sequence split (k3jax/sharding/context_parallel)
+    if context is None:
+        return place.batch_sharding(strategy, mesh, 3, batch_dim=1)
+    return context.sharding(3, batch_dim=1, seq=False)
+
+
+def train_step_program(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strategy: str, mesh: Mesh,
+                       abstract: dict, dispatch) -> TrainStep:
+    """The train step of ``abstract`` (the parameter tree as ShapeDtypeStructs, packed experts included): its
+    trained and frozen leaves split (``trained_and_frozen``), the optimizer over the trained ones (``ocfg``), the
+    train state placed by the rules (``strategy`` on ``mesh``), the batch placement and the step (``spec``: its
+    balancing and QK-Clip; ``dispatch``: the MoE's) jitted with the state donated."""
+    trained, frozen = trained_and_frozen(abstract, settings)
+    # make_optimizer reads the leaves' shapes only: zero-stride views of them, no memory
+    views = jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), trained)
+    tx, _ = make_optimizer(views, ocfg, mesh=mesh, specs=param_specs(cfg, strategy, mesh, trained))
+    init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
+    shapes = jax.eval_shape(init, trained, frozen, 0)
+    state_sh = place.state_shardings(cfg, strategy, mesh, shapes)
+    batch_sh = train_batch_sharding(strategy, mesh, dispatch)
+    step = jax.jit(make_train_step(cfg, settings, tx, spec, dispatch=dispatch),
+                   in_shardings=(state_sh, batch_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+    return TrainStep(tx=tx, init_state=init, state_shapes=shapes, state_sh=state_sh, batch_sh=batch_sh, step=step)
 
 
 @dataclass(frozen=True)
@@ -50,28 +97,20 @@ def programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strate
     initial parameters or outputs — `k3 ablate`'s seeds, a resumed run, a notebook's or a test's repeated runs —
     reuse the jitted init, train step and scorer, and JAX reuses their compiled executables (a k3-tiny train step is
     ~35 s of XLA:CPU compile, its random init ~20 s: experiments/LOG.md 2026-12-03, session 13)."""
-    from k3jax.model import abstract_params, init_params
-
     abstract = abstract_params(cfg, settings)
     if frozen_experts:
         abstract = packed_form(abstract)
     param_sh = param_shardings(cfg, strategy, mesh, abstract)
-    trained, frozen = trained_and_frozen(abstract, settings)
-    tx, _ = make_optimizer(trained, ocfg, mesh=mesh, specs=param_specs(cfg, strategy, mesh, trained))
-    init = lambda p, f, seed: init_state(p, tx, seed, frozen=f or None)  # noqa: E731
-    state_sh = place.state_shardings(cfg, strategy, mesh, jax.eval_shape(init, trained, frozen, 0))
-    batch_sh = place.batch_sharding(strategy, mesh, 3, batch_dim=1)
     dispatch = place.expert_dispatch(strategy, mesh, batch=micro_batch)   # with a context axis: the sequence split
+    ts = train_step_program(cfg, settings, ocfg, spec, strategy, mesh, abstract, dispatch)
     return Programs(
         param_sh=param_sh,
         init_params=jax.jit(lambda k: init_params(cfg, k, settings), out_shardings=param_sh),
         init_adapters=jax.jit(lambda k: trained_and_frozen(init_params(cfg, k, settings), settings)[0],
                               out_shardings=trained_and_frozen(param_sh, settings)[0]),
-        tx=tx, init_state=jax.jit(init, out_shardings=state_sh), state_sh=state_sh, batch_sh=batch_sh,
-        dispatch=dispatch,
-        step=jax.jit(make_train_step(cfg, settings, tx, spec, dispatch=dispatch),
-                     in_shardings=(state_sh, batch_sh, None), out_shardings=(state_sh, None), donate_argnums=0),
-        score=make_scorer(cfg, settings, params_sharding=full_params(state_sh),
+        tx=ts.tx, init_state=jax.jit(ts.init_state, out_shardings=ts.state_sh), state_sh=ts.state_sh,
+        batch_sh=ts.batch_sh, dispatch=dispatch, step=ts.step,
+        score=make_scorer(cfg, settings, params_sharding=full_params(ts.state_sh),
                           batch_sharding=place.batch_sharding(strategy, mesh, 2), dispatch=dispatch))
 
 
@@ -80,8 +119,6 @@ def initial_params(cfg: K3Config, settings: RunConfig, tc: TrainConfig, prog: Pr
     if tc.init_fn is not None:
         return jax.device_put(tc.init_fn(cfg, settings), prog.param_sh)
     if tc.init:
-        from k3jax.checkpoint.load import load
-
         st: dict = {}
         base_sh = trained_and_frozen(prog.param_sh, settings)[1] if settings.lora else prog.param_sh
         _, params = load(tc.init, cfg=cfg, shardings=base_sh, dtype=jnp.float32, progress=tc.progress,
@@ -109,4 +146,5 @@ def full_params(state: dict):
     return merge_trees(state["params"], state.get("frozen"))
 
 
-__all__ = ["Programs", "full_params", "initial_params", "programs", "trained_and_frozen"]
+__all__ = ["Programs", "TrainStep", "full_params", "initial_params", "programs", "train_batch_sharding",
+           "train_step_program", "trained_and_frozen"]

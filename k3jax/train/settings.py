@@ -1,6 +1,8 @@
-"""The settings of a training run: ``TrainConfig`` (every field, its default and what it means), their
-validation, and how they resolve to a model config, a mesh, run settings and step settings — read by `k3 train`
-(its flags and defaults), `k3 run` (the corpus split a trained model held out), the loop and the ablation checker.
+"""The settings of a training run: ``TrainConfig``, the one declaration of each setting — its default, what it
+means, its `k3 train` flag (the flags are generated from it: k3jax/cli/train.py), the values it takes, whether a
+resume must keep it and whether `k3 ablate` may vary it (each field's ``Setting``) —, their validation, and how they
+resolve to a model config, a mesh, run settings and step settings; read by `k3 train`, `k3 run` (the corpus split a
+trained model held out), `k3 plan` (its train programs run these settings), the loop and the ablations.
 
     tc = TrainConfig(preset="k3-tiny", steps=20, batch=8, seq_len=32)
     cfg = resolve_model(tc)                 # --preset / --init, compared before any array is read
@@ -9,8 +11,10 @@ validation, and how they resolve to a model config, a mesh, run settings and ste
     settings = run_settings(tc, cfg)        # RunConfig: fp32 masters, --qat, --compute-dtype, --layer-stack, --remat
 
 Everything the user can get wrong is checked here, before the first compile, and raises ``InputError`` (`k3 train`
-exits 2). Fields listed in ``_RESUME_KEYS`` change which batches / updates a run produces: a resume with different
-values is refused (``resume_diff``).
+exits 2). Settings marked ``resume`` (``RESUME_KEYS``) change which batches / updates a run produces: a resume with
+different values is refused (``resume_diff``); those marked ``ablate`` are the training keys an ablation file may set
+(``ablatable_keys``). jax and the step / optimizer modules load inside the functions that resolve a run, not when
+`k3` builds its flags from this module.
 """
 
 from __future__ import annotations
@@ -20,9 +24,21 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from k3jax.config import QAT_MODES, REMAT_POLICIES, K3Config, LoRAConfig, RunConfig, default_run, get_preset
+from k3jax.config import (
+    DTYPES,
+    LAYER_STACKS,
+    QAT_MODES,
+    REMAT_POLICIES,
+    K3Config,
+    LoRAConfig,
+    RunConfig,
+    architecture_diff,
+    default_run,
+    from_hf,
+    get_preset,
+)
 from k3jax.errors import InputError
 
 if TYPE_CHECKING:  # jax and the step / optimizer modules load when a run is resolved, not when `k3` builds its flags
@@ -30,115 +46,220 @@ if TYPE_CHECKING:  # jax and the step / optimizer modules load when a run is res
 
     from k3jax.train.step import StepSpec
 
-# Fields that change which batches / updates a run produces: a resume with different values is refused.
-_RESUME_KEYS = ("preset", "init", "seed", "batch", "micro_batches", "seq_len", "lr", "optimizer", "qat",
-                "compute_dtype", "balance", "sign_gamma", "qb_ema", "aux_alpha", "qk_clip", "qk_tau", "data",
-                "max_bytes", "heldout_frac", "total_steps", "frozen_experts", "opt_state_dtype", "muon_layout",
-                "packing_masks", "lora")
-# What a checkpoint that predates a key ran with, where that is not the key's default: every run before
-# --muon-layout existed used the per-layer Newton–Schulz, every run before --no-packing-masks mixed across documents.
-_BEFORE_KEY = {"muon_layout": "layer", "packing_masks": False}
-# The `k3 train` flag of each resume key that has one (the rest are TrainConfig fields only).
-_FLAG = {"preset": "--preset", "init": "--init", "seed": "--seed", "batch": "--batch",
-         "micro_batches": "--micro-batches", "seq_len": "--seq-len", "lr": "--lr", "optimizer": "--optimizer",
-         "qat": "--qat", "compute_dtype": "--compute-dtype", "balance": "--balance", "qb_ema": "--qb-ema",
-         "qk_clip": "--no-qk-clip", "qk_tau": "--qk-tau", "data": "--data", "max_bytes": "--max-bytes",
-         "heldout_frac": "--heldout-frac", "total_steps": "--steps", "frozen_experts": "--frozen-experts",
-         "opt_state_dtype": "--opt-state-dtype", "muon_layout": "--muon-layout", "packing_masks": "--no-packing-masks",
-         "lora": "--lora"}
+# The default corpus of a run (and of `k3 run`'s held-out figure): the first 4 MiB of --data (the stdlib sources),
+# its last 5% held out.
+CORPUS_BYTES = 4 << 20
+HELDOUT_FRAC = 0.05
+# The matmul operand dtypes a run trains in: RunConfig's, less float64 (a reference dtype, not a training one).
+TRAIN_DTYPES = tuple(d for d in DTYPES if d != "float64")
+# Choice lists whose home imports jax, repeated here so that `k3` builds its flags without jax (tests/train/
+# test_settings.py holds them equal): k3jax.optim.optimizer.MODES, k3jax.optim.balance.MODES, "auto" and
+# k3jax.optim.dist_muon.LAYOUTS, k3jax.sharding.rules.STRATEGIES.
+OPTIMIZERS = ("per_head", "full", "adamw")
+BALANCE_MODES = ("qb", "sign", "aux", "off")
+MUON_LAYOUTS = ("auto", "layer", "owner")
+STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp")
+_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What `k3 train`, a resume and `k3 ablate` know of one ``TrainConfig`` field (its ``metadata["setting"]``).
+    ``help`` may name ``{default}`` (with a format spec) and ``{choices}``."""
+
+    help: str = ""
+    group: str | None = None  # the `k3 train --help` group of its flag (model, run, data, output); None: no flag
+    flag: str | None = None  # the flag that names it in messages (default: --name with a flag, else the name)
+    choices: tuple = ()  # the values it takes (the flag's choices and ``validate``'s check)
+    kind: str = "value"  # the flag: value; on (a switch); off (--no-NAME clears it); either (--NAME / --no-NAME);
+    #                      many (zero or more values)
+    metavar: str | None = None
+    resume: bool = False  # changes which batches / updates a run produces: a resume with another value is refused
+    before: Any = _DEFAULT  # what a checkpoint that predates the key ran with, where that is not the default
+    ablate: bool | str = False  # an ablation file's train key; "later": added after shipped studies existed
+
+
+def setting(default, help: str = "", *, compare: bool = True, repr: bool = True, **kw):  # noqa: A002
+    """A ``TrainConfig`` field: its default and its ``Setting`` (``kw``)."""
+    return field(default=default, compare=compare, repr=repr, metadata={"setting": Setting(help, **kw)})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # ---- model (the order of each group is `k3 train --help`'s)
+    preset: str | None = setting("k3-mini", "start from scratch with this preset (default {default})", group="model",
+                                 metavar="NAME", resume=True)
+    init: str | None = setting(None, "start from this checkpoint directory (its config must match --preset when both "
+                               "are given); the run's own checkpoints are --ckpt-dir", group="model", metavar="DIR",
+                               resume=True)
+    strict_config: bool = setting(False, "unknown keys in --init's config.json are errors", group="model", kind="on")
+    qat: str = setting("off", "quantization-aware training: fake-quantize to MXFP4 the routed experts' weights, or "
+                       "weights and activations ({choices}; default {default})", group="model", choices=QAT_MODES,
+                       resume=True, ablate=True)
+    compute_dtype: str = setting("float32", "matmul operand dtype; master params and optimizer state stay fp32",
+                                 group="model", choices=TRAIN_DTYPES, resume=True, ablate=True)
+    layer_stack: str = setting("loop", "the repeating layer group unrolled, or one lax.scan (compile time flat in "
+                               "depth; equal up to reduction order)", group="model", choices=LAYER_STACKS)
+    remat: str = setting("none", "per-layer activation checkpointing: none, full (keep only each layer's inputs), "
+                         "group (a scanned group's backward without the per-layer checkpoint inside it) or a "
+                         "jax.checkpoint_policies name; the same math, less activation memory, more recompute",
+                         group="model", choices=REMAT_POLICIES)  # the same math: not a resume key
+    # ---- run
+    steps: int = setting(300, "optimizer steps to train for (default {default})", group="run")
+    total_steps: int | None = setting(None, "the LR schedule's length (default: steps)", flag="--steps", resume=True)
+    batch: int = setting(16, "global sequences per optimizer step", group="run", resume=True, ablate=True)
+    micro_batches: int = setting(1, "gradient-accumulation micro-batches per step", group="run", resume=True,
+                                 ablate=True)
+    seq_len: int = setting(128, "tokens per sequence (default {default})", group="run", resume=True, ablate=True)
+    lr: float = setting(3e-3, "peak learning rate of the cosine schedule, after a 1% linear warm-up (default "
+                        "{default})", group="run", resume=True, ablate=True)
+    optimizer: str = setting("per_head", "per_head (Muon per head, the default), full, or adamw (the default with "
+                             "--lora)", group="run", choices=OPTIMIZERS, resume=True, ablate=True)  # OptimConfig.mode
+    opt_state_dtype: str = setting("float32", "dtype the optimizer's moments are stored in (float32 default, "
+                                   "bfloat16); master weights and the update's arithmetic stay float32", group="run",
+                                   resume=True, ablate="later")
+    muon_layout: str = setting("auto", "where Muon's Newton-Schulz runs: owner (each block whole on one device of the "
+                               "mesh), layer (one layer at a time, where the rules put it); auto: owner on > 1 device",
+                               group="run", choices=MUON_LAYOUTS, resume=True, before="layer", ablate="later")
+    balance: str = setting("qb", "expert balancing: Quantile Balancing (K3), DeepSeek sign rule, auxiliary loss, "
+                           "none", group="run", choices=BALANCE_MODES, resume=True, ablate=True)
+    sign_gamma: float = setting(1e-3, "the sign rule's bias step", resume=True, ablate=True)
+    qb_ema: float = setting(0.0, "QB only: bias = centre(rho * bias + (1 - rho) * b-hat), an EMA of the per-step "
+                            "target (docs/model.md §8.2; default 0 = plain QB)", group="run", resume=True, ablate=True)
+    aux_alpha: float = setting(1e-2, "the auxiliary balancing loss's weight", resume=True, ablate=True)
+    qk_clip: bool = setting(True, "turn QK-Clip off (by default each MLA head whose max attention logit exceeds "
+                            "--qk-tau has its query/key weights scaled back after the step)", group="run", kind="off",
+                            flag="--no-qk-clip", resume=True, ablate=True)
+    qk_tau: float = setting(100.0, "QK-Clip's threshold tau on a head's max attention logit (default {default:g})",
+                            group="run", resume=True, ablate=True)
+    seed: int = setting(0, "seed of the initial parameters and the data order (default {default})", group="run",
+                        resume=True)
+    devices: int | None = setting(None, "data-parallel devices (default: all); the same as --mesh data=N",
+                                  group="run", ablate=True)  # excludes mesh
+    mesh: str | None = setting(None, "device mesh over data, fsdp, expert, context, tensor (e.g. data=2,expert=4); "
+                               "parameters, optimizer state and batches are placed by the sharding rules; context=N "
+                               "splits each sequence N ways (--seq-len a multiple of N, >= 3 tokens per shard)",
+                               group="run", metavar="AXIS=N,...")
+    # LoRA adapters (k3jax/layers/lora.py) trained over the frozen base; an MXFP4 --init keeps its routed experts as
+    # the packed bytes (QLoRA); --export then writes the adapters only, in PEFT's layout (k3jax/checkpoint/peft.py)
+    lora: LoRAConfig | None = setting(None, "train LoRA adapters only, over the frozen base (targets: attn, shared, "
+                                      "dense, experts; default rank=16,alpha=32,targets=attn+shared+experts); an "
+                                      "MXFP4 --init keeps its routed experts packed (QLoRA); --export writes the "
+                                      "adapters in PEFT's layout", group="run", metavar="rank=R,alpha=A,targets=T+T",
+                                      resume=True)
+    # the packed leaves live in state["frozen"], outside gradients and the optimizer
+    frozen_experts: bool = setting(False, "keep --init's routed experts as their MXFP4 bytes, frozen (run by the "
+                                   "grouped MXFP4 matmul); attention, router, shared experts and norms train",
+                                   group="run", kind="on", resume=True)
+    strategy: str | None = setting(None, "sharding rules column: " + ", ".join(STRATEGIES) + " (default: from the "
+                                   "mesh axes, e.g. data+expert -> ep)", group="run", metavar="NAME")
+    # ---- data
+    data: tuple[str, ...] = setting((), "text files, JSONL of {{\"text\": ...}} lines, or chat JSONL of "
+                                    "{{\"messages\": [{{\"role\": ..., \"content\": ...}}, ...]}} lines (rendered by "
+                                    "the --init checkpoint's chat template, or the byte presets' built-in one; loss "
+                                    "on assistant tokens only) (default: the Python stdlib sources); each file, line "
+                                    "or conversation is a document", group="data", kind="many", resume=True)
+    # document boundaries carried beside the tokens: KDA / conv / MLA restart at each, no prediction across one
+    # (k3jax.train.data); False: today's plain windows of the token stream, for ablations
+    packing_masks: bool = setting(True, "let KDA, its conv and MLA run across document boundaries in a packed "
+                                  "sequence (the behaviour before document masks, for ablations); by default each "
+                                  "document is mixed on its own and no prediction crosses a boundary", group="data",
+                                  kind="off", flag="--no-packing-masks", resume=True, before=False)
+    max_bytes: int = setting(CORPUS_BYTES, "read at most this many bytes of --data (default {default:,})",
+                             group="data", resume=True)
+    heldout_frac: float = setting(HELDOUT_FRAC, "fraction of the corpus, at its end, held out for the evaluation "
+                                  "(default {default})", group="data", resume=True)
+    eval_every: int = setting(50, "score the held-out data every this many steps, and at the last (default "
+                              "{default})", group="data")
+    eval_windows: int = setting(32, "held-out windows scored at each evaluation")
+    eval_at_start: bool = setting(False, "also score the initial parameters (step 0)", group="data", kind="on")
+    # ---- output
+    ckpt_dir: str | None = setting(None, "this run's directory of orbax checkpoints (resumes from the latest one); a "
+                                   "checkpoint to start from is --init", group="output", metavar="DIR")
+    ckpt_every: int = setting(50, "save a checkpoint in --ckpt-dir every this many steps, and at the last (default "
+                              "{default})", group="output")
+    keep: int = setting(3, "checkpoints kept in --ckpt-dir, the latest ones (default {default})", group="output")
+    async_ckpt: bool = setting(True, "checkpoints written in the background")
+    metrics: str | None = setting(None, "metrics JSONL file (appended)", group="output")
+    export: str | None = setting(None, "write the final model in the official layout here", group="output")
+    fork: bool = setting(False, "resume from --ckpt-dir even if settings differ (e.g. switch --qat on from a "
+                         "checkpoint of a QAT-off run)", group="output", kind="on")
+    max_bad_steps: int = setting(3, "stop after this many non-finite steps in a row", group="output")
+    progress: bool | None = setting(None, "a progress bar on stderr (default: when stderr is a terminal)",
+                                    group="output", kind="either")
+    overwrite: bool = setting(False, "replace --export's directory when it exists and is not empty (else refused "
+                              "before any compute); it is replaced only once the new export is complete",
+                              group="output", kind="on")
+    log_every: int = setting(10, "without a progress bar (stderr not a terminal, or --no-progress): print step, "
+                             "loss, tokens/s and eta to stderr every N steps (default {default}; 0: never)",
+                             group="output", metavar="N")
+    # ---- the API only
+    peak_flops: float | None = setting(None, "the MFU's peak (None: measure an XLA matmul at start-up)")
+    poison_steps: tuple[int, ...] = setting((), "testing hook: (1-based) steps whose loss and gradient are made NaN")
+    # `k3 ablate`'s arms: an architecture to build instead of --preset (give preset=None), and the initial parameter
+    # state dict as a function of (cfg, run settings) instead of the random init from `seed` (the shared seed init)
+    model: K3Config | None = setting(None, "an architecture to build instead of --preset (give preset=None)")
+    init_fn: Callable[[K3Config, RunConfig], dict] | None = setting(
+        None, "the initial parameters as a function of (cfg, run settings) instead of the random init", compare=False,
+        repr=False)
+
+    def replace(self, **kw) -> TrainConfig:
+        return dataclasses.replace(self, **kw)
+
+    def resume_key(self) -> dict:
+        d = {k: getattr(self, k) for k in RESUME_KEYS}
+        d["data"] = list(d["data"])
+        d["total_steps"] = self.total_steps or self.steps
+        d["lora"] = None if self.lora is None else dataclasses.asdict(self.lora) | {"targets": list(self.lora.targets)}
+        return d
+
+
+SETTINGS: dict[str, Setting] = {f.name: f.metadata["setting"] for f in dataclasses.fields(TrainConfig)}
+RESUME_KEYS = tuple(k for k, s in SETTINGS.items() if s.resume)
+
+
+def flag_of(name: str) -> str:
+    """The flag that names setting ``name`` in messages (its own name where it has none)."""
+    s = SETTINGS[name]
+    return s.flag or (f"--{name.replace('_', '-')}" if s.group else name)
+
+
+def ablatable_keys() -> tuple[str, ...]:
+    """The training settings an ablation file may set (``[base] train`` / a level's ``train``)."""
+    return tuple(k for k, s in SETTINGS.items() if s.ablate)
+
+
+def later_ablatable_keys() -> tuple[str, ...]:
+    """The ablatable settings added after ablation files and their recorded directories existed: an arm's resolved
+    settings hold one only when it differs from the default, so earlier files keep their fingerprints."""
+    return tuple(k for k, s in SETTINGS.items() if s.ablate == "later")
+
+
+def _before_key() -> dict:
+    """A resume key's value for a checkpoint that does not record it: what runs before the key existed ran with."""
+    return {k: s.before for k, s in SETTINGS.items() if s.resume and s.before is not _DEFAULT}
 
 
 def resume_diff(saved: dict, now: dict) -> list[str]:
-    """Settings (``_RESUME_KEYS``) that differ between a checkpoint's run and this one. A key the checkpoint does
-    not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default."""
-    defaults = TrainConfig().resume_key() | _BEFORE_KEY
+    """Settings (``RESUME_KEYS``) that differ between a checkpoint's run and this one. A key the checkpoint does
+    not record (added to k3jax after it was written, e.g. ``qb_ema``) counts as that setting's default (or, where
+    runs before it ran otherwise, as that: ``Setting.before``)."""
+    defaults = TrainConfig().resume_key() | _before_key()
     return sorted(k for k in now if saved.get(k, defaults[k]) != now[k])
 
 
 def resume_refusal(saved: dict, now: dict, diff: list[str]) -> str:
     """Why a checkpoint whose settings differ (``diff``, from ``resume_diff``) is not resumed, each setting named
     by its flag with the checkpoint's value and this run's, and the way past it: --fork (or a fresh --ckpt-dir)."""
-    defaults = TrainConfig().resume_key() | _BEFORE_KEY
+    defaults = TrainConfig().resume_key() | _before_key()
 
     def show(k: str) -> str:
         note = " (the LR schedule's length)" if k == "total_steps" else ""
-        return f"{_FLAG.get(k, k)} {saved.get(k, defaults[k])!r} then, {now[k]!r} now{note}"
+        return f"{flag_of(k)} {saved.get(k, defaults[k])!r} then, {now[k]!r} now{note}"
 
     return (f"the checkpoint was written with different settings: {'; '.join(show(k) for k in diff)}. Pass --fork "
             "to resume from it anyway (the run then is not the one these settings give from the start), or use a "
             "fresh --ckpt-dir")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    preset: str | None = "k3-mini"
-    init: str | None = None  # checkpoint directory (official/HF layout) to start from
-    steps: int = 300
-    total_steps: int | None = None  # LR-schedule length (default: steps)
-    batch: int = 16  # global sequences per optimizer step
-    micro_batches: int = 1
-    seq_len: int = 128
-    lr: float = 3e-3
-    optimizer: str = "per_head"  # OptimConfig.mode (`k3 train --lora` defaults to "adamw")
-    opt_state_dtype: str = "float32"  # OptimConfig.state_dtype: the moments' storage (master weights stay fp32)
-    muon_layout: str = "auto"  # OptimConfig.muon_layout; auto: "owner" on a mesh of > 1 device, else "layer"
-    qat: str = "off"
-    compute_dtype: str = "float32"
-    layer_stack: str = "loop"  # RunConfig.layer_stack: "scan" compiles the repeating layer group once
-    remat: str = "none"  # RunConfig.remat: per-layer jax.checkpoint policy (same math: not a resume key)
-    balance: str = "qb"
-    sign_gamma: float = 1e-3
-    qb_ema: float = 0.0
-    aux_alpha: float = 1e-2
-    qk_clip: bool = True
-    qk_tau: float = 100.0
-    seed: int = 0
-    data: tuple[str, ...] = ()
-    # document boundaries carried beside the tokens: KDA / conv / MLA restart at each, no prediction across one
-    # (k3jax.train.data); False: today's plain windows of the token stream, for ablations
-    packing_masks: bool = True
-    max_bytes: int = 4 << 20
-    heldout_frac: float = 0.05
-    eval_every: int = 50
-    eval_windows: int = 32
-    ckpt_dir: str | None = None
-    ckpt_every: int = 50
-    keep: int = 3
-    async_ckpt: bool = True
-    metrics: str | None = None
-    export: str | None = None
-    overwrite: bool = False  # an existing non-empty export directory is replaced (else refused before any compute)
-    log_every: int = 10  # without a progress bar (not a terminal, --no-progress): a stderr line every N steps; 0: none
-    max_bad_steps: int = 3
-    devices: int | None = None  # data-parallel width (default: all devices); excludes mesh
-    mesh: str | None = None  # "data=2,expert=4": axis sizes over data, fsdp, expert, tensor (placement by the rules)
-    strategy: str | None = None  # rules-table column (k3jax.sharding.rules.STRATEGIES); default from the mesh axes
-    # routed experts kept as the --init checkpoint's MXFP4 bytes and frozen; attention, router, shared experts and
-    # norms train (the packed leaves live in state["frozen"], outside gradients and the optimizer)
-    frozen_experts: bool = False
-    # LoRA adapters (k3jax/layers/lora.py) trained over the frozen base; an MXFP4 --init keeps its routed experts as
-    # the packed bytes (QLoRA); --export then writes the adapters only, in PEFT's layout (k3jax/checkpoint/peft.py)
-    lora: LoRAConfig | None = None
-    eval_at_start: bool = False  # held-out loss of the initial parameters too (a step-0 point of the eval curve)
-    progress: bool | None = None
-    peak_flops: float | None = None  # None: measure an XLA matmul at start-up
-    strict_config: bool = False  # unknown keys in the --init checkpoint's config.json are errors
-    fork: bool = False  # resume from ckpt_dir even if the run settings differ (e.g. switch QAT on mid-run)
-    poison_steps: tuple[int, ...] = ()  # testing hook: (1-based) steps whose loss and gradient are made NaN
-    # `k3 ablate`'s arms: an architecture to build instead of --preset (give preset=None), and the initial parameter
-    # state dict as a function of (cfg, run settings) instead of the random init from `seed` (the shared seed init)
-    model: K3Config | None = None
-    init_fn: Callable[[K3Config, RunConfig], dict] | None = field(default=None, compare=False, repr=False)
-
-    def replace(self, **kw) -> TrainConfig:
-        return dataclasses.replace(self, **kw)
-
-    def resume_key(self) -> dict:
-        d = {k: getattr(self, k) for k in _RESUME_KEYS}
-        d["data"] = list(d["data"])
-        d["total_steps"] = self.total_steps or self.steps
-        d["lora"] = None if self.lora is None else dataclasses.asdict(self.lora) | {"targets": list(self.lora.targets)}
-        return d
 
 
 # ---------------------------------------------------------------------------------------------------------- setup
@@ -146,8 +267,6 @@ class TrainConfig:
 
 def resolve_model(tc: TrainConfig) -> K3Config:
     """The model config from --preset and/or --init, compared before any array is read."""
-    from k3jax.config import architecture_diff, from_hf
-
     if tc.model is not None:
         if tc.preset or tc.init:
             raise InputError("TrainConfig.model replaces --preset and --init: give preset=None and no init")
@@ -172,9 +291,7 @@ def resolve_model(tc: TrainConfig) -> K3Config:
 
 def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") -> None:
     """The run's own settings; ``n_dev``: how many ways each micro-batch is split (``split`` names them)."""
-    from k3jax.train.balance import MODES as BALANCE
-    from k3jax.train.optim import MODES as OPTIMIZERS
-    from k3jax.train.step import StepSpec
+    from k3jax.train.step import StepSpec  # jax: loaded when a run is resolved (the module docstring)
 
     for flag, value in (("--steps", tc.steps), ("--batch", tc.batch), ("--micro-batches", tc.micro_batches),
                         ("--seq-len", tc.seq_len), ("--max-bytes", tc.max_bytes),
@@ -188,26 +305,18 @@ def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") 
         raise InputError(f"--log-every must be >= 0 (0: no lines), got {tc.log_every}")
     if not tc.lr > 0:  # also NaN
         raise InputError(f"--lr must be > 0, got {tc.lr}")
-    if tc.optimizer not in OPTIMIZERS:
-        raise InputError(f"--optimizer {tc.optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+    _check_choice(tc, "optimizer")
     if tc.batch % tc.micro_batches:
         raise InputError(f"--batch {tc.batch} is not divisible by --micro-batches {tc.micro_batches}")
     b = tc.batch // tc.micro_batches
     if b % n_dev:
         raise InputError(f"micro-batch size {b} (= --batch {tc.batch} / --micro-batches {tc.micro_batches}) is not "
                          f"divisible by the {n_dev} {split}")
-    if tc.qat not in QAT_MODES:
-        raise InputError(f"--qat {tc.qat!r}: must be one of {', '.join(QAT_MODES)}")
-    if tc.compute_dtype not in ("float32", "bfloat16"):
-        raise InputError(f"--compute-dtype {tc.compute_dtype!r}: must be float32 or bfloat16")
-    if tc.layer_stack not in ("loop", "scan"):
-        raise InputError(f"--layer-stack {tc.layer_stack!r}: must be loop or scan")
-    if tc.remat not in REMAT_POLICIES:
-        raise InputError(f"--remat {tc.remat!r}: must be one of {', '.join(REMAT_POLICIES)}")
+    for name in ("qat", "compute_dtype", "layer_stack", "remat"):
+        _check_choice(tc, name)
     if not 0.0 < tc.heldout_frac < 1.0:
         raise InputError(f"--heldout-frac must be in (0, 1), got {tc.heldout_frac}")
-    if tc.balance not in BALANCE:
-        raise InputError(f"--balance {tc.balance!r}: must be one of {', '.join(BALANCE)}")
+    _check_choice(tc, "balance")
     if not 0.0 <= tc.qb_ema < 1.0:
         raise InputError(f"--qb-ema must lie in [0, 1), got {tc.qb_ema}")
     if not tc.qk_tau > 0:
@@ -216,9 +325,17 @@ def validate(tc: TrainConfig, n_dev: int, split: str = "data-parallel devices") 
     optim_config(resolve_muon_layout(tc, 1))  # validates the optimizer's settings ("auto" resolves later, per mesh)
 
 
+def _check_choice(tc: TrainConfig, name: str) -> None:
+    """InputError naming the flag unless setting ``name`` is one of its choices."""
+    value, choices = getattr(tc, name), SETTINGS[name].choices
+    if value not in choices:
+        allowed = " or ".join(choices) if len(choices) == 2 else "one of " + ", ".join(choices)
+        raise InputError(f"{flag_of(name)} {value!r}: must be {allowed}")
+
+
 def optim_config(tc: TrainConfig):
     """The run's ``OptimConfig`` (validated: bad values are InputErrors naming the flag)."""
-    from k3jax.train.optim import OptimConfig
+    from k3jax.optim.optimizer import OptimConfig  # jax: loaded when a run is resolved
 
     return OptimConfig(lr=tc.lr, total_steps=tc.total_steps or tc.steps, mode=tc.optimizer,
                        state_dtype=tc.opt_state_dtype, muon_layout=tc.muon_layout)
@@ -228,7 +345,7 @@ def resolve_muon_layout(tc: TrainConfig, devices: int) -> TrainConfig:
     """``tc`` with ``muon_layout`` "auto" made concrete for a mesh of ``devices``: the resolved value is what a
     checkpoint records (the two layouts' optimizer states differ in structure), and a resume whose mesh resolves
     the other way is refused naming the flag that keeps the checkpoint's layout."""
-    from k3jax.train.dist_muon import LAYOUTS
+    from k3jax.optim.dist_muon import LAYOUTS  # jax: loaded when a run is resolved
 
     if tc.muon_layout == "auto":
         return tc.replace(muon_layout="owner" if devices > 1 else "layer")
@@ -240,7 +357,7 @@ def resolve_muon_layout(tc: TrainConfig, devices: int) -> TrainConfig:
 def make_data_mesh(n: int | None) -> Mesh:
     """The data-parallel mesh over the first ``n`` devices (default: all), in ``jax.devices()`` order; its fsdp,
     expert and tensor axes have size 1, so ``P("data")`` / ``P(None, "data")`` shard over the ``n`` devices."""
-    import jax
+    import jax  # loaded when a run is resolved (the module docstring)
 
     from k3jax.sharding import make_mesh
 
@@ -270,7 +387,7 @@ def check_frozen(tc: TrainConfig, cfg: K3Config) -> None:
 def resolve_mesh(tc: TrainConfig, cfg: K3Config) -> tuple[Mesh, str]:
     """(mesh, strategy) of a run, every check before any compile: axis names and sizes, the device count, the
     strategy's name, and that each parameter dimension the rules shard divides by its mesh axes."""
-    import jax
+    import jax  # loaded when a run is resolved (the module docstring)
 
     from k3jax.sharding import make_mesh
     from k3jax.sharding import placement as place
@@ -288,7 +405,7 @@ def resolve_mesh(tc: TrainConfig, cfg: K3Config) -> tuple[Mesh, str]:
 def step_spec(tc: TrainConfig) -> StepSpec:
     """The train step's own settings (balancing, QK-Clip) of a run. With --lora the base stays as loaded: no
     router-bias balancing and no QK-Clip (both would edit frozen base weights that an adapter does not carry)."""
-    from k3jax.train.step import StepSpec
+    from k3jax.train.step import StepSpec  # jax: loaded when a run is resolved
 
     if tc.lora is not None:
         return StepSpec(balance="off", qk_clip=False)
@@ -303,13 +420,16 @@ def keeps_packed(tc: TrainConfig, cfg: K3Config) -> bool:
 
 
 
-def run_settings(tc: TrainConfig, cfg: K3Config) -> RunConfig:
-    """How the run's model runs: the config's own run settings (``config.default_run``) with fp32 master weights
-    and the run's QAT mode, compute dtype, layer stack and remat policy."""
-    return default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype="float32",
+def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32") -> RunConfig:
+    """Which run settings a training run's model runs with — the one answer for `k3 train` (the loop), `k3 plan`'s
+    train programs and `k3 ablate`'s arms: the config's own run settings (``config.default_run``) with the run's
+    QAT mode, compute dtype, layer stack, remat policy and LoRA adapters, parameters in ``param_dtype`` (fp32
+    master weights; a plan's LoRA base is held in bf16, its adapters are fp32 whatever the base: layers/lora.py)."""
+    return default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype=param_dtype,
                        layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
 
 
-__all__ = ["TrainConfig", "check_frozen", "keeps_packed", "make_data_mesh", "optim_config", "resolve_mesh",
-           "resolve_model",
-           "resolve_muon_layout", "resume_diff", "resume_refusal", "run_settings", "step_spec", "validate"]
+__all__ = ["BALANCE_MODES", "CORPUS_BYTES", "HELDOUT_FRAC", "MUON_LAYOUTS", "OPTIMIZERS", "RESUME_KEYS", "SETTINGS",
+           "STRATEGIES", "TRAIN_DTYPES", "Setting", "TrainConfig", "ablatable_keys", "check_frozen", "flag_of",
+           "keeps_packed", "later_ablatable_keys", "make_data_mesh", "optim_config", "resolve_mesh", "resolve_model",
+           "resolve_muon_layout", "resume_diff", "resume_refusal", "run_settings", "setting", "step_spec", "validate"]

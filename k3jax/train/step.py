@@ -30,8 +30,8 @@ import optax
 from k3jax.errors import InputError
 from k3jax.layers.experts import merge_trees
 from k3jax.model import forward
-from k3jax.train import balance as bal
-from k3jax.train.qk_clip import qk_clip
+from k3jax.optim import balance as bal
+from k3jax.optim.qk_clip import qk_clip
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.ops import kda as kda_ops
-from k3jax.ops.kda.chunked import _doc_masks
+from k3jax.ops.kda.chunked import doc_masks
 from k3jax.ops.norms import acc_dtype
 from pallas_kernels.kda.kernel import BlockSizes, kda_fwd_pallas
 from pallas_kernels.platform import target_platform
@@ -64,7 +64,7 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
         gp, bp = pad(g.astype(jnp.float32)), pad(beta.astype(jnp.float32))
         lr, rex, gcs, tot = in_chunk_sums(gp, chunk=chunk, sub_chunk=sub_chunk)
         # Document masks [B, Tp] (padding continues the last document), as fp32 0/1 and exact run indices.
-        docs = None if segment_ids is None else [d.astype(jnp.float32) for d in _doc_masks(segment_ids, Tp, chunk)]
+        docs = None if segment_ids is None else [d.astype(jnp.float32) for d in doc_masks(segment_ids, Tp, chunk)]
         o, ht = kda_fwd_pallas(qp, kp, vp, gp, bp, lr, rex, gcs, tot, h0.astype(jnp.float32), scale=scale,
                                gate_lower_bound=gate_lower_bound, bs=bs, platform=platform, interpret=interpret,
                                docs=docs)

@@ -257,7 +257,7 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
     q, k, g, lr, rex, gcs: [B, Tp, N, K]; v: [B, Tp, N, V]; beta: [B, Tp, N]; tot: [B, Tp / c, N, K];
     h0: [B, N, K, V] fp32. lr / rex / gcs / tot are the in-chunk sums of g (see api.py). docs: None, or the
     document masks of packed rows (run, carry, last), each [B, Tp] fp32 holding exact integers
-    (``k3jax.ops.kda.chunked._doc_masks``); None compiles the kernel without them. Returns o [B, Tp, N, V]
+    (``k3jax.ops.kda.chunked.doc_masks``); None compiles the kernel without them. Returns o [B, Tp, N, V]
     (q.dtype) and the final state [B, N, K, V] fp32. ``platform`` picks the schedule: "tpu" -> ``_kda_tpu``; else
     grid (B, N, V / block_v) with the chunk loop in the kernel (Triton compiler params on "gpu" when compiled).
     """

@@ -37,7 +37,7 @@ from pallas_kernels.platform import target_platform
 DEFAULT_BLOCKS = {"cpu": (16, 128, 256), "gpu": (16, 128, 256), "tpu": (256, 256, 512)}
 
 
-def _check(x, packed, scale, *, grouped: bool) -> None:
+def check_inputs(x, packed, scale, *, grouped: bool) -> None:
     want_nd = 3 if grouped else 2
     if x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"x must be float32/bfloat16 [M, K], got {x.dtype} {x.shape}")
@@ -45,8 +45,7 @@ def _check(x, packed, scale, *, grouped: bool) -> None:
         raise ValueError(f"packed and scale must be uint8, got packed {packed.dtype} {packed.shape} and "
                          f"scale {scale.dtype} {scale.shape}")
     K = x.shape[1]
-    lead = packed.shape[:-1]
-    if packed.ndim != want_nd or packed.shape[-1] * 2 != K or scale.shape != (*lead, K // 32) or K % 32:
+    if packed.ndim != want_nd or packed.shape[-1] * 2 != K or not mx.is_mxfp4_pair(packed.shape, scale.shape):
         want = "[G, N, K/2] and [G, N, K/32]" if grouped else "[N, K/2] and [N, K/32]"
         raise ValueError(f"packed {packed.shape} / scale {scale.shape} do not match x {x.shape}; expected {want}")
 
@@ -58,7 +57,7 @@ def _fit(block: int, dim: int) -> int:
     return block
 
 
-def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) -> BlockSizes:
+def block_sizes(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) -> BlockSizes:
     """Platform defaults for the unset sizes; n and k shrink to divide N and K; on TPU, Mosaic's tiling rules."""
     dm, dn, dk = DEFAULT_BLOCKS[platform]
     bm = block_m or dm
@@ -80,7 +79,7 @@ def _blocks(platform: str, M: int, N: int, K: int, block_m, block_n, block_k) ->
     return bs
 
 
-def _interpret(interpret, *inputs):
+def interpret_mode(interpret, *inputs):
     """``interpret=True``: the generic Pallas interpreter, or inside ``jax.shard_map`` (an input varies over a mesh
     axis) the TPU interpreter (``pltpu.InterpretParams()``): the generic one fails there ("dynamic_slice requires
     varying manual axes to match": its loop carry loses the varying axes), and the TPU one's ordered-IO callbacks
@@ -92,7 +91,7 @@ def _interpret(interpret, *inputs):
     return pltpu.InterpretParams() if any(varying_axes(a) for a in inputs) else True
 
 
-def _split_even_odd(x):
+def split_even_odd(x):
     """[M, K] -> (x[:, 0::2], x[:, 1::2]): the columns that meet low and high nibbles. Strided slices, not a reshape
     to [M, K/2, 2]: on TPU a minor dimension of 2 is a relayout, and the reshape form cost 3x the bytes (after the
     row gather, [85760, 3584] bf16: 7.35 GB against 2.43 GB with strided slices and a clipping gather;
@@ -101,7 +100,7 @@ def _split_even_odd(x):
 
 
 def interleave_columns(even, odd):
-    """(columns 2j, columns 2j+1) [M, n] each → [M, 2n] (the inverse of ``_split_even_odd``): two interior pads and
+    """(columns 2j, columns 2j+1) [M, n] each → [M, 2n] (the inverse of ``split_even_odd``): two interior pads and
     a sum (x + 0 = x), which XLA:TPU fuses; the stack-and-reshape form relayouts a minor dimension of 2."""
     zero = jnp.zeros((), even.dtype)
     return (jax.lax.pad(even, zero, [(0, 0, 0), (0, 1, 1)]) + jax.lax.pad(odd, zero, [(0, 0, 0), (1, 0, 1)]))
@@ -163,7 +162,7 @@ def pad_rows(x, src_rows):
 def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret: bool):
     M = x.shape[0]
     tile_group, src_rows, dst_rows, _ = group_tile_metadata(group_sizes, M, bs.block_m)  # rows past: zeros
-    xe, xo = _split_even_odd(pad_rows(x, src_rows))
+    xe, xo = split_even_odd(pad_rows(x, src_rows))
     launch = _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
     y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret)  # in x.dtype (fp32 accumulation)
     return y_pad[dst_rows]  # rows past the groups read the unused last tile's zeros
@@ -210,11 +209,11 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
       act_quant: None, or the MXFP8 scale rule to fake-quantize x with (blocks of 32 along K).
       platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
       interpret: run the chosen platform's kernel in a Pallas interpreter on CPU: True (the one that runs where the
-        call is, ``_interpret``: inside ``shard_map`` the TPU interpreter), or your own ``pltpu.InterpretParams()``.
+        call is, ``interpret_mode``: inside ``shard_map`` the TPU interpreter), or your own ``pltpu.InterpretParams()``.
     Returns: y [M, N] in x.dtype. Its VJP with respect to x is the transposed kernel (``_gmm_t``): no weight is
     dequantized outside a tile.
     """
-    _check(x, packed, scale, grouped=True)
+    check_inputs(x, packed, scale, grouped=True)
     if group_sizes.shape != (packed.shape[0],):
         raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{packed.shape[0]}]")
     if act_quant is not None:
@@ -223,8 +222,9 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
     # block_m on TPU follows the rows per group, ceil(M / G): every group's rows are padded to whole tiles and the
     # grid has ceil(M/bm) + G + 1 of them, so decode's few rows per expert (B = 64 over expert = 16: 1,024 rows on
     # 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
-    bs = _blocks(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n, block_k)
-    return _gmm(x, packed, scale, group_sizes, bs, platform, _interpret(interpret, x, packed, scale))
+    bs = block_sizes(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n,
+                     block_k)
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret_mode(interpret, x, packed, scale))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def _matmul(x, packed, scale, bs: BlockSizes, schedule: str, platform: str, inte
         return _gmm(x, packed[None], scale[None], jnp.array([x.shape[0]], jnp.int32), bs, platform, interpret)
     M = x.shape[0]
     Mp = -(-M // bs.block_m) * bs.block_m
-    xe, xo = _split_even_odd(jnp.pad(x, ((0, Mp - M), (0, 0))))
+    xe, xo = split_even_odd(jnp.pad(x, ((0, Mp - M), (0, 0))))
     if platform == "tpu":  # one expert, every row tile used: no row gather
         tile_group = jnp.zeros((Mp // bs.block_m,), jnp.int32)
         y = _k.mxfp4_gmm_tpu(tile_group, xe, xo, packed[None], scale[None], bs, interpret=interpret)
@@ -271,7 +271,7 @@ def mxfp4_matmul(x, packed, scale, *, block_m: int | None = None, block_n: int |
     """
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    _check(x2, packed, scale, grouped=False)
+    check_inputs(x2, packed, scale, grouped=False)
     platform = target_platform(platform)
     if schedule is None:
         schedule = "loop" if platform == "gpu" else "grid"
@@ -280,6 +280,6 @@ def mxfp4_matmul(x, packed, scale, *, block_m: int | None = None, block_n: int |
     if act_quant is not None:
         x2 = mx.fake_quant_mxfp8(x2, axis=-1, rule=act_quant)
     N, K = packed.shape[0], x2.shape[1]
-    bs = _blocks(platform, x2.shape[0], N, K, block_m, block_n, block_k)
-    y = _matmul(x2, packed, scale, bs, schedule, platform, _interpret(interpret, x2, packed, scale))
+    bs = block_sizes(platform, x2.shape[0], N, K, block_m, block_n, block_k)
+    y = _matmul(x2, packed, scale, bs, schedule, platform, interpret_mode(interpret, x2, packed, scale))
     return y.reshape(*lead, N)

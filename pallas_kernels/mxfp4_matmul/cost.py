@@ -32,6 +32,8 @@ tests/pallas/test_mxfp4_cost.py recounts these bytes by walking the grid with th
 
 from __future__ import annotations
 
+from k3jax.ops.mx import BLOCK_SIZE
+
 SCHEDULES = ("grid", "loop", "tpu")
 
 
@@ -41,7 +43,7 @@ def gmm_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: in
     _check(schedule)
     column_reads = 1 if schedule == "tpu" or (schedule == "grid" and K == bk) else N // bn
     rows = tiles * column_reads * bm * K * itemsize
-    weights = tiles * N * (K // 2 + K // 32)
+    weights = tiles * N * (K // 2 + K // BLOCK_SIZE)
     out = tiles * bm * N * (4 if schedule == "grid" else itemsize)
     return {"flops": 2 * tiles * bm * N * K, "bytes_accessed": rows + weights + out}
 
@@ -51,7 +53,7 @@ def gmm_t_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: 
     _check(schedule)
     reads_of_g = 1 if schedule == "tpu" else K // bk
     rows = tiles * reads_of_g * bm * N * itemsize
-    weights = tiles * N * (K // 2 + K // 32)
+    weights = tiles * N * (K // 2 + K // BLOCK_SIZE)
     return {"flops": 2 * tiles * bm * N * K, "bytes_accessed": rows + weights + tiles * bm * K * itemsize}
 
 

@@ -52,12 +52,12 @@ def _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13: BlockSizes, bs2:
 
 def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret):
     tg, src_rows, dst_rows, _ = api.group_tile_metadata(group_sizes, x.shape[0], bs13.block_m)
-    xe, xo = api._split_even_odd(api.pad_rows(x, src_rows))
+    xe, xo = api.split_even_odd(api.pad_rows(x, src_rows))
     a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret)
     h = act(a.astype(acc), b.astype(acc)).astype(x.dtype)
     if act_quant is not None:
         h = act_quant(h)
-    y_pad = _launch(platform, False)(tg, *api._split_even_odd(h), *w2, bs2, interpret=interpret)
+    y_pad = _launch(platform, False)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret)
     # rows past the groups read the unused last tile's zeros; x[:0] carries x's type (its varying mesh axes)
     return y_pad[dst_rows], (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
 
@@ -96,20 +96,20 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
     """
     w1, w3, w2 = (tuple(w) for w in (w1, w3, w2))
     G, F, _ = w1[0].shape
-    api._check(x, *w1, grouped=True)
-    api._check(x, *w3, grouped=True)
+    api.check_inputs(x, *w1, grouped=True)
+    api.check_inputs(x, *w3, grouped=True)
     if w3[0].shape != w1[0].shape or w2[0].shape[:2] != (G, x.shape[1]):
         raise ValueError(f"w1 {w1[0].shape}, w3 {w3[0].shape} and w2 {w2[0].shape} are not one GLU FFN over x "
                          f"{x.shape}")
-    api._check(jnp.zeros((0, F), x.dtype), *w2, grouped=True)
+    api.check_inputs(jnp.zeros((0, F), x.dtype), *w2, grouped=True)
     if group_sizes.shape != (G,):
         raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{G}]")
     platform = target_platform(platform)
     rows = -(-x.shape[0] // G)  # block_m follows the rows per group, as in mxfp4_gmm: the same for the three
-    bs13 = api._blocks(platform, rows, F, x.shape[1], block_m, block_n, block_k)
-    bs2 = api._blocks(platform, rows, x.shape[1], F, block_m, block_n, block_k)
+    bs13 = api.block_sizes(platform, rows, F, x.shape[1], block_m, block_n, block_k)
+    bs2 = api.block_sizes(platform, rows, x.shape[1], F, block_m, block_n, block_k)
     return _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform,
-                api._interpret(interpret, x, *w1, *w3, *w2))
+                api.interpret_mode(interpret, x, *w1, *w3, *w2))
 
 
 __all__ = ["mxfp4_glu_ffn"]

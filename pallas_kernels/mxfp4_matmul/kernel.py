@@ -43,13 +43,14 @@ from k3jax.ops import mx
 from k3jax.ops.grouped_matmul import varying_struct
 from pallas_kernels.mxfp4_matmul import cost
 
-SCALE_GROUP_BYTES = 16  # 32 elements per scale = 16 packed bytes
+SCALE_GROUP_BYTES = mx.BLOCK_SIZE // 2  # the packed bytes of one scale block (16: two codes per byte)
 
 
 @dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes. bm rows of x, bn output features, bk contraction (a multiple of 32: whole scale blocks). Powers of
-    two except where a TPU block spans a whole dimension that no power-of-two Mosaic tile divides (``api._blocks``)."""
+    two except where a TPU block spans a whole dimension that no power-of-two Mosaic tile divides
+    (``api.block_sizes``)."""
 
     block_m: int = 16
     block_n: int = 128
@@ -59,8 +60,8 @@ class BlockSizes:
         for name in ("block_m", "block_n", "block_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.block_k % 32:
-            raise ValueError(f"block_k must be a multiple of 32 (whole scale blocks), got {self.block_k}")
+        if self.block_k % mx.BLOCK_SIZE:
+            raise ValueError(f"block_k must be a multiple of {mx.BLOCK_SIZE} (whole scale blocks), got {self.block_k}")
 
 
 def _estimate(fn, schedule: str, rows: int, bs: BlockSizes, N: int, K: int, itemsize: int) -> pl.CostEstimate:
@@ -134,7 +135,7 @@ def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool)
             pl.BlockSpec((bm, bk // 2), lambda i, j, k: (i, k)),
             pl.BlockSpec((bm, bk // 2), lambda i, j, k: (i, k)),
             pl.BlockSpec((bn, bk // 2), lambda i, j, k: (j, k)),
-            pl.BlockSpec((bn, bk // 32), lambda i, j, k: (j, k)),
+            pl.BlockSpec((bn, bk // mx.BLOCK_SIZE), lambda i, j, k: (j, k)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
         cost_estimate=_estimate(cost.gmm_cost, "grid", M, bs, N, 2 * half, xe.dtype.itemsize),
@@ -152,7 +153,7 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
     def _compute():
         def body(k, acc):
             kh = pl.ds(k * (bk // 2), bk // 2)
-            ks = pl.ds(k * (bk // 32), bk // 32)
+            ks = pl.ds(k * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
             scale = _expand_scale(s_ref[g, rows, ks])
             return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
@@ -196,7 +197,7 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
 
 def _k_lanes(k, bk: int, nk: int):
     """The lanes [k·bk/2, (k+1)·bk/2) of a whole-K/2 VMEM buffer: a dynamic slice at a multiple of bk/2 (of 128 when
-    there are several k steps, ``api._blocks``), or all of it (static) when bk = K: Mosaic cannot prove a dynamic
+    there are several k steps, ``api.block_sizes``), or all of it (static) when bk = K: Mosaic cannot prove a dynamic
     offset aligned when bk/2 is not a multiple of 128 (k3-mini: K = 192)."""
     return slice(None) if nk == 1 else pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
 
@@ -304,7 +305,7 @@ def _loop_t_kernel(group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, *, bn: int, b
     i, j = pl.program_id(0), pl.program_id(1)
     grp = group_ref[i]
     kh = pl.ds(j * (bk // 2), bk // 2)
-    ks = pl.ds(j * (bk // 32), bk // 32)
+    ks = pl.ds(j * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
 
     @pl.when(grp >= 0)
     def _compute():

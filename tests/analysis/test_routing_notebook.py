@@ -9,7 +9,7 @@ import jupytext
 import pytest
 from nbclient import NotebookClient
 
-from k3jax.cli.source import default_ckpt
+from k3jax.checkpoint.source import default_ckpt
 from k3jax.plan.hardware import xla_flags
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "routing_analysis.py"

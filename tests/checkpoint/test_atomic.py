@@ -9,7 +9,7 @@ import pytest
 from k3jax.checkpoint.atomic import check_out_dir, staged_dir
 from k3jax.checkpoint.save import export_trained, save
 from k3jax.cli.main import main
-from k3jax.config import get_preset
+from k3jax.config import RunConfig, get_preset
 from k3jax.errors import InputError
 
 TINY = get_preset("k3-tiny")
@@ -45,7 +45,7 @@ def test_staged_dir_replaces_only_when_complete_and_asked(tmp_path):
 def test_a_trained_export_never_replaces_silently_and_a_failed_save_keeps_the_old(tmp_path):
     d = _mine(tmp_path)
     with pytest.raises(InputError, match="exists and is not empty"):
-        export_trained({}, TINY, "off", str(d))
+        export_trained({}, TINY, RunConfig(), str(d))
     with pytest.raises(KeyError):  # no parameters to write: fails after the temporary directory was made
         save({}, TINY, d, overwrite=True)
     assert (d / "keep.txt").read_text() == "mine" and _siblings(tmp_path) == ["out"]
@@ -62,8 +62,13 @@ def test_k3_export_refuses_a_non_empty_out_before_loading(extra, tmp_path, capsy
     def boom(*a, **k):
         raise AssertionError("loaded or initialised parameters")
 
+    # k3jax.cli.export imports both at module level: imported before the patches (so that it never binds ``boom``
+    # for the tests after this one), its own names patched too
+    export_mod = importlib.import_module("k3jax.cli.export")
     monkeypatch.setattr(load_mod, "load", boom)
     monkeypatch.setattr(model_mod, "init_params", boom)
+    for name in ("load", "init_params"):
+        monkeypatch.setattr(export_mod, name, boom, raising=False)
     d = _mine(tmp_path)
     base = tmp_path / "base"  # what --from's parse checks (a directory with a config.json); never read
     base.mkdir()

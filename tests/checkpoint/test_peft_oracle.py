@@ -27,7 +27,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from k3jax.checkpoint.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SIDECAR
-from k3jax.cli.source import load_model
+from k3jax.checkpoint.source import load_model
 from k3jax.config import LoRAConfig
 from k3jax.model import forward
 from k3jax.testing import assert_close, rel_rms

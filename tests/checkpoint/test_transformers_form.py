@@ -18,7 +18,7 @@ from k3jax.checkpoint.load import load
 from k3jax.checkpoint.save import save
 from k3jax.cli.main import main
 from k3jax.config import from_hf
-from k3jax.hf_keys import DERIVED_NAMES
+from k3jax.config.hf_keys import DERIVED_NAMES
 from k3jax.testing import TOL, assert_close
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "kimi_linear_transformers_form")

@@ -1,7 +1,7 @@
 """`--adapter DIR` (a PEFT-layout LoRA adapter, k3jax/checkpoint/peft.py) in `k3 logits`, `k3 generate` and
-`k3 route` (k3jax/cli/source.py ``load_model``): a fresh adapter (B = 0) leaves the logits bit for bit; a trained one
-gives the forward of the merged tree under ``run.replace(lora=...)``, which is the base model with W + scale A B; a
-bad adapter exits 2 naming its file, with nothing written."""
+`k3 route` (k3jax/checkpoint/source.py ``load_model``): a fresh adapter (B = 0) leaves the logits bit for bit; a
+trained one gives the forward of the merged tree under ``run.replace(lora=...)``, which is the base model with
+W + scale A B; a bad adapter exits 2 naming its file, with nothing written."""
 
 import json
 import os

@@ -120,7 +120,7 @@ def test_a_missing_checkpoint_is_worded_once_for_every_subcommand(tmp_path, caps
                 want = f"k3 {argv[0]}: error: argument {flag}: {ck}: not a checkpoint directory ({why})\n"
                 assert err.endswith(want), err
     assert sorted(os.listdir(tmp_path)) == ["empty"] and not os.listdir(empty)  # nothing ran, nothing written
-    from k3jax.cli.source import model_config  # the library path: the same words, after the flag
+    from k3jax.checkpoint.source import model_config  # the library path: the same words, after the flag
 
     with pytest.raises(InputError, match=f"^--ckpt {missing}: not a checkpoint directory \\(no such directory\\)$"):
         model_config(ckpt=missing, preset=None)
@@ -172,9 +172,9 @@ def test_devices_asked_reads_mesh_and_devices(argv, want):
 def test_a_mesh_on_a_cpu_only_machine_starts_simulated_devices():
     """A one-process `k3 route --mesh data=2` with JAX on the CPU and no device count set: one line on stderr, and
     the command sees 2 devices (its run is a probe here: the compile is not what is tested)."""
-    code = ("import sys; from k3jax.cli import route; from k3jax.cli.main import main\n"
+    code = ("import sys; from k3jax.cli import args as cli_args, route; from k3jax.cli.main import main\n"
             "def probe(args):\n"
-            "    import jax; print(jax.device_count(), dict(route.parse_mesh_arg(args.mesh).shape))\n"
+            "    import jax; print(jax.device_count(), dict(cli_args.parse_mesh_arg(args.mesh).shape))\n"
             "route.run = probe\nsys.exit(main(['route', '--preset', 'k3-tiny', '--mesh', 'data=2']))")
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from k3jax.checkpoint.source import default_ckpt
 from k3jax.cli.main import main
 from k3jax.cli.run import SAMPLE_PROMPT
-from k3jax.cli.source import default_ckpt
 
 SHIPPED = default_ckpt()
 
@@ -26,7 +26,7 @@ PHASES = ("loading the model", "reading the held-out text", "compiling the score
 @pytest.mark.skipif(SHIPPED is None, reason="the shipped k3-mini is not in this checkout")
 def test_main_job_on_the_shipped_model(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the scoring and routing bars too
-    assert main(["run", "--tokens", "8192", "--route-tokens", "4096", "--max-new-tokens", "24", "--plots",
+    assert main(["run", "--heldout-bytes", "8192", "--route-tokens", "4096", "--max-new-tokens", "24", "--plots",
                  str(tmp_path), "--json"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)  # stdout: the one JSON object, nothing else
@@ -58,8 +58,8 @@ def test_main_job_on_the_shipped_model(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_random_init_preset_and_text_output(capsys):
-    assert main(["run", "--preset", "k3-mini", "--tokens", "2048", "--route-tokens", "1024", "--max-new-tokens", "4",
-                 "--no-plots"]) == 0
+    assert main(["run", "--preset", "k3-mini", "--heldout-bytes", "2048", "--route-tokens", "1024",
+                 "--max-new-tokens", "4", "--no-plots"]) == 0
     text = capsys.readouterr().out
     assert "preset k3-mini (random init, seed 0)" in text and "bits/byte" in text
     assert "greedy sample, 4 new bytes" in text
@@ -70,10 +70,22 @@ def test_random_init_preset_and_text_output(capsys):
 
 @pytest.mark.parametrize("argv,words", [
     (["--preset", "k3-tiny"], "vocab 97 < 256"),
-    (["--preset", "k3-mini", "--tokens", "1"], "--tokens and --route-tokens must be >= 2"),
+    (["--preset", "k3-mini", "--heldout-bytes", "1"], "--heldout-bytes and --route-tokens must be >= 2"),
     (["--preset", "nope"], "unknown preset"),
     (["--preset", "k3-mini", "--max-new-tokens", "-1"], "--max-new-tokens >= 0"),
 ])
 def test_bad_input_exits_2(argv, words, capsys):
     assert main(["run", *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_tokens_is_the_old_spelling_of_heldout_bytes(capsys):
+    """`k3 run --tokens N` (held-out bytes, while --tokens names a token file everywhere else) is read as
+    --heldout-bytes N for one release, with one line saying so (docs/cli.md §4)."""
+    assert main(["run", "--preset", "k3-mini", "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[0] == ("k3 run: warning: --tokens N is now --heldout-bytes N (--tokens names a token file "
+                                   "everywhere else; the old spelling goes away in the next release)")
+    assert "--heldout-bytes and --route-tokens must be >= 2, --seq-len and --batch >= 1 (got 1, " in err
+    assert main(["run", "--tokens", "2", "--heldout-bytes", "2"]) == 2  # one of the two spellings
+    assert "not allowed with argument" in capsys.readouterr().err

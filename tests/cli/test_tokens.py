@@ -1,4 +1,4 @@
-"""One meaning of ``--tokens`` (docs/cli.md; k3jax/cli/source.py ``load_token_file``): int32 [B, T] is B
+"""One meaning of ``--tokens`` (docs/cli.md; k3jax/checkpoint/source.py ``load_token_file``): int32 [B, T] is B
 independent sequences right-padded with -1, [T] one stream. Bad ids, empty rows and padding inside a row exit 2 in
 `k3 route`, `k3 logits` and `k3 generate` alike, naming the flag, file and row, before any compute: nothing written.
 (Routing of good files: tests/analysis/test_collect.py; logits of ragged rows: tests/checkpoint/test_export.py.)"""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint.save import config_json
+from k3jax.checkpoint.source import load_token_file
 from k3jax.cli.main import main
-from k3jax.cli.source import load_token_file
 from k3jax.config import get_preset
 from k3jax.errors import InputError
 

@@ -128,19 +128,21 @@ def test_architecture_and_run_settings_are_separate():
 
 
 def test_each_run_mode_list_has_one_home():
-    from k3jax.config import KDA_IMPLS, MOE_IMPLS, QAT_MODES
+    from k3jax.config import KDA_IMPLS, MOE_IMPLS, QAT_MODES, SCALE_RULES
     from k3jax.layers import kda, moe
+    from k3jax.ops import mx
     from k3jax.ops.grouped_matmul import EXPERT_IMPLS
 
     assert tuple(EXPERT_IMPLS) == MOE_IMPLS  # the dispatch table's keys are the config's MoE impls
     assert kda.IMPLS is KDA_IMPLS and moe.QAT_MODES is QAT_MODES
     assert QAT_MODES == ("off", "weights", "weights+acts") and "pallas" in KDA_IMPLS
+    assert mx.SCALE_RULES == SCALE_RULES == ("floor", "ceil", "even")  # the MX scale rules RunConfig's QAT takes
 
 
 def test_run_settings_follow_the_architecture_not_the_name():
     """A loaded checkpoint is named after its model_type; it runs with the settings of the preset it is (the shipped
     k3-mini: mla_block_size 128, not RunConfig's 512), and an unknown architecture with RunConfig's."""
-    from k3jax.cli.source import default_ckpt
+    from k3jax.checkpoint.source import default_ckpt
     from k3jax.config import PRESET_RUNS, RunConfig, default_run, preset_of
 
     ckpt = default_ckpt()
@@ -153,3 +155,21 @@ def test_run_settings_follow_the_architecture_not_the_name():
         "k3-tiny"].replace(remat="full")
     other = get_preset("k3-tiny").replace(name="hf-kimi_k3", hidden_size=96)
     assert preset_of(other) is None and default_run(other) == RunConfig()
+
+
+def test_the_config_package_imports_in_one_direction():
+    """checks <- lora <- run <- arch <- hf_keys <- hf <- presets: each module imports only those before it (the
+    package's __init__ re-exports them all)."""
+    import ast
+    import pathlib
+
+    import k3jax.config
+
+    order = ["checks", "lora", "run", "arch", "hf_keys", "hf", "presets"]
+    pkg = pathlib.Path(k3jax.config.__file__).parent
+    assert sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__") == sorted(order)
+    for i, name in enumerate(order):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        used = {n.module.split(".")[2] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                and n.module.startswith("k3jax.config.")}
+        assert used <= set(order[:i]), f"k3jax/config/{name}.py imports {sorted(used - set(order[:i]))}"

@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 
-from k3jax.config import PRESETS, ConfigError, architecture, from_hf, get_preset
-from k3jax.hf_config import UnknownConfigKeysWarning, classify_keys, to_hf_dict
-from k3jax.hf_keys import DERIVED_NAMES, KEYS
+from k3jax.config import PRESETS, ConfigError, UnknownConfigKeysWarning, architecture, from_hf, get_preset, to_hf_dict
+from k3jax.config.hf import classify_keys
+from k3jax.config.hf_keys import DERIVED_NAMES, KEYS
 
 HERE = os.path.dirname(__file__)
 PRESET_DIR = os.path.join(HERE, "..", "..", "k3jax", "presets")

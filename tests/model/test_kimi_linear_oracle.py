@@ -32,8 +32,7 @@ import numpy as np
 import pytest
 
 from k3jax.checkpoint.load import load
-from k3jax.config import RunConfig, architecture_diff, default_run, from_hf, get_preset
-from k3jax.hf_config import UnknownConfigKeysWarning
+from k3jax.config import RunConfig, UnknownConfigKeysWarning, architecture_diff, default_run, from_hf, get_preset
 from k3jax.model import forward
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "kimi_linear")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import k3jax.layers.attn_res as ar_block
-import k3jax.model.network as net
+import k3jax.model.decoder as decoder
 from k3jax.config import default_run, get_preset
 from k3jax.model import abstract_params, forward, init_params, lm_loss, unstack
 from k3jax.reference.model import ref_forward
@@ -117,13 +117,13 @@ def test_layer0_input_is_embedding_and_zero_queries_average(monkeypatch):
     cfg = get_preset("k3-tiny")
     params = init_params(cfg, jax.random.key(4))
     seen = {}
-    real = net.rms_norm
+    real = decoder.rms_norm
 
     def spy(x, w, eps, **kw):
         seen.setdefault("first", x)
         return real(x, w, eps, **kw)
 
-    monkeypatch.setattr(net, "rms_norm", spy)
+    monkeypatch.setattr(decoder, "rms_norm", spy)
     toks = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     forward(params, toks, cfg)
     np.testing.assert_array_equal(np.asarray(seen["first"]), np.asarray(params["embed"][toks]))

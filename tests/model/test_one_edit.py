@@ -9,9 +9,9 @@ from k3jax.config import get_preset
 from k3jax.layers import ffn
 from k3jax.layers.common import param, vec
 from k3jax.model import abstract_params, count_params, init_params
+from k3jax.optim.optimizer import OptimConfig, make_optimizer
 from k3jax.plan.formula import build_plan
 from k3jax.sharding.rules import param_specs
-from k3jax.train.optim import OptimConfig, make_optimizer
 
 
 def test_a_leaf_added_to_one_block_reaches_init_rules_name_map_planner_and_optimizer(monkeypatch):

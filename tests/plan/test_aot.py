@@ -118,9 +118,9 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     import numpy as np
 
     from k3jax.model import abstract_params
+    from k3jax.optim.optimizer import OptimConfig, make_optimizer
     from k3jax.plan.hlo_cost import program_stats
     from k3jax.sharding.placement import parse_mesh
-    from k3jax.train.optim import OptimConfig, make_optimizer
 
     spec = plan_spec.PlanSpec(mode="train", mesh="data=1", batch=1, seq_len=8)
     ns = estimate.newton_schulz_flops(TINY, spec, parse_mesh("data=1"), "fsdp", OptimConfig().ns_steps)

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 
 from k3jax.config import get_preset
 from k3jax.model import abstract_params
+from k3jax.optim.optimizer import OptimConfig, make_optimizer
 from k3jax.pytree import key_names
 from k3jax.sharding import param_specs
 from k3jax.sharding.placement import (
@@ -25,7 +26,6 @@ from k3jax.sharding.placement import (
     parse_mesh,
     token_parallel,
 )
-from k3jax.train.optim import OptimConfig, make_optimizer
 from k3jax.train.step import init_state
 
 

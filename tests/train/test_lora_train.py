@@ -67,7 +67,7 @@ def test_qlora_trains_adapters_only_and_leaves_the_base_untouched(base, tmp_path
     tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (1, 16))
     run_l = default_run(TINY).replace(lora=lora)
     want = forward(summary["params"], tokens, TINY, run_l)
-    from k3jax.cli.source import load_model
+    from k3jax.checkpoint.source import load_model
 
     cfg, run2, params = load_model(ckpt=base, preset=None, adapter=str(tmp_path / "adapter"))
     np.testing.assert_allclose(forward(merge_trees(params, {}), tokens, cfg, run2), want, rtol=0, atol=1e-5)

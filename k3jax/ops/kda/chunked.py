@@ -141,7 +141,7 @@ def chunk_intra(q, k, v, g, beta, *, scale, gate_lower_bound, sub_chunk=SUB_CHUN
     q, k, g: [..., C, K]; v: [..., C, V]; beta: [..., C] (compute dtype). Returns a dict with
       G_last [..., K], qg = s (Q ⊙ Γ) [..., C, K], kd = K ⊙ exp(G_last - G) [..., C, K],
       A_qk [..., C, C], W [..., C, K], U [..., C, V].
-    docs (packed rows, ``_doc_masks``): {"run": [..., C] document index, "carry": [..., C] 1 where a row continues
+    docs (packed rows, ``doc_masks``): {"run": [..., C] document index, "carry": [..., C] 1 where a row continues
       the document of the chunk's incoming state, "last": [..., C] 1 where a row is in the chunk's last document}
       (any leading axes that broadcast). Pairs across documents drop out of A_kk and A_qk, rows of a new document
       see no incoming state (Γ = 0 there: qg and W's K part are zero) and only the last document writes the
@@ -239,7 +239,7 @@ def _pad_time(x, T_pad, value=0.0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _doc_masks(segment_ids, T_pad: int, C: int):
+def doc_masks(segment_ids, T_pad: int, C: int):
     """Per-token document masks of packed rows for ``chunk_intra`` (``docs``), each [B, T_pad] int32: the run index
     (``k3jax.ops.segments.runs``; padding continues the last run), ``carry`` (1 where a token is in the document
     the state entering its chunk belongs to: the run of the token before the chunk, 0 for the first chunk, as
@@ -329,7 +329,7 @@ def kda_chunked(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size:
     if segment_ids is not None:
         if tuple(segment_ids.shape) != (B, T):
             raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must be [B, T] = {(B, T)}")
-        xs = (*xs, *_doc_masks(segment_ids, Tp, C))
+        xs = (*xs, *doc_masks(segment_ids, Tp, C))
     if NG == 1:
         S_final, o = group(S0, xs)
     else:

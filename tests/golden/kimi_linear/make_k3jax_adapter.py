@@ -52,7 +52,7 @@ def leaves(cfg, run) -> dict:
 
 def write(out_dir: str = OUT) -> dict:
     from k3jax.checkpoint.peft import save_adapter
-    from k3jax.cli.source import model_config
+    from k3jax.checkpoint.source import model_config
     from k3jax.config import LoRAConfig, default_run
 
     cfg = model_config(ckpt=CKPT, preset=None)
@@ -61,7 +61,7 @@ def write(out_dir: str = OUT) -> dict:
 
 
 def main() -> int:
-    from k3jax.cli.source import load_model
+    from k3jax.checkpoint.source import load_model
     from k3jax.model import forward
 
     print(write())

@@ -1,0 +1,86 @@
+"""The flags several `k3` commands share, declared once (docs/cli.md §1): where the model comes from (``--ckpt DIR``
+or ``--preset NAME``: ``add_model_source``; a checkpoint as ``DIR`` or ``--ckpt DIR``: ``add_checkpoint_dir``), with
+``checkpoint_arg`` and ``preset_arg`` checking the value when the command line is parsed (exit 2 naming the flag);
+``--strict-config`` (``add_strict_config``); a forward-only command's ``--mesh data=N,context=M``
+(``parse_mesh_arg``). Loading what the flags name is library code: ``k3jax/checkpoint/source.py``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+
+from k3jax.checkpoint.source import checkpoint_error
+from k3jax.config import PRESETS, ConfigError, get_preset
+from k3jax.errors import InputError
+from k3jax.sharding.mesh import make_mesh
+from k3jax.sharding.placement import resolve_mesh
+
+
+def checkpoint_arg(path: str) -> str:
+    """argparse ``type`` of every flag that names a checkpoint directory to read (``--ckpt``, ``--init``,
+    ``--from``, ``--compare``, a positional DIR): a missing one is a parse error naming the flag (exit 2)."""
+    if (msg := checkpoint_error(path)) is not None:
+        raise argparse.ArgumentTypeError(msg)
+    return path
+
+
+def preset_arg(name: str) -> str:
+    """argparse ``type`` of every ``--preset``: a name of the preset table (``k3jax.config.PRESETS``)."""
+    try:
+        get_preset(name)
+    except ConfigError as e:  # "unknown preset ...; known presets: ...", the table's own wording
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def preset_help(text: str) -> str:
+    """A ``--preset`` flag's help: ``text`` and the preset table's names."""
+    return f"{text}; one of {', '.join(PRESETS)}"
+
+
+def add_model_source(parser, preset_text: str):
+    """``--ckpt DIR`` or ``--preset NAME`` (one of them; neither: the shipped k3-mini) of a command that runs a
+    model; ``preset_text`` is the --preset help's opening. Returns the mutually exclusive group."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--ckpt", type=checkpoint_arg, metavar="DIR",
+                     help="checkpoint directory (HF layout; default: the shipped k3-mini)")
+    src.add_argument("--preset", type=preset_arg, metavar="NAME", help=preset_help(preset_text))
+    return src
+
+
+def add_checkpoint_dir(parser, what: str) -> None:
+    """A checkpoint to read given as the positional ``DIR`` or as ``--ckpt DIR`` (``checkpoint_dir`` takes the one
+    given); ``what`` is DIR's help."""
+    parser.add_argument("dir", nargs="?", type=checkpoint_arg, metavar="DIR", help=what)
+    parser.add_argument("--ckpt", default=None, type=checkpoint_arg, metavar="DIR",
+                        help="checkpoint directory (same as the positional DIR)")
+
+
+def checkpoint_dir(args) -> str:
+    """The checkpoint directory from the positional DIR or ``--ckpt`` (exactly one of them)."""
+    if args.dir and args.ckpt and os.path.abspath(args.dir) != os.path.abspath(args.ckpt):
+        raise InputError(f"give the checkpoint once: DIR {args.dir!r} and --ckpt {args.ckpt!r} differ")
+    d = args.dir or args.ckpt
+    if not d:
+        raise InputError("give a checkpoint directory (DIR or --ckpt DIR)")
+    return d
+
+
+def add_strict_config(parser, of: str = "the checkpoint") -> None:
+    """``--strict-config``: unknown keys in ``of``'s config.json are errors, not warnings (``config.from_hf``)."""
+    parser.add_argument("--strict-config", action="store_true", help=f"unknown keys in {of}'s config.json are errors")
+
+
+def parse_mesh_arg(s: str | None):
+    """The mesh a forward-only command splits its rows (``data``) and their sequences (``context``) over
+    (``--mesh data=N,context=M``; parameters stay whole on every device). ``k3 route`` and ``k3 logits`` use it."""
+    if s is None:
+        return None
+    sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data", "context"))
+    return make_mesh({"data": sizes["data"], "context": sizes["context"]})
+
+
+__all__ = ["add_checkpoint_dir", "add_model_source", "add_strict_config", "checkpoint_arg", "checkpoint_dir",
+           "parse_mesh_arg", "preset_arg", "preset_help"]
