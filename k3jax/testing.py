@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from k3jax.model import abstract_params
+
 # Tolerances by comparison; change only in review (docs/design.md §3.3).
 TOL = {
     "fp32_vs_fp64": 1e-5,
@@ -70,8 +72,6 @@ def block(cls, key, **kw):
 def random_params(cfg, seed: int = 0, std: float = 0.02):
     """Random parameters of ``cfg``'s shapes and dtypes from NumPy (no jax PRNG compile): fixtures for I/O tests."""
     import jax
-
-    from k3jax.model import abstract_params
 
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda s: (std * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))

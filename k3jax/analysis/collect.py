@@ -25,7 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.analysis import metrics as am
+from k3jax.config import default_run
 from k3jax.errors import InputError
+from k3jax.model import forward, layer_view
+from k3jax.sharding.context_parallel import ContextParallel
 
 FIELDS = ("ids", "weights", "scores", "biased", "cutoff")
 DENSE_SPEC_LIMIT = 1 << 24  # V · E above this: the token-specialization table is kept sparse
@@ -60,15 +63,12 @@ def routing_fn(cfg, layers: Sequence[int] | None = None, fields: Sequence[str] =
     bad = [f for f in fields if f not in FIELDS]
     if bad:
         raise ValueError(f"unknown routing field(s) {bad}; known: {FIELDS}")
-    from k3jax.config import default_run
 
     return _routing_fn(cfg, tuple(layers), tuple(fields), default_run(cfg) if run is None else run, dispatch)
 
 
 @functools.cache
 def _routing_fn(cfg, layers: tuple[int, ...], fields: tuple[str, ...], run, dispatch):
-    from k3jax.model import forward, layer_view
-
     order = moe_layers(cfg)
 
     def route(params, tokens):
@@ -289,8 +289,6 @@ def collect(params, cfg, tokens, *, layers=None, seq_len: int = 128, batch: int 
         ax = mesh.axis_names[0]
         mult = mesh.shape[ax]
         if mesh.shape.get("context", 1) > 1:
-            from k3jax.sharding.context_parallel import ContextParallel
-
             dispatch = ContextParallel(mesh, "fsdp", batch=-(-batch // mult) * mult)
             wmult = dispatch.n
             if np.ndim(tokens) == 1:

@@ -20,18 +20,19 @@ import os
 
 import numpy as np
 
+from k3jax.analysis.collect import check_layers
+from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.container import INDEX_NAME, check_file_name, read_header
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.io import Checkpoint
 from k3jax.checkpoint.plan import FLOAT_DTYPES
+from k3jax.config import from_hf
 
 ROUTER = "block_sparse_moe.gate.weight"
 BIAS = "block_sparse_moe.gate.e_score_correction_bias"
 
 
 def _router_names(cfg, layer: int) -> tuple[str, str]:
-    from k3jax.checkpoint import name_map as nm
-
     pre = f"{nm.LAYOUTS[nm.default_layout(cfg)][0]}model.layers.{layer}."
     return pre + ROUTER, pre + BIAS
 
@@ -94,9 +95,6 @@ def static_router_analysis(path, layers=None, *, cfg=None, bins: int = 20, top_p
     Returns {"layers": [...], "bytes_read": payload bytes read, "header_bytes": header bytes read,
     "shards_touched": n, "config": name}. ``keep_arrays`` adds each layer's ``router_norms`` and ``bias`` arrays
     (lists) and the full cosine matrix under ``cosine_matrix`` (E × E floats: small presets only)."""
-    from k3jax.analysis.collect import check_layers
-    from k3jax.config import from_hf
-
     path = os.fspath(path)
     if cfg is None:
         cfg_file = os.path.join(path, "config.json")

@@ -36,6 +36,9 @@ import numpy as np
 
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run, get_preset, k3_full_attn_layers
 from k3jax.errors import InputError, int_list
+from k3jax.model import forward, init_params
+from k3jax.optim.optimizer import OptimConfig, make_optimizer
+from k3jax.train.step import StepSpec, init_state, make_loss, make_train_step
 
 STACKS = ("loop", "scan")
 PARTS = ("forward", "grad", "train_step")
@@ -66,8 +69,6 @@ def k3_schedule(cfg: K3Config, L: int) -> K3Config:
 
 
 def _abstract_params(cfg: K3Config, run: RunConfig):
-    from k3jax.model import init_params
-
     return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), run))
 
 
@@ -86,9 +87,6 @@ def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, lo
     share of the step, what the scan acts on) and of the real train step (nothing runs), those of them in ``parts``:
     ``{"forward": {"lower_s", "compile_s"}, "grad": {...}, "train_step": {...}}``; ``log(part, times)`` after each."""
     log = log or (lambda part, t: None)
-    from k3jax.model import forward
-    from k3jax.optim.optimizer import OptimConfig, make_optimizer
-    from k3jax.train.step import StepSpec, init_state, make_train_step
 
     params = _abstract_params(cfg, run)
     out = {}
@@ -113,8 +111,6 @@ def compile_times(cfg: K3Config, run: RunConfig, *, batch: int, seq_len: int, lo
 
 
 def _loss_grad(cfg: K3Config, run: RunConfig):
-    from k3jax.train.step import StepSpec, make_loss
-
     return jax.value_and_grad(make_loss(cfg, run, StepSpec()), has_aux=True)
 
 

@@ -59,7 +59,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.bench.common import time_median
+from k3jax.config import default_run, get_preset
 from k3jax.errors import InputError, int_list
+from k3jax.model import count_params, init_params
+from k3jax.model.cache import cache_bytes, cache_shapes, capacity, extend_donated, layer_cache_shapes
+from k3jax.ops.latent_attention import latent_attention
 
 TILE = 4096  # positions of random latents drawn per cache; longer contexts repeat them
 TARGETS = {"decode_time_16k_over_1k": 1.3, "decode_time_1k_in_64k_cache_over_1k_cache": 1.2}
@@ -92,8 +96,6 @@ def synthetic_cache(cfg, batch: int, max_len: int, context: int, run, seed: int 
     """A cache of ``batch`` rows holding ``context`` tokens each, filled with random values of realistic scale
     (module docstring) instead of a prefill. Drawn with NumPy on the host: eager jax ops would compile one program
     per leaf shape."""
-    from k3jax.model.cache import cache_shapes
-
     rng = np.random.default_rng(seed)
     shapes = cache_shapes(cfg, batch, max_len, run)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
@@ -119,8 +121,6 @@ def synthetic_cache(cfg, batch: int, max_len: int, context: int, run, seed: int 
 
 def _zero_cache(cfg, batch: int, max_len: int, run):
     """``init_cache`` without eager jax ops (host zeros, then one transfer per leaf)."""
-    from k3jax.model.cache import cache_shapes
-
     return jax.tree.map(lambda s: jnp.asarray(np.zeros(s.shape, s.dtype)), cache_shapes(cfg, batch, max_len, run))
 
 
@@ -167,8 +167,6 @@ def _compile_extend(params, cfg, run, cache, T: int, *, absorbed: bool):
     """``cache.extend_donated`` (the cache donated) with ``last_only``, compiled for pieces [B, T] on ``cache``'s
     shapes: with T = 1 the program ``decode_step(..., donate=True)`` runs, with T > 1 a prefill (without the copy of the
     cache that an undonated call makes)."""
-    from k3jax.model.cache import extend_donated
-
     B = cache["lengths"].shape[0]
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
     n = jax.ShapeDtypeStruct((B,), jnp.int32)
@@ -194,8 +192,6 @@ def _attention_alone(cfg, run, B: int, S: int, context: int, *, reps: int) -> fl
 
 @functools.lru_cache
 def _attention_fn(scale: float, block: int):
-    from k3jax.ops.latent_attention import latent_attention
-
     return jax.jit(lambda qn, qr, c, kr, wk, wv, q_pos, kv_len: latent_attention(
         qn, qr, c, kr, wk, wv, q_pos=q_pos, kv_len=kv_len, scale=scale, block=block, absorbed=True))
 
@@ -209,10 +205,6 @@ def _read_bandwidth(nbytes: int, *, reps: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------- run
 
 def run(args) -> dict:
-    from k3jax.config import default_run, get_preset
-    from k3jax.model import count_params, init_params
-    from k3jax.model.cache import cache_bytes, cache_shapes, capacity
-
     contexts = sorted(set(args.contexts))
     batches = sorted(set(args.batches))
     if len(contexts) < 2:
@@ -383,8 +375,6 @@ def weight_bytes_touched(params, cfg, batch: int) -> int:
 
 def _mla_leaves(cfg, run):
     """(name, ShapeDtypeStruct) of one MLA layer's cache, one token per row."""
-    from k3jax.model.cache import layer_cache_shapes
-
     return list(layer_cache_shapes(cfg, cfg.mla_layers[0], 1, 1, run).items())
 
 

@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.bench.common import time_median
+from k3jax.bench.kda import FLOP_FORMULA, chunked_flops
+from k3jax.ops import kda
 from k3jax.testing import rel_rms
 
 FWD_TOL = 1e-4  # kernel (IEEE fp32 dots) vs XLA chunked (may use TF32): forward output and state
@@ -45,8 +48,7 @@ def inputs(key, B, T, H, K, V, gate):
 
 def check_correctness(out: dict, block_v: int) -> bool:
     """Kernel vs XLA chunked at a small size: forward for both gates with an initial state, and gradients."""
-    from k3jax.ops import kda
-    from pallas_kernels.kda import kda_chunk
+    from pallas_kernels.kda import kda_chunk  # the GPU kernel: imported inside the try, its failure lands in the JSON
 
     ok = True
     for gate, lb in (("safe", -5.0), ("softplus", None)):
@@ -77,10 +79,7 @@ def check_correctness(out: dict, block_v: int) -> bool:
 
 def time_pallas_vs_xla(out: dict, args, t_start: float) -> None:
     """Pallas vs XLA chunked forward at T = 8192, 16384, ... up to --max-seq, until --budget-s has passed."""
-    from k3jax.bench.common import time_median
-    from k3jax.bench.kda import FLOP_FORMULA, chunked_flops
-    from k3jax.ops import kda
-    from pallas_kernels.kda import kda_chunk
+    from pallas_kernels.kda import kda_chunk  # the GPU kernel: imported inside the try, its failure lands in the JSON
 
     H, K = args.heads, 128
     out["flop_formula"] = FLOP_FORMULA

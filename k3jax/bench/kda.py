@@ -29,7 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.bench.common import matmul_peak_flops, time_median
+from k3jax.ops import kda
 from k3jax.ops.kda import SUB_CHUNK, kda_chunked
+from k3jax.testing import rel_rms
+from pallas_kernels.kda import kda_chunk
 
 FLOP_FORMULA = ("per token per head: 4*C*K + C*(K+V) + 6*K*V + 2*C*V "
                 "(A_kk + A_qk, unit-lower solve, W S + Q S + K^T V~, A_qk V~); C = chunk size")
@@ -81,8 +84,6 @@ def _inputs(key, B, T, H, K, V):
 def _measure(fns: dict, x, *, reps: int, with_pallas: bool) -> dict:
     """Times of one input set, and the correctness check: rel-RMS of chunked vs recurrent and Pallas vs chunked,
     the larger of output and final state (both rungs run float32, so TOL["fp32_vs_fp64"] bounds them)."""
-    from k3jax.testing import rel_rms
-
     r = {"recurrent_s": time_median(fns["recurrent"], *x, reps=reps),
          "chunked_s": time_median(fns["chunked"], *x, reps=reps)}
     rec, chk = fns["recurrent"](*x), fns["chunked"](*x)
@@ -94,9 +95,6 @@ def _measure(fns: dict, x, *, reps: int, with_pallas: bool) -> dict:
 
 
 def run(args) -> dict:
-    from k3jax.ops import kda
-    from pallas_kernels.kda import kda_chunk
-
     quick = args.quick
     seqs = args.seq or ([256] if quick else [1024, 4096, 16384])
     H = args.heads or (2 if quick else 4)

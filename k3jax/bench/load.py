@@ -47,6 +47,13 @@ import sys
 import tempfile
 import time
 
+from k3jax.checkpoint.host import aligned_empty, current_rss_bytes, hwm_rss_bytes, reset_peak_rss
+from k3jax.checkpoint.load import load
+from k3jax.checkpoint.save import save
+from k3jax.config import get_preset
+from k3jax.model import abstract_params
+from k3jax.sharding.mesh import make_mesh
+
 # The on-disk representation: BF16 dense tensors (transposed to k3jax's [in, out]) and packed MXFP4 experts.
 AS_STORED = {"dtype": "bfloat16", "keep_experts_packed": True}
 
@@ -58,8 +65,6 @@ def add_arguments(p) -> None:
 
 
 def _configs(quick: bool, preset: str = "k3-mini"):
-    from k3jax.config import get_preset
-
     small = get_preset(preset)
     if quick:
         return [(preset, small)]
@@ -78,9 +83,6 @@ def _write(cfg, d: str) -> None:
     import jax
     import numpy as np
 
-    from k3jax.checkpoint.save import save
-    from k3jax.model import abstract_params
-
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))
     save(params, cfg, d)
@@ -92,9 +94,6 @@ def _child(d: str, repeats: int) -> dict:
 
     import jax
     import numpy as np
-
-    from k3jax.checkpoint.load import load
-    from k3jax.sharding.mesh import make_mesh
 
     files = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
     size = sum(os.path.getsize(f) for f in files)
@@ -110,8 +109,6 @@ def _child(d: str, repeats: int) -> dict:
     def fresh_read() -> float:
         """The same reads into newly allocated buffers (one per file), as any loader's outputs must be: the kernel
         zero-fills each new page on first touch, a write pass the reused-buffer raw read does not pay."""
-        from k3jax.checkpoint.host import aligned_empty
-
         t = time.perf_counter()
         for f in files:
             with open(f, "rb", buffering=0) as fh:
@@ -162,10 +159,6 @@ def _child_mem(d: str, mode: str) -> dict:
     import gc
 
     import jax
-
-    from k3jax.checkpoint.host import current_rss_bytes, hwm_rss_bytes, reset_peak_rss
-    from k3jax.checkpoint.load import load
-    from k3jax.sharding.mesh import make_mesh
 
     mesh = make_mesh({"expert": jax.device_count()})
     kw = AS_STORED if mode == "as_stored" else {}

@@ -21,7 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.bench.common import matmul_peak_flops, time_median
-from k3jax.config import QAT_MODES
+from k3jax.config import QAT_MODES, default_run, get_preset
+from k3jax.model import init_params
+from k3jax.optim.optimizer import OptimConfig, make_optimizer
+from k3jax.train.flops import flops_per_token
+from k3jax.train.step import StepSpec, init_state, make_train_step
 
 
 def add_arguments(parser) -> None:
@@ -37,12 +41,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    from k3jax.config import default_run, get_preset
-    from k3jax.model import init_params
-    from k3jax.optim.optimizer import OptimConfig, make_optimizer
-    from k3jax.train.flops import flops_per_token
-    from k3jax.train.step import StepSpec, init_state, make_train_step
-
     quick = getattr(args, "quick", False)
     preset = args.preset or ("k3-tiny" if quick else "k3-mini")
     B = args.batch or (4 if quick else 8)

@@ -32,6 +32,7 @@ from k3jax.checkpoint.io import Checkpoint
 from k3jax.checkpoint.plan import Plan
 from k3jax.errors import InputError
 from k3jax.layers.experts import PACKED_PARTS, packed_name, parse_packed_name
+from k3jax.model import layout
 from k3jax.pytree import key_names
 from k3jax.quant.host import mxfp4_dequantize_T_into
 from k3jax.sharding.mesh import make_mesh
@@ -163,8 +164,6 @@ class OutLeaf(NamedTuple):
 
 def view_rows(path: tuple, cfg) -> tuple[tuple, ...]:
     """The per-layer-view paths a state leaf holds, in stack order (k3jax/model/layout.py)."""
-    from k3jax.model import layout
-
     lay = layout(cfg)
     if path[0] == "groups":
         return tuple(("layers", l, *path[3:]) for l in lay.stacked_layers(path[2]))

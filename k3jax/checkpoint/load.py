@@ -51,7 +51,8 @@ from k3jax.checkpoint.leaves import (
     source_path,
 )
 from k3jax.checkpoint.plan import Plan, plan_load
-from k3jax.config import architecture_diff, from_hf
+from k3jax.config import RunConfig, architecture_diff, from_hf
+from k3jax.model import abstract_params
 from k3jax.pytree import get_path, set_path
 
 
@@ -193,8 +194,6 @@ def load(path, *, cfg=None, mesh: Mesh | None = None, shardings=None, dtype=None
     if verify:
         verify_manifest(path)
     mesh = mesh if mesh is not None else default_mesh()
-    from k3jax.config import RunConfig
-    from k3jax.model import abstract_params
 
     abstract = abstract_params(cfg, RunConfig(param_dtype=np.dtype(dtype or "float32").name))  # cached per config
     t4 = time.perf_counter()

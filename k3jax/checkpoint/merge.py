@@ -25,6 +25,7 @@ import numpy as np
 
 from k3jax.config import K3Config, LoRAConfig
 from k3jax.layers.lora import adapter_names, is_adapter
+from k3jax.model.layout import restack, unstack
 from k3jax.ops import mx
 from k3jax.ops.lora import lora_weight
 
@@ -59,8 +60,6 @@ def merge_adapter(params, cfg: K3Config, lora: LoRAConfig, *, expert_format: str
     """(the merged base tree in the state layout, {"tensors": per layer and leaf stats, "summary": ...}).
     ``params``: a float base (experts dequantized) with the adapter's leaves merged in
     (``layers.experts.merge_trees``)."""
-    from k3jax.model.layout import restack, unstack
-
     fmt = expert_format or cfg.expert_format
     view = unstack(jax.device_get(params), cfg)
     stats: dict = {}

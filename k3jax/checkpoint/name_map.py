@@ -43,7 +43,10 @@ import numpy as np
 from k3jax.checkpoint.safetensors_layout import nbytes, order_key, shard_file_name
 from k3jax.config import K3Config
 from k3jax.errors import InputError
+from k3jax.model import abstract_model
+from k3jax.model import layout as model_layout  # `layout` is this module's parameter name (the HF layout)
 from k3jax.ops.mx import BLOCK_SIZE, mxfp4_packed_shapes
+from k3jax.quant import mxfp4_pack, mxfp4_unpack
 
 Path = tuple  # a path into the params tree, e.g. ("layers", 3, "kda", "wq")
 
@@ -164,10 +167,8 @@ def _walk(module, name: str, path: Path, stacked: bool):
 @functools.lru_cache(maxsize=16)
 def _entries(cfg: K3Config) -> tuple[tuple[HFLeafEntry, ...], dict[int, tuple[HFLeafEntry, ...]]]:
     """(model-level entries, {layer: entries}) from the abstract model (``nnx.eval_shape``, no memory)."""
-    from k3jax.model import abstract_model, layout
-
     model = abstract_model(cfg)
-    lay = layout(cfg)
+    lay = model_layout(cfg)
     glob = tuple(_walk(model, "", (), False))
     layers = {}
     for l in range(cfg.num_layers):
@@ -349,16 +350,12 @@ def leaf_to_hf(value, spec: TensorSpec) -> np.ndarray:
 def expert_from_hf(packed, scale, spec: TensorSpec) -> np.ndarray:
     """One MXFP4 expert matrix → dense [in, out] float32 (needs ``k3jax.quant.mxfp4_unpack(packed, scale)``
     returning the torch-oriented [out, in] values)."""
-    from k3jax.quant import mxfp4_unpack  # written elsewhere; imported lazily
-
     return np.asarray(mxfp4_unpack(np.asarray(packed), np.asarray(scale)), np.float32).T
 
 
 def expert_to_hf(weight, spec: TensorSpec) -> tuple[np.ndarray, np.ndarray]:
     """One dense [in, out] expert matrix (or the [E, in, out] stack, sliced at ``spec.expert``) → (packed, scale)
     U8 via ``k3jax.quant.mxfp4_pack`` on the torch-oriented [out, in] matrix."""
-    from k3jax.quant import mxfp4_pack  # written elsewhere; imported lazily
-
     w = np.asarray(weight)
     w = w[spec.expert] if w.ndim == 3 else w
     packed, scale = mxfp4_pack(w.T)

@@ -51,6 +51,7 @@ from k3jax.checkpoint.io import Checkpoint
 from k3jax.checkpoint.save import write_shard
 from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, architecture, architecture_diff
 from k3jax.layers.lora import adapter_names, is_adapter
+from k3jax.model import abstract_params, leaf_location
 from k3jax.pytree import get_path, key_names, set_path
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -81,8 +82,6 @@ class Module(NamedTuple):
 
 def _adapter_leaves(cfg: K3Config, run: RunConfig, rank: int, target: str) -> dict:
     """``{state path: ShapeDtypeStruct}`` of the adapter leaves a rank-``rank`` adapter on ``target`` adds."""
-    from k3jax.model import abstract_params
-
     tree = abstract_params(cfg, run.replace(lora=LoRAConfig(rank=rank, targets=(target,))))
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {key_names(p): s for p, s in flat if is_adapter(key_names(p)[-1])}
@@ -90,8 +89,6 @@ def _adapter_leaves(cfg: K3Config, run: RunConfig, rank: int, target: str) -> di
 
 def modules(cfg: K3Config, run: RunConfig, rank: int) -> list[Module]:
     """Every module a rank-``rank`` adapter can hold on this base, in the name map's order (layer, then name)."""
-    from k3jax.model import leaf_location
-
     leaves = {t: _adapter_leaves(cfg, run, rank, t) for t in LORA_TARGETS}
     renames = MODULE_RENAMES[nm.default_layout(cfg)]
     out = []
@@ -131,8 +128,6 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     ``run.lora`` as a PEFT LoRA adapter directory, atomically (temp dir + rename; an existing non-empty
     ``out_dir`` is replaced only with ``overwrite``). Factors are stored in their own dtype (BF16, else F32).
     Returns {"dir", "modules", "tensors"}."""
-    from k3jax.model import leaf_location
-
     lora = run.lora
     if lora is None:
         raise CheckpointError("run.lora is None: no adapter to save")
@@ -270,8 +265,6 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
     stacked groups carry the leading layers axis) in its dtypes; merge them into the base params with
     ``k3jax.layers.experts.merge_trees`` and run with ``run_base.replace(lora=lora)``. Raises CheckpointError (an
     InputError) naming the file and the field, tensor or module for anything that does not fit (module doc)."""
-    from k3jax.model import abstract_params, leaf_location
-
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError("not an adapter directory", file=path)

@@ -18,6 +18,7 @@ from k3jax.checkpoint.container import INDEX_NAME
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
 from k3jax.checkpoint.save import config_json, index_json
+from k3jax.config import get_preset
 
 # headers (~76 MB) + index (~60 MB) + slack; the payload is holes
 MIN_FREE_BYTES = 1 << 30
@@ -42,8 +43,6 @@ def make_sparse_checkpoint(out_dir, cfg=None, *, vision_tsv: str | None = None,
     Returns {"files": [...], "file_bytes": {file: size}, "total_size": payload bytes, "allocated_bytes": disk use}.
     Raises CheckpointError when free space is below ``min_free_bytes`` or the filesystem does not keep holes.
     """
-    from k3jax.config import get_preset
-
     cfg = cfg or get_preset("kimi-k3")
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)

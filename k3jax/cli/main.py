@@ -82,7 +82,7 @@ def devices_asked(args) -> tuple[str, int] | None:
     command reports it) and for ``k3 plan`` (its ``--target cpu:N`` starts its own devices)."""
     mesh = getattr(args, "mesh", None)
     if isinstance(mesh, str):
-        from k3jax.sharding.placement import parse_mesh
+        from k3jax.sharding.placement import parse_mesh  # imports jax: kept out of module level (see above)
 
         try:
             return f"--mesh {mesh}", math.prod(parse_mesh(mesh).values())
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _warnings_as_messages(command: str):
     """Print k3jax's own warnings (e.g. unknown config keys) as one ``k3 CMD: warning: ...`` line on stderr,
     instead of Python's ``file:line: Category: ...`` plus the source line; other warnings keep the default."""
-    from k3jax.config import UnknownConfigKeysWarning
+    from k3jax.config import UnknownConfigKeysWarning  # no k3jax import at module level (see above)
 
     default = warnings.showwarning
 

@@ -7,11 +7,13 @@ unless the "ragged" dispatch asks for the kernel).
 
 from __future__ import annotations
 
+from pallas_kernels.platform import target_platform
+
 
 def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate_lower_bound, segment_ids=None):
     """Chunked KDA forward as a Pallas kernel (custom VJP through the jnp chunked path); see pallas_kernels/kda.
     ``segment_ids`` [B, T]: packed documents, each from a zero state (``k3jax.ops.segments``)."""
-    from pallas_kernels.kda import kda_chunk
+    from pallas_kernels.kda import kda_chunk  # Pallas: imported lazily, so the XLA paths never import Pallas
 
     docs = {} if segment_ids is None else {"segment_ids": segment_ids}
     return kda_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
@@ -21,8 +23,6 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate
 def kernel_target() -> str:
     """The platform being compiled for ('cpu', 'gpu' or 'tpu'): the current (abstract) mesh's device, else the
     default backend (``pallas_kernels.platform.target_platform``)."""
-    from pallas_kernels.platform import target_platform
-
     return target_platform()
 
 
@@ -34,7 +34,7 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
     ``shard_map`` the TPU one), so ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too
     (``ExpertParallel(packed_kernel="pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it
     takes the XLA loop of k3jax/ops/packed_experts.py."""
-    from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm
+    from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm  # Pallas, lazily (the module docstring)
 
     target = kernel_target()
     return gmm(x, packed, scale, group_sizes, platform=platform or target, interpret=target == "cpu")
@@ -47,7 +47,7 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, 
     x by the transposed kernel. ``platform``, the interpreter on CPU: as ``mxfp4_gmm``."""
     import jax.numpy as jnp
 
-    from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn as ffn
+    from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn as ffn  # Pallas, lazily (the module docstring)
 
     target = kernel_target()
     return ffn(x, tuple(w1), tuple(w3), tuple(w2), group_sizes, act, act_quant=act_quant,

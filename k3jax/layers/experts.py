@@ -24,6 +24,7 @@ from flax import nnx
 
 from k3jax.layers.common import HFLeaf, normal, param
 from k3jax.ops.mx import mxfp4_packed_shapes
+from k3jax.ops.packed_experts import PackedWeight
 
 STACKS = ("w1", "w3", "w2")
 PACKED_PARTS = ("packed", "scale")
@@ -149,8 +150,6 @@ class Experts(nnx.Module):
     def weights(self) -> tuple:
         """(w1, w3, w2): the stacks [E, P, F], [E, P, F], [E, F, P], or their ``PackedWeight`` pairs."""
         if self.is_packed:
-            from k3jax.ops.packed_experts import PackedWeight  # imported lazily, as mx: the plain model needs neither
-
             return tuple(PackedWeight(*(getattr(self, packed_name(n, part))[...] for part in PACKED_PARTS))
                          for n in STACKS)
         return tuple(getattr(self, n)[...] for n in STACKS)

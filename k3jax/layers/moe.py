@@ -37,9 +37,12 @@ from k3jax.layers import backends, lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.layers.experts import PACKED_DISPATCH, Experts
 from k3jax.layers.ffn import GLU
+from k3jax.ops import mx
 from k3jax.ops.activations import glu_activation
 from k3jax.ops.grouped_matmul import EXPERT_IMPLS
+from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.norms import acc_dtype, rms_norm
+from k3jax.ops.packed_experts import experts_packed
 from k3jax.ops.routing import Routing, route
 
 
@@ -95,8 +98,6 @@ class MoE(nnx.Module):
         adapted = any(lora.has_adapter(self.experts, n) for n in ("w1", "w3", "w2"))
         act_quant = None
         if qat != "off":
-            from k3jax.ops import mx  # imported lazily: the plain model never touches MX code
-
             if not packed:
                 w1 = mx.fake_quant_mxfp4(w1, axis=1, rule=qat_weight_rule)
                 w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
@@ -108,12 +109,8 @@ class MoE(nnx.Module):
         if not isinstance(dispatch, str):
             experts_fn = dispatch
         elif adapted:
-            from k3jax.ops.lora_experts import experts_lora
-
             experts_fn = partial(experts_lora, gmm=backends.mxfp4_gmm if packed else None)
         elif packed:
-            from k3jax.ops.packed_experts import experts_packed
-
             experts_fn = partial(experts_packed, impl=PACKED_DISPATCH[dispatch], gmm=backends.mxfp4_glu_ffn)
         else:
             experts_fn = EXPERT_IMPLS[dispatch]

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from k3jax.config import K3Config
+from k3jax.model.functional import abstract_params
 from k3jax.pytree import key_names
 
 
@@ -40,8 +41,6 @@ def active_leaf(cfg: K3Config, names: tuple, size: int) -> int:
 def active_params(cfg: K3Config) -> tuple[int, int]:
     """(active parameters of ``cfg``, the routed experts' part of them), from its parameter shapes (allocates
     nothing; works at full size)."""
-    from k3jax.model.functional import abstract_params
-
     total = experts = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]:
         names = key_names(path)

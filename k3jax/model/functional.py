@@ -19,6 +19,7 @@ from flax import nnx
 
 from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, default_run
 from k3jax.layers.experts import holds_packed
+from k3jax.layers.mla import MLADims
 from k3jax.model.network import K3Model
 
 
@@ -118,8 +119,6 @@ def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None
 
 def mla_dims(cfg: K3Config):
     """(num_heads, nope, rope, value) of the model's MLA layers (``k3jax.layers.mla.MLADims``)."""
-    from k3jax.layers.mla import MLADims
-
     return MLADims(cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
 
 

@@ -12,8 +12,17 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import K3Config
+from k3jax.layers.experts import parse_packed_name, split_packed
+from k3jax.layers.lora import is_adapter
+from k3jax.model import active_params
+from k3jax.model.cache import cache_leaf_axes, cache_shapes
+from k3jax.optim.dist_muon import loops, one_group, pool_plan, route, view_spec
+from k3jax.optim.optimizer import OptimConfig, leaf_rule, whole_leaf_rule
 from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
-from k3jax.pytree import key_names
+from k3jax.pytree import key_names, path_str
+from k3jax.sharding import placement as place
+from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.sharding.rules import logical_to_spec, param_specs
 
 # (block, leaf) the official checkpoint stores as F32 (tests/golden/k3/tensors.tsv.gz: e_score_correction_bias, and
 # A_log, dt_bias, the q/k/v conv1d weights and o_norm of every KDA layer); every other non-expert tensor is BF16
@@ -44,11 +53,6 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
     as stored. Plus the tokens (int32, split over the batch axes). Step counters, the RNG key and Muon's
     Newton–Schulz coefficients are left out (bytes). ``gradient_bytes``: 4 per trainable element (the lower bound's
     gradient term; not an argument)."""
-    from k3jax.layers.experts import parse_packed_name
-    from k3jax.layers.lora import is_adapter
-    from k3jax.optim.optimizer import leaf_rule
-    from k3jax.sharding import placement as place
-    from k3jax.sharding.rules import param_specs
 
     spec = with_defaults(spec)[0]
     abstract = plan_params(cfg, spec)
@@ -85,14 +89,10 @@ def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> di
     positions, the scanned layout): ``global``, ``per_device`` under the cache's shardings
     (``placement.cache_shardings``: the small-batch rule replicates it), and the per-device split into the KDA
     state + conv tails and the MLA latent."""
-    from k3jax.model.cache import cache_leaf_axes, cache_shapes
-    from k3jax.sharding import placement as place
-    from k3jax.sharding.rules import logical_to_spec
 
     spec = with_defaults(spec)[0]
     context = None
     if place.uses_context(strategy, sizes):                  # a context-parallel prefill: the sequence's split
-        from k3jax.sharding.context_parallel import ContextParallel
 
         context = ContextParallel(sizes, strategy, batch=spec.batch)
     rules = place.cache_rules(strategy, context)
@@ -124,11 +124,6 @@ def newton_schulz_flops(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: st
     splits the leaf (a replicated leaf is orthogonalized whole on every device) — the ideal XLA misses there: it
     computes X·Xᵀ of a sharded block in pieces but may hold A whole and square it on every device (on v6e-256 each
     shared-expert block's 6144² A·A, 9/10 of the frozen step's optimizer FLOPs, experiments/LOG.md)."""
-    from k3jax.layers.experts import split_packed
-    from k3jax.optim.dist_muon import loops, one_group, pool_plan, route, view_spec
-    from k3jax.optim.optimizer import OptimConfig, whole_leaf_rule
-    from k3jax.pytree import path_str
-    from k3jax.sharding.rules import param_specs
 
     out = {"global": 0.0, "per_device": 0.0, "padding": 0.0}
     if spec.mode in SERVING:  # no optimizer step
@@ -184,7 +179,6 @@ def attention_flops(cfg: K3Config, spec: PlanSpec) -> float:
 def lora_active_params(cfg: K3Config, spec: PlanSpec) -> float:
     """Adapter parameters one token runs through in a lora plan: every dense adapter, and the routed experts'
     adapters times top-k / E."""
-    from k3jax.layers.lora import is_adapter
 
     total = 0.0
     for path, x in jax.tree_util.tree_flatten_with_path(plan_params(cfg, spec))[0]:
@@ -203,8 +197,6 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     (``sizes``, ``strategy``), plus the optimizer's Newton–Schulz split over the devices (``newton_schulz_flops``:
     per device x devices, so a replicated block counts once per device, as the compiled program's total does).
     ``useful``: the same without the remat recompute (the roofline's compute term)."""
-    from k3jax.model import active_params
-    from k3jax.optim.optimizer import OptimConfig
 
     spec = with_defaults(spec)[0]
     n_active, n_exp = active_params(cfg)

@@ -25,7 +25,11 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+from k3jax.checkpoint.name_map import default_layout, hf_tensors, leaf_shapes, shard_tensors
+from k3jax.checkpoint.safetensors_layout import shard_layout
 from k3jax.errors import InputError
+from k3jax.model import abstract_params, count_params
+from k3jax.model.counts import active_leaf
 from k3jax.plan.hardware import DEFAULT_HARDWARE, parse_hardware
 
 DEFAULT_CONTEXT = 131072
@@ -62,8 +66,6 @@ def _component(path: tuple) -> str:
 
 def specs_with_fallback(cfg):
     """Name-map tensors, falling back to bf16 experts when the widths do not fit MXFP4 groups (noted)."""
-    from k3jax.checkpoint.name_map import hf_tensors
-
     try:
         return hf_tensors(cfg), cfg.expert_format, None
     except InputError as e:
@@ -73,10 +75,6 @@ def specs_with_fallback(cfg):
 
 
 def build_plan(cfg, meshes=DEFAULT_HARDWARE, context: int = DEFAULT_CONTEXT, batch: int = 1) -> dict:
-    from k3jax.checkpoint.name_map import default_layout, leaf_shapes
-    from k3jax.model import abstract_params, count_params
-    from k3jax.model.counts import active_leaf
-
     if context < 0 or batch < 1:
         raise InputError(f"--context must be >= 0 and --batch >= 1 (got {context}, {batch})")
     mesh_info = [(m, *parse_hardware(m)) for m in meshes]
@@ -181,9 +179,6 @@ def build_plan(cfg, meshes=DEFAULT_HARDWARE, context: int = DEFAULT_CONTEXT, bat
 
 def shard_rows(cfg) -> list[dict]:
     """One row per text shard: file, file size, header length N, header sha256 (from the name map alone)."""
-    from k3jax.checkpoint.name_map import shard_tensors
-    from k3jax.checkpoint.safetensors_layout import shard_layout
-
     _, fmt, _ = specs_with_fallback(cfg)
     rows = []
     for f, specs in shard_tensors(cfg, expert_format=fmt):

@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from k3jax.config import K3Config
+from k3jax.reference.kda import kda_layer as kda_ref
 
 
 def f64(tree):
@@ -130,8 +131,6 @@ def ref_forward(params, tokens, cfg: K3Config, routing: dict | None = None):
 
     ``routing`` (a dict), if given, is filled {decoder layer: [per sequence: [per token: (ids, k-th biased score,
     (k+1)-th biased score)]]} for every MoE layer."""
-    from k3jax.reference.kda import kda_layer as kda_ref
-
     if not isinstance(params.get("layers"), list | tuple):
         raise ValueError("ref_forward takes the per-layer view {'layers': [...], ...} (k3jax.model.unstack)")
     P = f64(params)

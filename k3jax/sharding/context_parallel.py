@@ -56,6 +56,7 @@ from k3jax.ops.grouped_matmul import varying_zeros
 from k3jax.ops.kda import causal_conv_silu, l2norm
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.segments import runs
+from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import axis_sizes
 from k3jax.sharding.rules import mesh_axes_of
 
@@ -101,8 +102,6 @@ class ContextParallel:
         # device when the rules do not shard them). Left to XLA, the MoE's sort by expert over all rows made every
         # device route and run the whole sequence's experts (k3-mini, T = 1024 on context = 8: the same 7.5 GFLOP
         # per device as one device; experiments/LOG.md).
-        from k3jax.sharding.expert_parallel import ExpertParallel
-
         self._experts = ExpertParallel(mesh, rules, context=self, **experts)   # experts: its settings (capacity, …)
 
     @property

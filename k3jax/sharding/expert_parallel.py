@@ -60,6 +60,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from k3jax.errors import InputError
+from k3jax.layers import backends
 from k3jax.ops.grouped_matmul import experts_sorted
 from k3jax.ops.lora import LoraWeight
 from k3jax.ops.lora_experts import experts_lora
@@ -219,8 +220,6 @@ def _packed_kernels(packed_kernel: str):
     """The grouped MXFP4 kernels the local packed experts run — (grouped matmul, grouped GLU FFN) — or None for the
     XLA loop: "tiles" never; "pallas" always (for a CPU target the TPU schedule in the TPU interpreter: the code
     TPUs run, as tests run it); "auto" when compiling for a GPU or TPU."""
-    from k3jax.layers import backends
-
     target = backends.kernel_target()
     if packed_kernel == "tiles" or (packed_kernel == "auto" and target == "cpu"):
         return None

@@ -27,7 +27,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.errors import InputError
 from k3jax.layers.lora import has_adapters, is_adapter
+from k3jax.model import param_axes
+from k3jax.model.cache import cache_leaf_axes
 from k3jax.pytree import get_path, key_names, path_str
+from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
 from k3jax.sharding.rules import STRATEGIES, get_rules, logical_to_spec, mesh_axes_of, param_specs
 
@@ -173,12 +177,10 @@ def expert_dispatch(strategy: str, mesh, *, batch: int | None = None, **kw):
     if uses_context(strategy, mesh):
         if batch is None:
             raise ValueError("a mesh with a context axis needs the batch size to place the sequence")
-        from k3jax.sharding.context_parallel import ContextParallel
 
         context = ContextParallel(mesh, strategy, batch=batch, **kw)
     if not mesh_axes_of("experts", strategy, mesh):
         return context
-    from k3jax.sharding.expert_parallel import ExpertParallel
 
     return ExpertParallel(mesh, strategy, context=context, **kw)
 
@@ -197,8 +199,6 @@ def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False, conte
     small-batch rule, on every device), the latent cache's positions over ``context``, the KDA state and conv tails
     over the heads' axes; a mesh axis the rows already took is not reused. ``context``: a ``ContextParallel`` whose
     split places the rows (its batch axes) and the positions (its sequence axes: a context-parallel prefill)."""
-    from k3jax.model.cache import cache_leaf_axes
-
     rules = cache_rules(strategy, context)
 
     def one(path, x):
@@ -212,8 +212,6 @@ def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False, conte
 
 def _slice_table(cfg, params) -> dict:
     """{key names: (logical axes, shape)} for every parameter."""
-    from k3jax.model import param_axes
-
     axes = param_axes(cfg, adapters=has_adapters(params))
     table = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):

@@ -39,6 +39,7 @@ from k3jax.config import K3Config
 from k3jax.errors import InputError
 from k3jax.layers.experts import packed_axes, parse_packed_name
 from k3jax.layers.lora import has_adapters, is_adapter
+from k3jax.model import abstract_params, param_axes
 from k3jax.notation import LOGICAL_AXES
 from k3jax.pytree import get_path, key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
@@ -138,8 +139,6 @@ def param_specs(cfg: K3Config, rules, mesh, params=None):
     """PartitionSpec per parameter leaf, from the logical axes each block attached to its Params
     (``k3jax.model.param_axes``). ``mesh``: a Mesh, AbstractMesh or {axis: size} dict. ``params`` (optional) is
     a tree with the model's structure whose leaf shapes are used instead of the abstract ones."""
-    from k3jax.model import abstract_params, param_axes
-
     get_rules(rules)  # validate the table once, before any leaf
     params = abstract_params(cfg) if params is None else params
     axes = param_axes(cfg, adapters=has_adapters(params))

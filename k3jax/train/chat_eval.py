@@ -18,7 +18,10 @@ import json
 import numpy as np
 
 from k3jax.chat import BUILTIN_TEMPLATE, read_chat_jsonl, render, template_for
+from k3jax.model.generate import generate
 from k3jax.tokenizer import ByteTokenizer
+from k3jax.train import data as tdata
+from k3jax.train.evaluate import Windows, heldout_loss, make_scorer
 
 END = "<|end|>"  # BUILTIN_TEMPLATE's turn end
 
@@ -29,9 +32,6 @@ def _template(ckpt, tok):
 
 def answer_loss(params, cfg, run, path: str, *, seq_len: int = 256, batch: int = 16, ckpt: str | None = None):
     """(mean nats per assistant token, tokens scored) over the conversations of ``path``."""
-    from k3jax.train import data as tdata
-    from k3jax.train.evaluate import Windows, heldout_loss, make_scorer
-
     tok = ByteTokenizer(max(cfg.vocab_size, 256))
     corpus = tdata.load_documents([path], max_bytes=1 << 40, tokenizer=tok, template=_template(ckpt, tok))
     rows = tdata.pack_rows(corpus, seq_len)
@@ -44,8 +44,6 @@ def exact_match(params, cfg, run, path: str, *, max_new_tokens: int = 24, batch:
                 ckpt: str | None = None) -> dict:
     """Greedy answers vs each record's ``answer``: {"all": fraction right, <task>: fraction, "n": records,
     "samples": the first few (answer, reply) pairs}."""
-    from k3jax.model.generate import generate
-
     tok = ByteTokenizer(max(cfg.vocab_size, 256))
     template = _template(ckpt, tok)
     records = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]

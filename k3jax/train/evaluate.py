@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from k3jax.errors import InputError
+from k3jax.model import forward
 
 
 class Windows(NamedTuple):
@@ -69,8 +70,6 @@ def make_scorer(cfg, run=None, *, params_sharding=None, batch_sharding=None, dis
     """(params, tokens [b, T + 1], mask [b, T] or None, segments [b, T + 1] or None) -> summed (masked)
     cross-entropy (f32), jitted. With shardings (the train loop's data-parallel eval), tokens, mask and segments
     are placed with ``batch_sharding`` first."""
-    from k3jax.model import forward
-
     def score(params, tokens, mask, segments=None):
         seg = None if segments is None else segments[:, :-1]
         logits = forward(params, tokens[:, :-1], cfg, run, dispatch=dispatch, segment_ids=seg)

@@ -359,7 +359,7 @@ def make_data_mesh(n: int | None) -> Mesh:
     expert and tensor axes have size 1, so ``P("data")`` / ``P(None, "data")`` shard over the ``n`` devices."""
     import jax  # loaded when a run is resolved (the module docstring)
 
-    from k3jax.sharding import make_mesh
+    from k3jax.sharding import make_mesh  # jax: loaded when a run is resolved
 
     devs = jax.devices()
     n = len(devs) if n is None else n
@@ -389,8 +389,8 @@ def resolve_mesh(tc: TrainConfig, cfg: K3Config) -> tuple[Mesh, str]:
     strategy's name, and that each parameter dimension the rules shard divides by its mesh axes."""
     import jax  # loaded when a run is resolved (the module docstring)
 
-    from k3jax.sharding import make_mesh
-    from k3jax.sharding import placement as place
+    from k3jax.sharding import make_mesh  # jax: loaded when a run is resolved
+    from k3jax.sharding import placement as place  # jax: loaded when a run is resolved
 
     if tc.mesh is None:
         if tc.strategy is not None:

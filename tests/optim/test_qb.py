@@ -1,5 +1,5 @@
 """Quantile Balancing's math (docs/model.md §8, docs/numerics.md §15.3 item 7): histogram vs exact quantile,
-fixed-cutoff loads, convergence, sign (the update on a mesh: tests/sharding/test_qb_mesh.py)."""
+fixed-cutoff loads, convergence, sign; and the update on a mesh (k3jax/sharding/qb.py) equals one device's."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from k3jax.optim.qb import (
+    QB_BINS,
     center,
     load_cv,
     qb_bias_exact,
@@ -15,6 +16,8 @@ from k3jax.optim.qb import (
     qb_range,
     qb_update,
 )
+from k3jax.sharding.mesh import make_mesh
+from k3jax.sharding.qb import qb_update_sharded
 
 K = 4
 
@@ -108,3 +111,20 @@ def test_mask_drops_padding_tokens():
                                   np.asarray(qb_histogram(s[:200], alpha[:200], b)))
 
 
+def test_sharded_update_equals_single_device():
+    """One int32 psum of the [E, B] histogram over the 8 token shards gives the single-device bias exactly."""
+    s = _scores(m=1024, E=16)
+    b = jnp.asarray(np.random.default_rng(2).normal(size=16) * 0.05, jnp.float32)
+    _, alpha = _route(s, b)
+    mesh = make_mesh({"data": 2, "expert": 4})
+    fn = jax.jit(qb_update_sharded(mesh, "ep", top_k=K))
+    got = fn(s, alpha, b)
+    want = qb_update(s, alpha, b, top_k=K)
+    # the int32 histograms are identical; the float tail (argmax, interpolation, mean) may round differently
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+    hlo = fn.lower(s, alpha, b).as_text()
+    assert hlo.count("all-reduce") == 1 or hlo.count("all_reduce") == 1, "expected one all-reduce"
+    # micro-batches: histograms add
+    h = qb_histogram(s[:512], alpha[:512], b) + qb_histogram(s[512:], alpha[512:], b)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(qb_histogram(s, alpha, b)))
+    assert QB_BINS == 1000
