@@ -46,6 +46,7 @@ def base_and_adapters(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # CI's budget (session 23): the merge's other tests in this module stay in the default suite
 def test_a_zero_adapter_merges_to_the_base_exactly(base_and_adapters, tmp_path):
     """Every value equal; the bytes too, except MXFP4 codes of a signed zero: the writer quantized a tiny negative
     weight to -0, which reads back as 0.0 and is written again as +0 (the same value)."""

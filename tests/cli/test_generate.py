@@ -131,6 +131,7 @@ def _tokenizer_dir(d, vocab):
     assert len(ranks) + 1 <= vocab
 
 
+@pytest.mark.slow  # CI's budget (session 23): --prompt's bad-input cases stay in the default suite
 def test_prompt_text_uses_the_checkpoint_tokenizer_and_streams(tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(os.path.join(GOLDEN, "ckpt"), ckpt)
