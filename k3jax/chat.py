@@ -193,24 +193,26 @@ def encode_chat(messages, template: str, tokenizer, *, source: str = "") -> tupl
 
 
 def jsonl_records(path: str):
-    """(line number, parsed object) for each non-blank line; not-a-file, not UTF-8, not JSON → InputError."""
+    """(line number, parsed object) for each non-blank line, read one line at a time (a corpus larger than memory
+    streams); not-a-file, not UTF-8, not JSON → InputError. Lines end at "\n" only: JSON strings may hold U+2028
+    and friends, which ``str.splitlines`` would cut at."""
     if not os.path.isfile(path):
         raise InputError(f"no such file {path!r}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().split("\n")  # not splitlines(): JSON strings may hold U+2028 and friends
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 ({e})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
-        if not isinstance(rec, dict):
-            raise InputError(f"{path}:{n}: each line must be a JSON object, got {type(rec).__name__}")
-        yield n, rec
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{path}: not UTF-8 ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise InputError(f"{path}:{n}: each line must be a JSON object, got {type(rec).__name__}")
+            yield n, rec
 
 
 def read_chat_jsonl(path: str) -> list[list[dict]]:

@@ -6,6 +6,9 @@ max|x - ref| <= atol_floor or rel_rms <= ratio; both numbers are reported on fai
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 
 from k3jax.model import abstract_params
@@ -75,6 +78,18 @@ def random_params(cfg, seed: int = 0, std: float = 0.02):
 
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda s: (std * rng.standard_normal(s.shape)).astype(s.dtype), abstract_params(cfg))
+
+
+def job_env(cache, root) -> dict:
+    """The environment of each process a multi-process test starts (scripts/multiprocess.sh or by hand): the CPU,
+    no device count chosen (`k3` starts mesh / processes devices in each), the caller's other XLA options (the
+    suite's -O0), ``cache`` as the compilation cache of the single-process runs (a CPU job turns it off), and the
+    checkout ``root`` on the path."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(cache),
+               PYTHON=sys.executable, PYTHONPATH=str(root))
+    return env
 
 
 def free_port() -> int:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # k3jax's top-level modules and packages by level: each may import its own and lower levels' only.
 LEVELS = (
     {"notation", "errors", "pytree"},
-    {"config", "data", "tokenizer", "chat"},
+    {"config", "data", "tokenizer", "chat", "distributed"},  # distributed: the process group, over jax alone
     {"ops", "reference"},
     {"layers"},
     {"model"},

@@ -6,6 +6,9 @@ prints. `k3 ablate` only parses its flags and prints what these return.
     spec = load("experiments/smoke.toml")              # k3jax.ablate.study.load: a Spec, or a Study with [scaling]
     results = run(spec, "/tmp/smoke")                  # the results.json content; None if SIGTERM stopped it
     print(markdown(spec, results))
+
+    run_share(spec, "/tmp/smoke", parse_worker("0/2"))  # one of two workers sharing /tmp/smoke: its runs only
+    results = run(spec, "/tmp/smoke", report_only=True)  # once both are done; IncompleteError names any missing run
 """
 
 from __future__ import annotations
@@ -14,17 +17,28 @@ import os
 import time
 
 from k3jax.ablate.resolve import format_diff
-from k3jax.ablate.runner import claim_out, grid, read_json, run_grid
+from k3jax.ablate.runner import claim_out, collect, grid, init_plan, read_json, run_grid
+from k3jax.ablate.share import IncompleteError, Share
 from k3jax.ablate.spec import Spec
-from k3jax.ablate.study import Study, claim_study, points, run_flops, run_study
+from k3jax.ablate.study import Study, claim_study, points, run_flops, run_study, run_study_share
 from k3jax.analysis import ablate_report, scaling_report
 
 
-def run_ablation(spec: Spec, out: str, *, progress: bool | None = None, log=None) -> dict | None:
+def run_ablation(spec: Spec, out: str, *, progress: bool | None = None, log=None,
+                 report_only: bool = False) -> dict | None:
     """Run (or resume) ``spec``'s grid in ``out`` and write results.json, results.md and curves.png. Returns the
-    results, or None when SIGTERM stopped the grid."""
+    results, or None when SIGTERM stopped the grid. ``report_only``: train nothing; ``IncompleteError`` names the runs
+    that are not in ``out``."""
     t0 = time.perf_counter()
-    done = run_grid(spec, out, progress=progress, log=log)
+    if report_only:
+        claim_out(spec, out, create=False)
+        records, missing = collect(spec, out, grid(spec))
+        if missing:
+            raise IncompleteError(f"--out {out}: {len(missing)} of {len(records) + len(missing)} runs missing, so "
+                                  f"no report: {', '.join(j.label for j in missing)}")
+        done = records, init_plan(spec, out)[1]
+    else:
+        done = run_grid(spec, out, progress=progress, log=log)
     if done is None:
         return None
     records, init = done
@@ -35,12 +49,14 @@ def run_ablation(spec: Spec, out: str, *, progress: bool | None = None, log=None
     return results
 
 
-def run_scaling(st: Study, out: str, *, progress: bool | None = None, log=None) -> dict | None:
+def run_scaling(st: Study, out: str, *, progress: bool | None = None, log=None,
+                report_only: bool = False) -> dict | None:
     """Run (or resume) the scaling study ``st`` in ``out``: each budget's tuning runs and grid (each budget's
     directory gets its own results.json/md, curves.png), then the fits and multipliers (results.json, results.md,
-    scaling.png in ``out``). Returns the results, or None when SIGTERM stopped it."""
+    scaling.png in ``out``). Returns the results, or None when SIGTERM stopped it. ``report_only``: train nothing
+    (``study.run_study``)."""
     t0 = time.perf_counter()
-    done = run_study(st, out, progress=progress, log=log)
+    done = run_study(st, out, progress=progress, log=log, report_only=report_only)
     if done is None:
         return None
     repeats = {}
@@ -68,16 +84,35 @@ def run_scaling(st: Study, out: str, *, progress: bool | None = None, log=None) 
     return results
 
 
-def run(spec: Spec | Study, out: str, *, progress: bool | None = None, log=None) -> dict | None:
+def run(spec: Spec | Study, out: str, *, progress: bool | None = None, log=None,
+        report_only: bool = False) -> dict | None:
     """Run (or resume) a loaded ablation file in ``out`` and write its reports (``run_ablation`` / ``run_scaling``);
-    the results, or None when SIGTERM stopped it (re-run the same call to continue)."""
-    return (run_scaling if isinstance(spec, Study) else run_ablation)(spec, out, progress=progress, log=log)
+    the results, or None when SIGTERM stopped it (re-run the same call to continue). ``report_only``: train nothing,
+    report the runs in ``out`` (written by workers: ``run_share``), or raise ``IncompleteError`` naming the missing
+    ones."""
+    return (run_scaling if isinstance(spec, Study) else run_ablation)(spec, out, progress=progress, log=log,
+                                                                      report_only=report_only)
 
 
-def claim(spec: Spec | Study, out: str) -> None:
+def run_share(spec: Spec | Study, out: str, share: Share, *, progress: bool | None = None, log=None) -> dict | None:
+    """Worker ``share``'s runs of a loaded ablation file in ``out`` (``k3jax.ablate.share``; several workers fill one
+    ``out`` at once, each its own runs), no report: {"worker": "I/N", "phases": {phase: [its runs' labels]}}, or None
+    when SIGTERM stopped it (re-run the same call to continue). Once every worker is done, ``run`` reports."""
+    if isinstance(spec, Study):
+        done = run_study_share(spec, out, share, progress=progress, log=log)
+    else:
+        got = run_grid(spec, out, progress=progress, log=log, share=share)
+        done = None if got is None else {"": got[0]}
+    if done is None:
+        return None
+    return {"worker": share.label, "phases": {phase or ".": [j.label for j in recs] for phase, recs in done.items()}}
+
+
+def claim(spec: Spec | Study, out: str, *, create: bool = True) -> None:
     """``out`` becomes the file's output directory, or is refused (AblationSpecError) when it holds another file's
-    results or anything else (``runner.claim_out`` / ``study.claim_study``)."""
-    (claim_study if isinstance(spec, Study) else claim_out)(spec, out)
+    results or anything else (``runner.claim_out`` / ``study.claim_study``; ``create`` False: a report, which
+    needs the directory claimed already)."""
+    (claim_study if isinstance(spec, Study) else claim_out)(spec, out, create=create)
 
 
 def markdown(spec: Spec | Study, results: dict) -> str:
@@ -139,4 +174,4 @@ def resolved(spec: Spec | Study) -> dict:
 
 
 __all__ = ["claim", "describe", "describe_spec", "describe_study", "failed_repeats", "markdown", "resolved", "run",
-           "run_ablation", "run_scaling"]
+           "run_ablation", "run_scaling", "run_share"]

@@ -19,6 +19,12 @@ a run with a ``result.json`` for the same configuration is not redone, so a kill
 command finishes with the results of an uninterrupted one. The grid goes seed by seed, so an interrupted grid
 already holds complete pairs. Every arm reads the same token stream (the batch of step s is a function of (seed, s))
 and is evaluated on the same held-out windows.
+
+With a ``share`` (``k3jax.ablate.share``: `k3 ablate --worker I/N`) ``run_grid`` trains only that worker's runs;
+several workers may fill one directory at once. Each run directory is written by the one worker that owns the run;
+ablation.json is published exclusively (``publish_json``: the first worker's copy stays, every worker compares it);
+init_plan.json and the seed checkpoints are written, atomically, by the phase's owner before it trains anything,
+and the other workers wait for them (``share.wait_until``) instead of writing their own.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -39,6 +47,7 @@ from tqdm import tqdm
 
 from k3jax.ablate.resolve import eval_windows
 from k3jax.ablate.same_init import arm_params, init_summary, sharing_plan, write_seed_checkpoint
+from k3jax.ablate.share import Share, wait_until
 from k3jax.ablate.spec import AblationSpecError, Spec, sha256
 from k3jax.checkpoint.atomic import staged_file
 from k3jax.model import forward
@@ -92,24 +101,68 @@ def _identity(spec: Spec) -> dict:
             "aa": spec.aa, "arms": {n: {"flat": a.flat, "derived": a.derived} for n, a in spec.arms.items()}}
 
 
-def claim_out(spec: Spec, out: str) -> None:
-    """Make ``out`` this file's directory, or refuse (AblationSpecError) one holding a different file's results."""
-    meta = os.path.join(out, "ablation.json")
-    if os.path.isfile(meta):
-        old = read_json(meta)
-        if old.get("fingerprint") == spec.fingerprint:
-            return
-        new = _identity(spec)
+def publish_json(path: str, obj) -> bool:
+    """Write ``obj`` at ``path`` as ``write_json`` does, unless a file is there already: True when this call wrote it.
+    Exclusive even between processes on several machines (a uniquely named temporary file, then a hard link, which
+    fails when ``path`` exists), so two workers claiming one directory at once keep the first copy whole."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=list)
+            f.write("\n")
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # a filesystem without hard links: a rename, exclusive only up to this check
+            if os.path.exists(path):
+                return False
+            os.replace(tmp, path)
+            return True
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def claim_dir(out: str, name: str, identity: dict, refuse: Callable[[dict], AblationSpecError], *,
+              create: bool = True) -> None:
+    """Make ``out`` the directory of the file ``identity`` describes (its file ``name``: ablation.json, study.json),
+    or refuse: ``refuse(the recorded identity)`` when ``out`` belongs to another file (another fingerprint), an
+    AblationSpecError when it holds anything else, or (``create`` False: a report) when it holds no ``name``. Safe
+    when several workers claim ``out`` at once: another worker's temporary copy of ``name`` is not "anything else",
+    and a directory another worker claimed since the first look is compared like any claimed one."""
+    meta = os.path.join(out, name)
+    if not os.path.isfile(meta):
+        if not create:
+            raise AblationSpecError(f"--out {out}: holds no {name}, so nothing to report; run `k3 ablate FILE --out "
+                                    f"{out}` (or its --worker processes) first")
+        entries = [e for e in (os.listdir(out) if os.path.isdir(out) else []) if not e.startswith(f"{name}.tmp-")]
+        if entries and name not in entries:
+            raise AblationSpecError(f"--out {out}: not empty and holds no {name}; use a fresh --out")
+        if name not in entries:
+            publish_json(meta, identity)  # False: another worker was first; its copy is compared below
+    old = read_json(meta)
+    if old.get("fingerprint") != identity["fingerprint"]:
+        raise refuse(old)
+
+
+def claim_out(spec: Spec, out: str, *, create: bool = True) -> None:
+    """Make ``out`` this file's directory, or refuse (AblationSpecError) one holding a different file's results
+    (``claim_dir``; ``create`` False: a report, which needs the directory claimed already)."""
+    new = _identity(spec)
+
+    def refuse(old: dict) -> AblationSpecError:
         what = [k for k in ("seeds", "aa") if old.get(k) != new[k]]
         what += [f"arm {n!r}" for n in sorted(set(old.get("arms", {})) | set(new["arms"]))
                  if old.get("arms", {}).get(n) != new["arms"].get(n)]
-        raise AblationSpecError(f"--out {out}: holds the results of a different ablation file ({old.get('file')}, "
-                                f"name {old.get('name')!r}); {spec.path} differs in "
-                                f"{', '.join(what) or 'its factors or settings'}: use a fresh --out")
-    if os.path.isdir(out) and os.listdir(out):
-        raise AblationSpecError(f"--out {out}: not empty and holds no ablation.json; use a fresh --out")
-    os.makedirs(out, exist_ok=True)
-    write_json(meta, _identity(spec))
+        return AblationSpecError(f"--out {out}: holds the results of a different ablation file ({old.get('file')}, "
+                                 f"name {old.get('name')!r}); {spec.path} differs in "
+                                 f"{', '.join(what) or 'its factors or settings'}: use a fresh --out")
+
+    claim_dir(out, "ablation.json", new, refuse, create=create)
 
 
 # ------------------------------------------------------------------------------------------------- one run
@@ -160,12 +213,41 @@ def read_metrics(path: str) -> dict:
             "tokens_per_s": float(np.median(tps)) if tps else None}
 
 
-def _seed_checkpoint(spec: Spec, out: str, plan: dict, seed: int) -> str:
-    path = os.path.join(out, "seeds", f"seed-{seed}.npz")
+def seed_path(out: str, seed: int) -> str:
+    return os.path.join(out, "seeds", f"seed-{seed}.npz")
+
+
+def seed_checkpoint(spec: Spec, out: str, plan: dict, seed: int) -> str:
+    """The seed checkpoint of ``seed`` in ``out`` (``same_init.write_seed_checkpoint``), written if missing."""
+    path = seed_path(out, seed)
     if not os.path.isfile(path):
         runs = spec.runs if seed in spec.seeds else {"base": spec.runs["base"]}  # the A/A seeds run the base only
         write_seed_checkpoint(path, runs, plan, seed)
     return path
+
+
+def finished(spec: Spec, out: str, job: Job) -> dict | None:
+    """The result record of ``job`` in ``out`` if the run finished with the configuration it has in ``spec``."""
+    arm = spec.runs[job.run_id]
+    res_path = os.path.join(job.dir(out), "result.json")
+    if os.path.isfile(res_path):
+        rec = read_json(res_path)
+        if rec.get("key") == sha256({"flat": arm.flat, "seed": job.seed, "tag": job.tag}):
+            return rec
+    return None
+
+
+def collect(spec: Spec, out: str, jobs: list[Job]) -> tuple[dict, list[Job]]:
+    """({Job: result record} of the finished ``jobs``, the unfinished ones), in the order of ``jobs``; trains
+    nothing."""
+    records, missing = {}, []
+    for job in jobs:
+        rec = finished(spec, out, job)
+        if rec is None:
+            missing.append(job)
+        else:
+            records[job] = rec
+    return records, missing
 
 
 def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) -> dict | None:
@@ -173,11 +255,11 @@ def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) 
     arm = spec.runs[job.run_id]
     d = job.dir(out)
     key = sha256({"flat": arm.flat, "seed": job.seed, "tag": job.tag})
-    res_path = os.path.join(d, "result.json")
-    if os.path.isfile(res_path) and read_json(res_path).get("key") == key:
-        return read_json(res_path)
+    done = finished(spec, out, job)
+    if done is not None:
+        return done
     os.makedirs(d, exist_ok=True)
-    ckpt = _seed_checkpoint(spec, out, plan, job.seed)
+    ckpt = seed_checkpoint(spec, out, plan, job.seed)
 
     def init_fn(cfg, settings):
         if settings != arm.run:
@@ -208,7 +290,7 @@ def run_job(spec: Spec, out: str, job: Job, plan: dict, *, progress: bool, log) 
            "timing": {"wall_s": wall, "tokens_per_s": m["tokens_per_s"], "resumed_at_step": summary["start_step"]}}
     if job.tag == "tune":  # a scaling study's tuning run: also scored on the windows between the evaluation windows
         rec["tuning_window_losses"] = [float(x) for x in window_losses(summary["params"], arm, tuning=True)]
-    write_json(res_path, rec)
+    write_json(os.path.join(d, "result.json"), rec)
     if not spec.output["keep_checkpoints"]:
         shutil.rmtree(tc.ckpt_dir, ignore_errors=True)
     return rec
@@ -234,31 +316,68 @@ class _StopFlag:
             signal.signal(signal.SIGTERM, self.prev)
 
 
-def _plan(spec: Spec, out: str) -> tuple[dict, dict]:
+def init_plan(spec: Spec, out: str) -> tuple[dict, dict]:
     """The sharing plan of the seed init and its summary per run, kept in init_plan.json (computing it draws each
     run's init twice; a resumed grid reads it back)."""
-    path = os.path.join(out, "init_plan.json")
-    if os.path.isfile(path):
-        saved = read_json(path)
-        if saved.get("fingerprint") == spec.fingerprint:
-            plan = {rid: {tuple(int(p) if p.isdigit() else p for p in k.split("/")): o for k, o in owners.items()}
-                    for rid, owners in saved["owners"].items()}
-            return plan, saved["summary"]
+    saved = _saved_plan(spec, out)
+    if saved is not None:
+        return saved
     plan = sharing_plan(spec.runs)
     summary = {rid: init_summary(spec.runs, plan, arm) for rid, arm in spec.runs.items()}
-    write_json(path, {"fingerprint": spec.fingerprint, "summary": summary,
-                      "owners": {rid: {"/".join(map(str, k)): o for k, o in owners.items()}
-                                 for rid, owners in plan.items()}})
+    write_json(os.path.join(out, "init_plan.json"),
+               {"fingerprint": spec.fingerprint, "summary": summary,
+                "owners": {rid: {"/".join(map(str, k)): o for k, o in owners.items()} for rid, owners in plan.items()}})
     return plan, summary
 
 
-def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None,
-             jobs: list[Job] | None = None) -> tuple[dict, dict] | None:
+def _saved_plan(spec: Spec, out: str) -> tuple[dict, dict] | None:
+    path = os.path.join(out, "init_plan.json")
+    if not os.path.isfile(path):
+        return None
+    saved = read_json(path)
+    if saved.get("fingerprint") != spec.fingerprint:
+        return None
+    plan = {rid: {tuple(int(p) if p.isdigit() else p for p in k.split("/")): o for k, o in owners.items()}
+            for rid, owners in saved["owners"].items()}
+    return plan, saved["summary"]
+
+
+def shared_files(spec: Spec, out: str, jobs: list[Job], share: Share, phase: str, log) -> tuple[dict, dict] | None:
+    """A worker's side of the files the runs of ``jobs`` (a phase) share: the phase's owner (``share.owns_shared``)
+    writes init_plan.json and every seed checkpoint its runs need; any other worker with runs left to train waits
+    for the plan and the seed checkpoints of those runs. The plan and its summary (None: nothing left to train
+    here, so nothing to wait for)."""
+    if share.owns_shared(phase):
+        plan, summary = init_plan(spec, out)
+        for seed in dict.fromkeys(j.seed for j in jobs):
+            seed_checkpoint(spec, out, plan, seed)
+        return plan, summary
+    todo = [j for j in share.mine(phase, jobs) if finished(spec, out, j) is None]
+    if not todo:
+        return None
+    seeds = list(dict.fromkeys(j.seed for j in todo))
+    owner = share.worker_of(phase, 0)
+
+    def probe():
+        saved = _saved_plan(spec, out)
+        absent = [] if saved is not None else ["init_plan.json"]
+        absent += [f"seeds/seed-{s}.npz" for s in seeds if not os.path.isfile(seed_path(out, s))]
+        return (saved if not absent else None), f"{', '.join(absent)} (written by worker {owner})"
+
+    where = f"{phase}'s shared files" if phase else "the shared files"
+    return wait_until(probe, where, share=share, log=log)
+
+
+def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None, jobs: list[Job] | None = None,
+             share: Share | None = None, phase: str = "") -> tuple[dict, dict | None] | None:
     """Run (or resume) every job of ``grid(spec)`` (or ``jobs``) in ``out``. Returns ({Job: result record}, the init
-    summary per run), or None when SIGTERM stopped the grid (re-run the same call to continue)."""
+    summary per run), or None when SIGTERM stopped the grid (re-run the same call to continue). With ``share``: only
+    that worker's jobs of the phase named ``phase`` (its records; the summary None when it had nothing left to
+    train), the shared files written by their owner (``shared_files``)."""
     progress = sys.stderr.isatty() if progress is None else progress
     claim_out(spec, out)
-    jobs = grid(spec) if jobs is None else jobs
+    phase_jobs = grid(spec) if jobs is None else jobs
+    jobs = phase_jobs if share is None else share.mine(phase, phase_jobs)
     bar = tqdm(total=len(jobs), desc=f"ablate {spec.name}", unit="run", file=sys.stderr) if progress else None
 
     def say(msg: str) -> None:
@@ -269,7 +388,11 @@ def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None,
         else:
             print(msg, file=sys.stderr, flush=True)
 
-    plan, init = _plan(spec, out)
+    if share is None:
+        plan, init = init_plan(spec, out)
+    else:
+        got = shared_files(spec, out, phase_jobs, share, phase, say)
+        plan, init = got if got is not None else ({}, None)
     records = {}
     try:
         with _StopFlag() as stop:
@@ -292,5 +415,6 @@ def run_grid(spec: Spec, out: str, *, progress: bool | None = None, log=None,
     return records, init
 
 
-__all__ = ["Job", "claim_out", "grid", "read_json", "read_metrics", "run_grid", "run_job", "window_losses",
+__all__ = ["Job", "claim_dir", "claim_out", "collect", "finished", "grid", "init_plan", "publish_json", "read_json",
+           "read_metrics", "run_grid", "run_job", "seed_checkpoint", "seed_path", "shared_files", "window_losses",
            "write_json"]

@@ -18,6 +18,11 @@ comparison never scores. Output directory::
 
 Budgets run smallest first; a killed study re-run with the same command resumes (finished runs are not redone, and
 a budget's tuning choice is read back from its finished tuning runs, so the evaluation grid is the same one).
+
+Over N workers (``run_study_share``, `k3 ablate --worker I/N`) each budget's tuning runs and its grid are two phases
+(``k3jax.ablate.share``): a worker trains its share of every tuning phase first, then of each grid once that
+budget's tuning phase is complete in the directory (waiting for the other workers' runs), the grid resolved from
+those records as ``run_study`` resolves it; ``run_study(report_only=True)`` then reads everything back.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import sys
 from dataclasses import dataclass
 
 from k3jax.ablate.parse import parse, parse_level
 from k3jax.ablate.resolve import level_tables, make_arm, resolve, violations, with_overrides
-from k3jax.ablate.runner import Job, read_json, run_grid, write_json
+from k3jax.ablate.runner import Job, claim_dir, collect, grid, init_plan, run_grid
+from k3jax.ablate.share import IncompleteError, Share, wait_until
 from k3jax.ablate.spec import TRAIN_KEYS, AblationSpecError, BudgetDecl, Factor, FactorDecl, Spec, SpecFile, err, sha256
 from k3jax.config import ConfigError, K3Config
 from k3jax.model import abstract_params
@@ -243,43 +250,100 @@ def evaluation_spec(budget: Budget, picks: dict, calibration: FactorDecl | None)
     return spec
 
 
-def claim_study(study: Study, out: str) -> None:
+def claim_study(study: Study, out: str, *, create: bool = True) -> None:
     """``out`` becomes this study's directory (study.json), or is refused (AblationSpecError) when it holds another
-    file's results or anything else."""
-    meta = os.path.join(out, "study.json")
-    if os.path.isfile(meta):
-        old = read_json(meta)
-        if old.get("fingerprint") == study.fingerprint:
-            return
-        raise AblationSpecError(f"--out {out}: holds the results of a different scaling study ({old.get('file')}, "
-                                f"name {old.get('name')!r}): its budgets, arms, tuning or fit settings differ; use a "
-                                "fresh --out")
-    if os.path.isdir(out) and os.listdir(out):
-        raise AblationSpecError(f"--out {out}: not empty and holds no study.json; use a fresh --out")
-    os.makedirs(out, exist_ok=True)
-    write_json(meta, {"fingerprint": study.fingerprint, "file": study.path, "name": study.name,
-                      "budgets": [b.name for b in study.budgets]})
+    file's results or anything else (``runner.claim_dir``: safe when several workers claim it at once; ``create``
+    False: a report, which needs it claimed already)."""
+    def refuse(old: dict) -> AblationSpecError:
+        return AblationSpecError(f"--out {out}: holds the results of a different scaling study ({old.get('file')}, "
+                                 f"name {old.get('name')!r}): its budgets, arms, tuning or fit settings differ; use "
+                                 "a fresh --out")
+
+    claim_dir(out, "study.json", {"fingerprint": study.fingerprint, "file": study.path, "name": study.name,
+                                  "budgets": [b.name for b in study.budgets]}, refuse, create=create)
 
 
-def run_study(study: Study, out: str, *, progress: bool | None = None, log=None) -> list[dict] | None:
+def _missing(phase: str, jobs: list) -> str:
+    return f"{phase}: {', '.join(j.label for j in jobs)}"
+
+
+def run_study(study: Study, out: str, *, progress: bool | None = None, log=None,
+              report_only: bool = False) -> list[dict] | None:
     """Run (or resume) every budget: its tuning runs, then its grid. Returns per budget {"budget", "spec", "records",
-    "init", "tuning"}, or None when SIGTERM stopped it (re-run the same call to continue)."""
-    claim_study(study, out)
+    "init", "tuning"}, or None when SIGTERM stopped it (re-run the same call to continue). ``report_only``: train
+    nothing, read the records from ``out``, and raise ``IncompleteError`` naming every run that is not there (a budget
+    whose tuning is incomplete: its tuning runs; its grid is not known before them)."""
+    claim_study(study, out, create=not report_only)
     cal = _calibration(study.budgets[0].parsed)
-    done = []
+    done, missing = [], []
     for b in study.budgets:
         picks, table = {}, {}
+        tdir, gdir = os.path.join(out, "tune", b.name), os.path.join(out, "budgets", b.name)
         if b.tuning is not None:
-            got = run_grid(b.tuning, os.path.join(out, "tune", b.name), progress=progress, log=log,
-                           jobs=list(b.tune_jobs))
+            if report_only:
+                recs, absent = collect(b.tuning, tdir, list(b.tune_jobs))
+                if absent:
+                    missing.append(_missing(f"tune/{b.name}", absent) + f" (and budgets/{b.name}, which they tune)")
+                    continue
+            else:
+                got = run_grid(b.tuning, tdir, progress=progress, log=log, jobs=list(b.tune_jobs))
+                if got is None:
+                    return None
+                recs = got[0]
+            picks, table = pick(b, recs)
+        spec = evaluation_spec(b, picks, cal)
+        if report_only:
+            recs, absent = collect(spec, gdir, grid(spec))
+            if absent:
+                missing.append(_missing(f"budgets/{b.name}", absent))
+                continue
+            got = recs, init_plan(spec, gdir)[1]
+        else:
+            got = run_grid(spec, gdir, progress=progress, log=log)
             if got is None:
                 return None
-            picks, table = pick(b, got[0])
-        spec = evaluation_spec(b, picks, cal)
-        got = run_grid(spec, os.path.join(out, "budgets", b.name), progress=progress, log=log)
+        done.append({"budget": b, "spec": spec, "records": got[0], "init": got[1], "tuning": table})
+    if missing:
+        raise IncompleteError(f"--out {out}: runs missing, so no report: {'; '.join(missing)}")
+    return done
+
+
+def run_study_share(study: Study, out: str, share: Share, *, progress: bool | None = None,
+                    log=None) -> dict[str, dict] | None:
+    """Worker ``share``'s part of the study (``k3jax.ablate.share``): its runs of every tuning phase first (they
+    depend on nothing), then, budget by budget, its runs of the grid, each grid once its tuning phase is complete in
+    ``out`` (waiting for the other workers' runs), resolved from those records exactly as ``run_study`` resolves it.
+    Returns {phase: {Job: record}} of this worker's runs, or None when SIGTERM stopped it."""
+    claim_study(study, out)
+    say = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    cal = _calibration(study.budgets[0].parsed)
+    done = {}
+    for b in study.budgets:
+        if b.tuning is not None:
+            phase = f"tune/{b.name}"
+            got = run_grid(b.tuning, os.path.join(out, phase), progress=progress, log=log, jobs=list(b.tune_jobs),
+                           share=share, phase=phase)
+            if got is None:
+                return None
+            done[phase] = got[0]
+    for b in study.budgets:
+        picks = {}
+        if b.tuning is not None:
+            tdir, jobs = os.path.join(out, "tune", b.name), list(b.tune_jobs)
+
+            def probe(spec=b.tuning, tdir=tdir, jobs=jobs):
+                recs, absent = collect(spec, tdir, jobs)
+                return (recs if not absent else None), (f"{len(absent)} of {len(jobs)} runs not finished "
+                                                        f"({', '.join(j.label for j in absent)})")
+
+            picks, _ = pick(b, wait_until(probe, f"tune/{b.name}, which budgets/{b.name} needs", share=share,
+                                          log=say))
+        phase = f"budgets/{b.name}"
+        got = run_grid(evaluation_spec(b, picks, cal), os.path.join(out, phase), progress=progress, log=log,
+                       share=share, phase=phase)
         if got is None:
             return None
-        done.append({"budget": b, "spec": spec, "records": got[0], "init": got[1], "tuning": table})
+        done[phase] = got[0]
     return done
 
 
@@ -330,4 +394,4 @@ def points(done: list[dict]) -> dict:
 
 
 __all__ = ["MIN_SPAN", "Budget", "Study", "calibrate", "claim_study", "evaluation_spec", "load", "load_study", "pick",
-           "points", "resolve_study", "run_flops", "run_study", "tuning_spec", "widen"]
+           "points", "resolve_study", "run_flops", "run_study", "run_study_share", "tuning_spec", "widen"]

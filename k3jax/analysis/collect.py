@@ -26,6 +26,7 @@ import numpy as np
 
 from k3jax.analysis import metrics as am
 from k3jax.config import default_run
+from k3jax.distributed import host_value
 from k3jax.errors import InputError
 from k3jax.model import forward, layer_view
 from k3jax.sharding.context_parallel import ContextParallel
@@ -309,10 +310,10 @@ def collect(params, cfg, tokens, *, layers=None, seq_len: int = 128, batch: int 
         it = tqdm(it, total=num_batches(tokens, seq_len, batch, max_tokens=max_tokens, multiple_of=mult),
                   desc="route", unit="batch")
     for tok, mask in it:
-        routed = jax.device_get(fn(params, put(tok)))
+        routed = jax.tree.map(host_value, fn(params, put(tok)))  # from every process holding a share
         stats.update(tok, routed, mask)
         if compare_params is not None:
-            other = jax.device_get(fn(compare_params, put(tok)))
+            other = jax.tree.map(host_value, fn(compare_params, put(tok)))
             for i, l in enumerate(layers):
                 a, b = routed[l]["ids"][mask], other[l]["ids"][mask]
                 drift[i] += (am.set_overlap(a, b).sum(), (a[:, 0] == b[:, 0]).sum(), a.shape[0])

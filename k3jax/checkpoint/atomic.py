@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -74,7 +76,8 @@ def staged_file(path, *, suffix: str = "") -> Iterator[str]:
     The parent directory is created if missing."""
     path = os.path.abspath(os.fspath(path))
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}{suffix}"
+    # host, pid and a random tag: writers on several machines sharing a filesystem never pick the same name
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
     try:
         yield tmp
         os.replace(tmp, path)

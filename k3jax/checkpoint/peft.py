@@ -50,6 +50,7 @@ from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.io import Checkpoint
 from k3jax.checkpoint.save import write_shard
 from k3jax.config import LORA_TARGETS, K3Config, LoRAConfig, RunConfig, architecture, architecture_diff
+from k3jax.distributed import any_process, host_value, is_main
 from k3jax.layers.lora import adapter_names, is_adapter
 from k3jax.model import abstract_params, leaf_location
 from k3jax.pytree import get_path, key_names, set_path
@@ -148,7 +149,7 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
                 if loc not in held:
                     raise CheckpointError(f"params have no adapter leaf {'/'.join(map(str, loc))} (run.lora.targets "
                                           f"{lora.targets} includes {m.target!r})")
-                hosts[loc] = np.asarray(get_path(params, loc))
+                hosts[loc] = host_value(get_path(params, loc))  # every process gathers (a collective)
             x = hosts[loc] if g is None else hosts[loc][g]
             x = x if m.expert is None else x[m.expert]
             if tuple(x.shape) != shape:
@@ -165,11 +166,18 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     side = {"format": 1, "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
                                   "dropout": lora.dropout}, "architecture": architecture(cfg)}
     out_dir = os.path.abspath(os.fspath(out_dir))
-    with staged_dir(out_dir, overwrite=overwrite) as tmp:
-        write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), list(values), values)
-        for fname, obj in ((ADAPTER_CONFIG, conf), (SIDECAR, side)):
-            with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
+    failed = True
+    try:
+        if is_main():  # one process of a job writes the directory (every one holds the gathered values)
+            with staged_dir(out_dir, overwrite=overwrite) as tmp:
+                write_shard(os.path.join(tmp, ADAPTER_WEIGHTS), list(values), values)
+                for fname, obj in ((ADAPTER_CONFIG, conf), (SIDECAR, side)):
+                    with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
+                        json.dump(obj, f, indent=2, sort_keys=True)
+        failed = False
+    finally:
+        if any_process(failed) and not failed:  # a collective: every process learns whether the write failed
+            raise CheckpointError("process 0 failed to write the adapter", file=out_dir)
     return {"dir": out_dir, "modules": len(mods), "tensors": len(values)}
 
 

@@ -36,6 +36,7 @@ from k3jax.checkpoint.container import INDEX_NAME, MANIFEST_NAME, read_header, s
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_file_name, shard_layout
 from k3jax.config import K3Config, RunConfig, architecture, from_hf, to_hf_dict
+from k3jax.distributed import any_process, barrier
 from k3jax.layers.experts import PACKED_PARTS, holds_packed, packed_name
 from k3jax.model import leaf_location
 from k3jax.model.functional import packed_expert_paths
@@ -170,12 +171,12 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
         tmp = sibling(out_dir, "dist")
         if jax.process_index() == 0 and os.path.exists(tmp):
             shutil.rmtree(tmp)  # a previous distributed save that died
-        save_dist.barrier(f"k3jax save: start {out_dir}")
+        barrier(f"k3jax save: start {out_dir}")
         if jax.process_index() != 0:  # process 0 alone renames the directory into place
             shards = list(nm.shard_tensors(cfg, layout, fmt))
             weight_map, total_size, files = save_dist.write_shards(params, cfg, tmp, shards, scale_rule)
-            save_dist.barrier(f"k3jax save: done {out_dir}")
-            if save_dist.any_failed(False):
+            barrier(f"k3jax save: done {out_dir}")
+            if any_process(False):
                 raise CheckpointError("process 0 failed to finish the checkpoint", file=out_dir)
             return {"dir": out_dir, "files": files, "total_size": total_size}
     failed = written = False
@@ -218,8 +219,8 @@ def save(params, cfg: K3Config, out_dir, *, layout: str | None = None, expert_fo
         raise
     finally:
         if dist and written:  # process 0 tells the others whether the directory is in place
-            save_dist.barrier(f"k3jax save: done {out_dir}")
-            save_dist.any_failed(failed)
+            barrier(f"k3jax save: done {out_dir}")
+            any_process(failed)
     return {"dir": out_dir, "files": files, "total_size": total_size}
 
 
@@ -230,7 +231,9 @@ def export_trained(params, cfg: K3Config, settings: RunConfig, out_dir: str, *, 
     as their own bytes), BF16 otherwise. An existing non-empty ``out_dir`` is replaced only with ``overwrite``."""
     fmt = "mxfp4" if settings.qat != "off" or packed_expert_paths(params) else "bf16"
     rule = settings.qat_weight_rule if settings.qat != "off" else "even"
-    r = save(jax.device_get(params), cfg.replace(expert_format=fmt), out_dir, overwrite=overwrite, scale_rule=rule)
+    # a job of several processes writes what each holds (k3jax/checkpoint/save_dist.py): nothing is gathered whole
+    params = params if save_dist.needs_distributed(params) else jax.device_get(params)
+    r = save(params, cfg.replace(expert_format=fmt), out_dir, overwrite=overwrite, scale_rule=rule)
     r["expert_format"] = fmt
     return r
 

@@ -14,7 +14,7 @@ gives). A leaf whose regions no single device holds (e.g. one sharded over fsdp 
 gathered first with ``multihost_utils.process_allgather`` — by every process in the same leaf order, since that is
 a collective — and written by process 0.
 
-Protocol (barriers: ``multihost_utils.sync_global_devices``): process 0 creates the temporary sibling directory and
+Protocol (barriers: ``k3jax.distributed.barrier``): process 0 creates the temporary sibling directory and
 every shard file at its final size with its header written (the header depends on names, dtypes and shapes only)
 → barrier → each process ``pwrite``s its tensors at their offsets → barrier → process 0 checks the sizes, writes the
 index, config.json and the optional SHA256SUMS, and renames the directory into place → barrier. A process that fails
@@ -33,6 +33,7 @@ from jax.experimental import multihost_utils
 from k3jax.checkpoint import name_map as nm
 from k3jax.checkpoint.errors import CheckpointError
 from k3jax.checkpoint.safetensors_layout import shard_layout
+from k3jax.distributed import any_process, barrier
 from k3jax.layers.experts import holds_packed, packed_name, parse_packed_name
 from k3jax.model import leaf_location
 from k3jax.pytree import get_path
@@ -178,7 +179,7 @@ def write_shards(params, cfg, tmp: str, shards: list, rule: str = "even") -> tup
             with open(os.path.join(tmp, f), "wb") as fh:
                 fh.write(lay.prefix())
                 fh.truncate(lay.file_bytes)
-    multihost_utils.sync_global_devices(f"k3jax save: files created in {tmp}")
+    barrier(f"k3jax save: files created in {tmp}")
     pieces = _Pieces(params, cfg, rule)
     failure = None
     try:
@@ -210,7 +211,7 @@ def write_shards(params, cfg, tmp: str, shards: list, rule: str = "even") -> tup
                                       file=os.path.join(tmp, f))
     except BaseException as e:  # still reach the barrier, so the other processes are not left waiting
         failure = e
-    failed = any_failed(failure is not None)  # a collective: also the barrier after the writes
+    failed = any_process(failure is not None)  # a collective: also the barrier after the writes
     if failed:
         if me == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -221,13 +222,4 @@ def write_shards(params, cfg, tmp: str, shards: list, rule: str = "even") -> tup
     return weight_map, sum(layouts[f].payload_bytes for f, _ in shards), [f for f, _ in shards]
 
 
-def barrier(name: str) -> None:
-    multihost_utils.sync_global_devices(name)
-
-
-def any_failed(flag: bool) -> bool:
-    """True in every process when ``flag`` is true in any (one small all-gather)."""
-    return bool(np.any(multihost_utils.process_allgather(np.asarray([int(flag)], np.int32))))
-
-
-__all__ = ["any_failed", "barrier", "needs_distributed", "write_shards"]
+__all__ = ["needs_distributed", "write_shards"]

@@ -1,9 +1,11 @@
 """Where a model and the tokens it reads come from: a checkpoint directory (loaded), a preset (random init) or the
-trained k3-mini shipped with the package (``default_ckpt``), with a PEFT LoRA adapter merged in (``load_model``);
-the architecture alone, to check a request before any weight is read (``model_config``); and token-id files
-(``load_token_file``, the one reader: int32 [B, T] is B independent sequences right-padded with -1, [T] one
-stream). A missing checkpoint has one wording everywhere (``checkpoint_error``). The `k3` commands, notebooks and
-experiments load models through here; their flags are parsed in ``k3jax/cli/args.py``."""
+trained k3-mini shipped with the package (``default_ckpt``), with a PEFT LoRA adapter merged in (``load_model``),
+whole on every device of a mesh when one is given (``load_params``; in a job of several processes each process reads
+only what its own devices hold); the architecture alone, to check a request before any weight is read
+(``model_config``); and token-id files (``load_token_file``, the one reader: int32 [B, T] is B independent sequences
+right-padded with -1, [T] one stream). A missing checkpoint has one wording everywhere (``checkpoint_error``). The
+`k3` commands, notebooks and experiments load models through here; their flags are parsed in
+``k3jax/cli/args.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.checkpoint.load import load, shipped_checkpoint
 from k3jax.checkpoint.peft import load_adapter
@@ -50,7 +53,7 @@ def default_ckpt() -> str | None:
 
 
 def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", strict_config: bool = False,
-               init_seed: int = 0, run_overrides: dict | None = None, adapter: str | None = None):
+               init_seed: int = 0, run_overrides: dict | None = None, adapter: str | None = None, mesh=None):
     """(cfg, run settings with ``dtype`` as param and compute dtype and ``run_overrides``, params) of a checkpoint
     or a preset. The run settings are the model's own (``config.default_run``: a checkpoint of a preset's
     architecture runs with that preset's).
@@ -58,7 +61,12 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
     ``adapter``: a LoRA adapter directory in PEFT's layout (``--adapter DIR``), checked against the base's
     architecture before any base weight is read (``k3jax.checkpoint.peft.load_adapter``; a bad one raises an
     InputError naming its file); its leaves are merged into the params and the run settings carry its
-    ``LoRAConfig``."""
+    ``LoRAConfig``.
+
+    ``mesh``: every parameter whole on every device of it (the forward-only commands' placement), read there
+    (``load_params``) or drawn there (one jitted init with that output sharding), the adapter's leaves placed alike:
+    global arrays, so that the same call in every process of a ``jax.distributed`` job gives one model. None: as
+    ``load`` places a checkpoint, a preset's init on the default device."""
     def settings(cfg):
         return default_run(cfg, param_dtype=dtype, compute_dtype=dtype, **(run_overrides or {}))
 
@@ -66,7 +74,8 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
         """(lora, adapter leaves), or (None, None) without --adapter."""
         if adapter is None:
             return None, None
-        return load_adapter(adapter, cfg, run)
+        lora, leaves = load_adapter(adapter, cfg, run)
+        return lora, leaves if mesh is None else placed(leaves, replicated(mesh))
 
     if preset:
         cfg = get_preset(preset)
@@ -75,14 +84,39 @@ def load_model(*, ckpt: str | None, preset: str | None, dtype: str = "float32", 
         run = settings(cfg)
         lora, leaves = with_adapter(cfg, run)
         # the base is drawn with the plain run settings: the same weights as without --adapter
-        params = _jitted_init()(cfg, jax.random.key(init_seed), run)
+        params = _jitted_init(None if mesh is None else replicated(mesh))(cfg, jax.random.key(init_seed), run)
         return cfg, run.replace(lora=lora), merge_trees(params, leaves)
     lora, leaves = None, None
     if adapter is not None:  # checked against config.json's architecture before any base weight is read
         cfg0 = model_config(ckpt=ckpt, preset=None, strict_config=strict_config)
         lora, leaves = with_adapter(cfg0, settings(cfg0))
-    cfg, params = load(ckpt, dtype=jnp.dtype(dtype), strict_config=strict_config, progress=False)
+    cfg, params = load_params(ckpt, dtype=dtype, strict_config=strict_config, mesh=mesh)
     return cfg, settings(cfg).replace(lora=lora), merge_trees(params, leaves)
+
+
+def load_params(ckpt: str, *, cfg=None, dtype: str = "float32", strict_config: bool = False, mesh=None):
+    """(cfg, params) of a checkpoint (``checkpoint.load.load``, no progress bar); with ``mesh``, every leaf whole on
+    every device of it, each process of a multi-process job reading the bytes of its own devices' copies."""
+    if mesh is None:
+        return load(ckpt, cfg=cfg, dtype=jnp.dtype(dtype), strict_config=strict_config, progress=False)
+    rep = replicated(mesh)
+    return load(ckpt, cfg=cfg, mesh=mesh, shardings=lambda path, shape, dt: rep, dtype=jnp.dtype(dtype),
+                strict_config=strict_config, progress=False)
+
+
+def replicated(mesh) -> NamedSharding:
+    """Whole on every device of ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def placed(tree, sharding):
+    """Host values (NumPy or process-local arrays holding the same values in every process) as global arrays placed
+    by ``sharding``: each process makes only the pieces its own devices hold (``jax.make_array_from_callback``)."""
+    def one(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+    return jax.tree.map(one, tree)
 
 
 def model_config(*, ckpt: str | None, preset: str | None, strict_config: bool = False):
@@ -93,8 +127,11 @@ def model_config(*, ckpt: str | None, preset: str | None, strict_config: bool = 
 
 
 @functools.cache
-def _jitted_init():
-    return jax.jit(init_params, static_argnums=(0, 2))  # one compile per (config, run settings) in a process
+def _jitted_init(out_shardings=None):
+    """``init_params`` jitted, its leaves placed by ``out_shardings`` (None: the default device); one compile per
+    (config, run settings, placement) in a process."""
+    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    return jax.jit(init_params, static_argnums=(0, 2), **kw)
 
 
 class TokenRows(NamedTuple):
@@ -168,5 +205,5 @@ def load_token_file(path: str, vocab: int, flag: str = "--tokens") -> TokenRows:
     return TokenRows(t.astype(np.int32), n.astype(np.int32), stream)
 
 
-__all__ = ["TokenRows", "checkpoint_error", "default_ckpt", "load_model", "load_token_file", "model_config",
-           "require_checkpoint"]
+__all__ = ["TokenRows", "checkpoint_error", "default_ckpt", "load_model", "load_params", "load_token_file",
+           "model_config", "placed", "replicated", "require_checkpoint"]

@@ -2,7 +2,9 @@
 or ``--preset NAME``: ``add_model_source``; a checkpoint as ``DIR`` or ``--ckpt DIR``: ``add_checkpoint_dir``), with
 ``checkpoint_arg`` and ``preset_arg`` checking the value when the command line is parsed (exit 2 naming the flag);
 ``--strict-config`` (``add_strict_config``); a forward-only command's ``--mesh data=N,context=M``
-(``parse_mesh_arg``). Loading what the flags name is library code: ``k3jax/checkpoint/source.py``."""
+(``parse_mesh_arg``); the process group of a command that runs the model on a mesh (``add_distributed``: started by
+``k3jax.cli.main`` through ``k3jax.distributed``). Loading what the flags name is library code:
+``k3jax/checkpoint/source.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import jax
 
 from k3jax.checkpoint.source import checkpoint_error
 from k3jax.config import PRESETS, ConfigError, get_preset
+from k3jax.distributed import INIT_TIMEOUT_S
 from k3jax.errors import InputError
 from k3jax.sharding.mesh import make_mesh
 from k3jax.sharding.placement import resolve_mesh
@@ -73,14 +76,31 @@ def add_strict_config(parser, of: str = "the checkpoint") -> None:
     parser.add_argument("--strict-config", action="store_true", help=f"unknown keys in {of}'s config.json are errors")
 
 
+def add_distributed(parser) -> None:
+    """``--coordinator HOST:PORT --num-processes N --process-id I`` (all three or none) and
+    ``--distributed-timeout S``: this command as one process of a ``jax.distributed`` job (``k3jax.distributed``;
+    without them, a cluster the environment names is detected by JAX, else one process)."""
+    g = parser.add_argument_group("many processes (jax.distributed; README: Many hosts)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a free port, the same in "
+                   "every process (default: the cluster's, detected by JAX on a TPU slice, SLURM or Open MPI)")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the job")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
+    g.add_argument("--distributed-timeout", type=int, metavar="S", default=None,
+                   help=f"seconds to wait for every process to join (default {INIT_TIMEOUT_S})")
+
+
 def parse_mesh_arg(s: str | None):
     """The mesh a forward-only command splits its rows (``data``) and their sequences (``context``) over
-    (``--mesh data=N,context=M``; parameters stay whole on every device). ``k3 route`` and ``k3 logits`` use it."""
+    (``--mesh data=N,context=M``; parameters stay whole on every device). ``k3 route``, ``k3 logits`` and
+    ``k3 generate`` use it. Without ``--mesh``: none, except in a job of several processes, where a process can only
+    run the model on a mesh that spans them all: ``data`` over every device of the job."""
+    if s is None and jax.process_count() > 1:
+        s = f"data={jax.device_count()}"
     if s is None:
         return None
     sizes, _ = resolve_mesh(s, devices=len(jax.devices()), axes=("data", "context"))
     return make_mesh({"data": sizes["data"], "context": sizes["context"]})
 
 
-__all__ = ["add_checkpoint_dir", "add_model_source", "add_strict_config", "checkpoint_arg", "checkpoint_dir",
-           "parse_mesh_arg", "preset_arg", "preset_help"]
+__all__ = ["add_checkpoint_dir", "add_distributed", "add_model_source", "add_strict_config", "checkpoint_arg",
+           "checkpoint_dir", "parse_mesh_arg", "preset_arg", "preset_help"]

@@ -30,6 +30,7 @@ BENCHES = {
     "train": "k3jax.bench.train",
     "decode": "k3jax.bench.decode",
     "compile": "k3jax.bench.compile",
+    "data": "k3jax.bench.data",
 }
 
 

@@ -15,6 +15,11 @@ experts re-quantized to MXFP4 (k3jax/checkpoint/merge.py reports, per layer and 
 grid keeps), then reloads what it wrote and compares it with the base + adapter: logits on ``--tokens`` (default:
 4 rows of 64 random ids) and, with ``--heldout`` chat data, the loss on the assistant's tokens
 (k3jax/train/merged_export.py).
+
+As N processes of one ``jax.distributed`` job (``--coordinator HOST:PORT --num-processes N --process-id I``, or
+``bash scripts/multiprocess.sh N k3 export ...``): ``--from``'s routed experts are split over every process's
+devices (each process reads only its experts' bytes) and each process writes the tensors it holds into OUT
+(k3jax/checkpoint/save_dist.py); the bytes are one process's. ``--merge-adapter`` runs in one process.
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ import json
 import jax
 
 from k3jax.checkpoint.atomic import check_out_dir
+from k3jax.checkpoint.leaves import default_mesh
 from k3jax.checkpoint.load import load
 from k3jax.checkpoint.save import save
-from k3jax.cli.args import add_strict_config, checkpoint_arg, preset_arg, preset_help
+from k3jax.checkpoint.source import replicated
+from k3jax.cli.args import add_distributed, add_strict_config, checkpoint_arg, preset_arg, preset_help
 from k3jax.config import get_preset
 from k3jax.errors import InputError
 from k3jax.model import init_params
@@ -56,6 +63,7 @@ def add_parser(sub) -> None:
     p.add_argument("--heldout", default=None, help="with --merge-adapter: chat JSONL whose answer-token loss is "
                    "compared (merged checkpoint vs base + adapter)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    add_distributed(p)
     p.set_defaults(func=run)
 
 
@@ -71,12 +79,15 @@ def run(args) -> int:
         raise InputError("--tokens and --heldout compare a merged adapter: give --merge-adapter")
     _check_out(args)
     if args.src:
-        # keep experts packed: exporting them again is then a byte copy, not a re-quantization
+        # keep experts packed: exporting them again is then a byte copy, not a re-quantization. The experts are split
+        # over the "expert" axis of every device of the job (load's default), the rest whole on each device.
         cfg, params = load(args.src, keep_experts_packed=args.expert_format in (None, "mxfp4"),
                            strict_config=args.strict_config)
     else:
         cfg = get_preset(args.preset)
-        params = init_params(cfg, jax.random.key(args.seed))
+        # a job of several processes draws it whole on every device (global arrays: save writes each tensor once)
+        on = {"out_shardings": replicated(default_mesh())} if jax.process_count() > 1 else {}
+        params = jax.jit(init_params, static_argnums=0, **on)(cfg, jax.random.key(args.seed))
     if args.expert_format:
         cfg = cfg.replace(expert_format=args.expert_format)
     r = save(params, cfg, args.out, overwrite=args.overwrite, manifest=args.manifest, progress=True)
@@ -85,6 +96,9 @@ def run(args) -> int:
 
 
 def _merge(args) -> int:
+    if jax.process_count() > 1:
+        raise InputError(f"--merge-adapter runs in one process (this job has {jax.process_count()}): drop "
+                         "--coordinator / --num-processes / --process-id")
     if not args.src:
         raise InputError("--merge-adapter merges into a checkpoint: give --from BASE")
     if args.expert_format == "bf16":

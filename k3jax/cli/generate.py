@@ -16,6 +16,14 @@ before any compute and writes no file; output files appear only once generation 
 applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the model; a bad one exits 2 naming its file.
 Timing goes to stderr (``timing`` in the --json object): the prefill's and the decode's compile seconds apart, and
 the tokens/s of the decode steps after the first (compiled ones: the first step compiles).
+
+``--mesh data=N,context=M`` runs on N·M devices as `k3 logits` does: rows over ``data`` (padded to a multiple of N
+with copies of the last row, dropped from every output), and each prompt's prefill over ``context`` (prompts padded on
+the right to a multiple of M shards of at least 3 tokens; k3jax/sharding/context_parallel.py); the cache keeps its
+positions split over ``context`` and each decode step reads it there. Parameters stay whole on every device. Same
+seed, same tokens on any mesh. As N processes of one ``jax.distributed`` job (``--coordinator HOST:PORT
+--num-processes N --process-id I``, or ``bash scripts/multiprocess.sh N k3 generate ...``) the mesh spans every
+process's devices (without ``--mesh``: ``data`` over all of them) and process 0 prints and writes the files.
 """
 
 from __future__ import annotations
@@ -26,13 +34,17 @@ import json
 import os
 import sys
 
+import jax
 import numpy as np
 
+from k3jax import distributed
 from k3jax.checkpoint.atomic import staged_file
-from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file, model_config
-from k3jax.cli.args import add_model_source, add_strict_config
+from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file, model_config, placed
+from k3jax.cli.args import add_distributed, add_model_source, add_strict_config, parse_mesh_arg
 from k3jax.errors import InputError, int_list
 from k3jax.model.generate import Sampling, generate
+from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.sharding.placement import cache_shardings
 from k3jax.tokenizer import TokenizerError, load_tokenizer
 
 # docs/model.md §1.1 / the K3 release: 1,048,576-token context; config.json's max_position_embeddings wins when present.
@@ -65,7 +77,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="write the new tokens [B, N] int32 here (.npy)")
     p.add_argument("--logits-out", help="write the logits [B, N, V] float32 here (.npy)")
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stop_reason, timing)")
+    p.add_argument("--mesh", default=None, help="e.g. data=8: rows over 8 devices; context=4: each prompt's prefill "
+                   "split over 4 devices (both: data=2,context=4)")
     add_strict_config(p)
+    add_distributed(p)
     p.set_defaults(func=run)
 
 
@@ -108,9 +123,36 @@ def _max_len(args, ckpt) -> int:
 
 
 def _save(path: str, arr: np.ndarray) -> None:
-    """Write atomically: a finished file or none."""
-    with staged_file(path, suffix=".npy") as tmp:
-        np.save(tmp, arr, allow_pickle=False)
+    """Write atomically: a finished file or none (process 0 of a multi-process job)."""
+    if distributed.is_main():
+        with staged_file(path, suffix=".npy") as tmp:
+            np.save(tmp, arr, allow_pickle=False)
+
+
+def _on_mesh(mesh, prompts: np.ndarray, longest: int, max_new_tokens: int) -> tuple[np.ndarray, dict]:
+    """(prompts padded to the mesh's split, ``generate``'s placement keywords: the cache's length, the prefill's
+    dispatch, the cache's placement).
+
+    Rows: a multiple of ``data``, the extra ones copies of the last row, dropped afterwards (greedy, they stop when it
+    stops, so they never keep the loop going; sampled, they may run a few steps longer). No real row's tokens change:
+    the partitionable threefry draws a row's bits from its own indices, whatever rows follow it. Prompt width:
+    ``context`` shards of at least 3 tokens (padding -1: no row's prompt changes). The cache holds a multiple of
+    ``context`` positions, the padded width at least, split over ``context``."""
+    B, T = prompts.shape
+    rows = -(-B // mesh.shape["data"]) * mesh.shape["data"]
+    prompts = np.concatenate([prompts, np.repeat(prompts[-1:], rows - B, axis=0)])
+    dispatch, n = None, 1
+    if mesh.shape["context"] > 1:
+        dispatch = ContextParallel(mesh, "fsdp", batch=rows)
+        n = dispatch.n
+        prompts = np.pad(prompts, ((0, 0), (0, max(-(-T // n), dispatch.min_shard) * n - T)), constant_values=-1)
+    max_len = -(-max(longest + max_new_tokens, prompts.shape[1]) // n) * n
+
+    def place_cache(cache):
+        shardings = cache_shardings("fsdp", mesh, cache, context=dispatch)
+        return jax.tree.map(placed, cache, shardings)
+
+    return prompts, {"max_len": max_len, "dispatch": dispatch, "place_cache": place_cache}
 
 
 def run(args) -> int:
@@ -141,8 +183,9 @@ def run(args) -> int:
         raise InputError(f"prompt of {int(n.max())} tokens + {args.max_new_tokens} new tokens exceeds the maximum "
                          f"length {limit} (--max-len)")
     stops = _stops(args.stop, cfg.vocab_size)
+    mesh = parse_mesh_arg(args.mesh)
     cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
-                                      strict_config=args.strict_config, adapter=args.adapter)
+                                      strict_config=args.strict_config, adapter=args.adapter, mesh=mesh)
     B = prompts.shape[0]
     stream = B == 1 and not args.json and tok is not None
     text = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: None)  # noqa: E731
@@ -163,14 +206,17 @@ def run(args) -> int:
     if stream:
         sys.stdout.write(tok.decode(prompts[0, : n[0]].tolist()))
         sys.stdout.flush()
-    out = generate(params, prompts, cfg, run_cfg, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   seed=args.seed, stop=stops, on_token=on_token)
+    padded, on_mesh = (prompts, {}) if mesh is None else _on_mesh(mesh, prompts, int(n.max()), args.max_new_tokens)
+    out = generate(params, padded, cfg, run_cfg, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   seed=args.seed, stop=stops, on_token=on_token, **on_mesh)
+    out.tokens, out.logits, out.stop_reason = out.tokens[:B], out.logits[:B], out.stop_reason[:B]  # the mesh's extra
     rows = [[int(x) for x in r if x >= 0] for r in out.tokens]
     texts = [text(r) for r in rows]
     if args.out:
         _save(args.out, out.tokens.astype(np.int32))
     if args.logits_out:
         _save(args.logits_out, out.logits.astype(np.float32))
+    distributed.barrier("k3 generate: outputs written")  # no process ends before they exist
     if args.json:
         print(json.dumps({"rows": [{"tokens": r, "text": s, "stop_reason": why, "prompt_tokens": int(k)}
                                    for r, s, why, k in zip(rows, texts, out.stop_reason, n, strict=True)],

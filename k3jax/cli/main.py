@@ -49,6 +49,7 @@ SUBCOMMANDS = {
     "ablate": "k3jax.cli.ablate",
     "route": "k3jax.cli.route",
     "generate": "k3jax.cli.generate",
+    "tokenize": "k3jax.cli.tokenize",
 }
 
 
@@ -92,14 +93,19 @@ def devices_asked(args) -> tuple[str, int] | None:
     return (f"--devices {n}", n) if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def simulated_cpu_devices(wanted: int, environ, has_device) -> int | None:
+def simulated_cpu_devices(wanted: int, environ, has_device, processes: int = 1) -> int | None:
     """How many simulated CPU devices to start before jax's backend does: ``wanted`` (what ``--mesh`` or
     ``--devices`` asks for) when it is more than one and JAX will run on the CPU — JAX_PLATFORMS=cpu (set by
     ``jax_platforms_override`` where libtpu is installed without a TPU), or JAX_PLATFORMS unset and no accelerator
     device file (``has_device(pattern)``, as there) — in one process (no jax.distributed or multi-process launcher
     variables), with the CPU device count not already chosen (XLA_FLAGS' --xla_force_host_platform_device_count,
-    JAX_NUM_CPU_DEVICES); else None, and a mesh larger than the devices is the command's error."""
-    if wanted <= 1:
+    JAX_NUM_CPU_DEVICES); else None, and a mesh larger than the devices is the command's error. A job of
+    ``processes`` CPU processes (``k3jax.distributed``) starts ``wanted / processes`` in each, when that divides."""
+    if processes > 1:
+        wanted, rest = divmod(wanted, processes)
+        if rest:
+            return None
+    if wanted <= 1 and processes == 1:
         return None
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms:
@@ -109,9 +115,9 @@ def simulated_cpu_devices(wanted: int, environ, has_device) -> int | None:
         return None
     if "xla_force_host_platform_device_count" in environ.get("XLA_FLAGS", "") or environ.get("JAX_NUM_CPU_DEVICES"):
         return None
-    if any(k in environ for k in _MULTIPROCESS_ENV):
+    if processes == 1 and any(k in environ for k in _MULTIPROCESS_ENV):
         return None
-    if any(int(v) > 1 for k in _WORLD_SIZE_ENV if (v := environ.get(k, "").strip()).isdigit()):
+    if processes == 1 and any(int(v) > 1 for k in _WORLD_SIZE_ENV if (v := environ.get(k, "").strip()).isdigit()):
         return None
     return wanted
 
@@ -242,21 +248,68 @@ def _main(argv) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a parse error naming its flag (2), already printed
         return int(e.code or 0)
+    from k3jax.distributed import Launch  # jax-free until start() (see above)
+
+    has_device = lambda pattern: bool(glob.glob(pattern))  # noqa: E731
+    launch = Launch.from_args(args)
     asked = devices_asked(args)
     if asked is not None:
-        n = simulated_cpu_devices(asked[1], os.environ, lambda pattern: bool(glob.glob(pattern)))
+        procs = launch.processes(os.environ) or 1
+        n = simulated_cpu_devices(asked[1], os.environ, has_device, procs)
         if n is not None and start_simulated_cpu_devices(n):  # before anything the command runs starts jax
-            print(f"k3 {args.command}: {asked[0]} needs {n} devices and JAX runs on this machine's CPU: starting {n} "
-                  "simulated CPU devices", file=sys.stderr)
+            each = f" in each of {procs} processes" if procs > 1 else ""
+            print(f"k3 {args.command}: {asked[0]} needs {asked[1]} devices and JAX runs on this machine's CPU: "
+                  f"starting {n} simulated CPU devices{each}", file=sys.stderr)
     previous = _warnings_as_messages(args.command)
+    started = None
     try:
+        started = _start_processes(args, launch, has_device)
         rc = args.func(args)
     except InputError as e:  # bad input: exit 2 naming the field/file/tensor (anything else: traceback, exit 1)
-        print(f"k3 {args.command}: error: {e}", file=sys.stderr)
+        print(f"k3 {args.command}: {_process_prefix(started)}error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:
+        if started and not isinstance(e, BrokenPipeError):  # the traceback that follows: whose it is
+            print(f"k3 {args.command}: {_process_prefix(started)}failed:", file=sys.stderr)
+        raise
     finally:
         warnings.showwarning = previous
+    if started:
+        from k3jax.distributed import shutdown
+
+        shutdown()
     return int(rc or 0)
+
+
+def _start_processes(args, launch, has_device) -> str | None:
+    """This command as one process of a jax.distributed job, when its parser has the flags
+    (``k3jax.cli.args.add_distributed``) and the flags or the environment name a job (``k3jax.distributed.start``)."""
+    if not hasattr(args, "num_processes"):
+        return None
+    from k3jax.distributed import is_main, start
+
+    how = start(launch, environ=os.environ, has_device=has_device)
+    if how:  # one process speaks for the job on stdout; every one keeps stderr for its errors
+        sys.stdout.flush()
+        if is_main():
+            # what native code prints on file descriptor 1 (gloo's connection lines) goes to stderr, so that stdout
+            # holds the command's own output only (`--json`: one object); Python's stdout keeps the real one
+            keep = os.dup(sys.stdout.fileno())
+            os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+            sys.stdout = os.fdopen(keep, "w", buffering=1)
+        else:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+    return how
+
+
+def _process_prefix(started) -> str:
+    if not started:
+        return ""
+    from k3jax.distributed import prefix
+
+    return prefix()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ Bad input (an id < -1 or >= vocab, a row of only padding, -1 inside a row) exits
 row. Per-layer keys of `--json` match `k3 run`'s routing summary; `layer` is the 0-based decoder layer and `load`
 the exact assignment counts. `--adapter DIR` applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the
 model under analysis (not to `--compare`); a bad one exits 2 naming its file. Adapters never touch the router
-tensors, so `--static` takes none.
+tensors, so `--static` takes none. As N processes of one `jax.distributed` job (`--coordinator HOST:PORT
+--num-processes N --process-id I`, or `bash scripts/multiprocess.sh N k3 route ...`) the windows are split over every
+process's devices (`--mesh`, else `data` over all of them) and process 0 prints the report and writes the plots.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ import sys
 
 import numpy as np
 
+from k3jax import distributed
 from k3jax.analysis import collect as ac
 from k3jax.analysis import metrics as am
 from k3jax.analysis import plots as ap
 from k3jax.analysis.static import static_router_analysis
 from k3jax.checkpoint.host import peak_rss_bytes
-from k3jax.checkpoint.load import load
-from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file
-from k3jax.cli.args import add_model_source, add_strict_config, checkpoint_arg, parse_mesh_arg
+from k3jax.checkpoint.source import default_ckpt, load_model, load_params, load_token_file
+from k3jax.cli.args import add_distributed, add_model_source, add_strict_config, checkpoint_arg, parse_mesh_arg
 from k3jax.config import architecture_diff, from_hf, get_preset
 from k3jax.errors import InputError, int_list
 from k3jax.sharding.context_parallel import ContextParallel
@@ -67,6 +69,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plots", default=None, metavar="DIR", help="write matplotlib figures and an HTML view here")
     add_strict_config(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_distributed(p)
     p.set_defaults(func=run)
 
 
@@ -93,9 +96,9 @@ def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
     return (rows.tokens[0, : rows.lengths[0]] if rows.stream else rows.tokens), None
 
 
-def _model(args):
+def _model(args, mesh):
     return load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype, strict_config=args.strict_config,
-                      init_seed=args.seed, adapter=args.adapter)
+                      init_seed=args.seed, adapter=args.adapter, mesh=mesh)
 
 
 def run(args) -> int:
@@ -129,17 +132,18 @@ def run(args) -> int:
         diff = architecture_diff(from_hf(os.path.join(args.compare, "config.json")), cfg0)
         if diff:
             raise InputError(f"--compare {args.compare}: a different config (differs in {', '.join(diff)})")
-    cfg, settings, params = _model(args)
+    cfg, settings, params = _model(args, mesh)
     other = None
     if args.compare:
-        _, other = load(args.compare, cfg=cfg, dtype=settings.param_dtype, progress=False)
+        _, other = load_params(args.compare, cfg=cfg, dtype=settings.param_dtype, mesh=mesh)
     report, stats, kept = ac.collect(params, cfg, tokens, layers=layers, seq_len=args.seq_len, batch=args.batch,
                                     max_tokens=args.max_tokens, mesh=mesh, keep=bool(args.plots), run=settings,
                                     compare_params=other, progress=not args.json and sys.stderr.isatty())
     report["source"] = args.ckpt or f"preset:{args.preset}"
     report["peak_rss_bytes"] = peak_rss_bytes()
     if args.plots:
-        report["plots"] = write_plots(args.plots, report, stats, kept, cfg, tok)
+        report["plots"] = write_plots(args.plots, report, stats, kept, cfg, tok) if distributed.is_main() else []
+        distributed.barrier(f"k3 route: plots in {args.plots}")
     if args.json:
         print(json.dumps(report))
         return 0
@@ -191,7 +195,9 @@ def _run_static(args, layers) -> int:
     cfg = from_hf(os.path.join(args.ckpt, "config.json"), strict=args.strict_config)
     rep = static_router_analysis(args.ckpt, layers, cfg=cfg)
     if args.plots:
-        rep["plots"] = [ap.static_norms(rep, os.path.join(args.plots, "static_router.png"))]
+        rep["plots"] = [ap.static_norms(rep, os.path.join(args.plots, "static_router.png"))] \
+            if distributed.is_main() else []
+        distributed.barrier(f"k3 route: plots in {args.plots}")
     if args.json:
         print(json.dumps(rep))
         return 0

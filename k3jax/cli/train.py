@@ -20,7 +20,7 @@ import dataclasses
 import sys
 import typing
 
-from k3jax.cli.args import add_strict_config, checkpoint_arg, preset_arg, preset_help
+from k3jax.cli.args import add_distributed, add_strict_config, checkpoint_arg, preset_arg, preset_help
 from k3jax.config import ConfigError, LoRAConfig
 from k3jax.train.settings import TrainConfig
 
@@ -79,6 +79,7 @@ def add_parser(sub) -> None:
             continue
         flags, kw = _argument(f, hints[f.name])
         group.add_argument(*flags, **kw)
+    add_distributed(p)
     p.set_defaults(func=run_cli)
 
 

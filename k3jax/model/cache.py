@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.distributed import host_value
 from k3jax.errors import InputError
 from k3jax.model.functional import merge
 from k3jax.model.layout import layout
@@ -200,7 +201,7 @@ def _check_piece(tokens, lengths, cache, cfg: K3Config):
         bad = ids[(ids < 0) | (ids >= cfg.vocab_size)][0]
         raise CacheError(f"token id {int(bad)} is outside the vocabulary [0, {cfg.vocab_size})")
     cap = max_len_of(cache)
-    have = np.asarray(cache["lengths"])
+    have = host_value(cache["lengths"])  # rows split over processes: gathered from their holders
     if cap is not None and (have + lengths).max(initial=0) > cap:
         r = int(np.argmax(have + lengths))
         raise CacheError(f"row {r} would hold {int(have[r] + lengths[r])} tokens; the cache holds {cap} per row "

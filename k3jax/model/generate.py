@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import K3Config, RunConfig, default_run
+from k3jax.distributed import host_value
 from k3jax.errors import InputError
 from k3jax.model.cache import CacheError, decode_step, init_cache, prefill
 
@@ -131,11 +132,15 @@ def prompt_lengths(prompts: np.ndarray) -> np.ndarray:
 
 def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, max_new_tokens: int,
              sampling: Sampling = Sampling(), seed: int = 0, stop=(), max_len: int | None = None,
-             on_token=None) -> Generation:
+             on_token=None, dispatch=None, place_cache=None) -> Generation:
     """Prefill ``prompts`` [B, T] (-1 right padding) and draw up to ``max_new_tokens`` per row.
 
     stop: token ids that end a row (kept as its last token). max_len: the cache's positions per row (default
-    the longest prompt + max_new_tokens). on_token(step, ids [B], done [B]) is called after every draw."""
+    the longest prompt + max_new_tokens). on_token(step, ids [B], done [B]) is called after every draw.
+    On a mesh: ``dispatch`` is the prefill's (a ``ContextParallel``: each prompt split over the context axis; the
+    decode steps continue from the cache it leaves) and ``place_cache(cache)`` places the empty cache (rows over
+    data, positions over context). The drawn ids and logits come to the host from whichever processes hold them
+    (``distributed.host_value``), so every process of a multi-process job calls this alike and gets every row."""
     run = default_run(cfg) if run is None else run
     prompts = np.asarray(prompts)
     n = prompt_lengths(prompts)
@@ -151,7 +156,10 @@ def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, ma
     with CompileClock() as clock:
         t0 = time.perf_counter()
         cache = init_cache(cfg, B, max_len, run)
-        logits, cache = prefill(params, np.where(prompts >= 0, prompts, 0), n, cache, cfg, run, last_only=True)
+        if place_cache is not None:
+            cache = place_cache(cache)
+        logits, cache = prefill(params, np.where(prompts >= 0, prompts, 0), n, cache, cfg, run, last_only=True,
+                                dispatch=dispatch)
         logits = jax.block_until_ready(logits)
         t_prefill = time.perf_counter() - t0
         at_prefill = len(clock)
@@ -162,10 +170,10 @@ def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, ma
         t1 = time.perf_counter()
         t_first, steps = 0.0, 0
         for t in range(max_new_tokens):
-            ids = np.asarray(sample(logits, jax.random.fold_in(key, t), sampling))
+            ids = host_value(sample(logits, jax.random.fold_in(key, t), sampling))
             live = ~done
             tokens[live, t] = ids[live]
-            out_logits[live, t] = np.asarray(logits, np.float32)[live]
+            out_logits[live, t] = host_value(logits).astype(np.float32, copy=False)[live]
             hit = live & np.isin(ids, stop_ids)
             for b in np.flatnonzero(hit):
                 reason[b] = "stop"

@@ -21,7 +21,11 @@ in the same document as token t — never a document's first token from the one 
 windows as ``batch_at`` cuts it (same tokens); chat conversations are packed whole into rows (``pack_rows``: in
 file order, first come first packed, a row closed when the next conversation does not fit, padding its own
 document with weight 0; a conversation longer than a row is cut into row-sized pieces), and rows are drawn by a
-per-epoch permutation.
+per-epoch permutation. ``stride_rows`` cuts a text stream into rows as `k3 tokenize` writes them.
+
+Pre-tokenized shards (`k3 tokenize`, ``k3jax.train.shards``): when ``--data`` is one directory holding a
+manifest.json, ``prepare`` returns ``k3jax.train.stream.ShardData``, which has ``TrainData``'s interface and reads
+each batch's rows from disk.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from k3jax.errors import InputError
 from k3jax.tokenizer import load_tokenizer
 from k3jax.train.evaluate import Windows, spaced_windows
 from k3jax.train.settings import CORPUS_BYTES, HELDOUT_FRAC
+from k3jax.train.shards import BYTES_IDENTITY, entropy_of_counts, prediction_weights, tokenizer_identity
+from k3jax.train.stream import ShardData, is_shard_dir, open_shards, read_manifest
 
 
 def _text_documents(path: str) -> list[bytes]:
@@ -117,6 +123,8 @@ def _chat_corpus(paths, max_tokens: int, tokenizer, template) -> Corpus:
             n += a.size
             if n >= max_tokens:
                 break
+        if n >= max_tokens:  # the limit ends the corpus, not only this file
+            break
     if not ids:
         raise InputError(f"--data: no conversations in {', '.join(paths)}")
     return Corpus(np.concatenate(ids).astype(np.int32), np.repeat(np.arange(len(ids), dtype=np.int32),
@@ -139,14 +147,6 @@ def split_documents(corpus: Corpus, heldout_frac: float = HELDOUT_FRAC) -> tuple
                       corpus.chat)
 
     return part(slice(0, cut)), part(slice(cut, N))
-
-
-def _weights(seg, tgt):
-    """[..., L] document ids and target flags → [..., L - 1] float32: predicting token t + 1 counts."""
-    w = seg[..., 1:] == seg[..., :-1]
-    if tgt is not None:
-        w = w & tgt[..., 1:]
-    return w.astype(np.float32)
 
 
 def pack_rows(corpus: Corpus, seq_len: int) -> dict:
@@ -173,8 +173,24 @@ def pack_rows(corpus: Corpus, seq_len: int) -> dict:
             tok[r, at:at + e - a], seg[r, at:at + e - a] = corpus.tokens[a:e], i
             tgt[r, at:at + e - a] = True if corpus.target is None else corpus.target[a:e]
             at += e - a
-    return {"tokens": tok, "segments": seg, "weights": _weights(seg, tgt),
+    return {"tokens": tok, "segments": seg, "weights": prediction_weights(seg, tgt),
             "cut": sum(1 for a, e in bounds if e - a > L)}
+
+
+def stride_rows(corpus: Corpus, seq_len: int) -> dict:
+    """A text stream cut at stride ``seq_len`` (`k3 tokenize`'s text rows, in memory): row r is tokens
+    ``[r T, r T + T + 1)``, so every next-token prediction lies in exactly one row; the last row is right-padded
+    (tokens 0, segment -1, weight 0). {"tokens", "segments" (document index relative to the row's first token's)
+    [R, seq_len + 1] int32, "weights" [R, seq_len] float32}."""
+    T, N = seq_len, corpus.tokens.size
+    R = max(-(-(N - 1) // T), 0)
+    idx = np.arange(R)[:, None] * T + np.arange(T + 1)[None, :]
+    real = idx < N
+    idx = np.minimum(idx, N - 1)
+    tok = np.where(real, corpus.tokens[idx], 0).astype(np.int32)
+    seg = np.where(real, corpus.doc[idx] - corpus.doc[idx[:, :1]], -1).astype(np.int32)
+    tgt = real if corpus.target is None else real & corpus.target[idx]
+    return {"tokens": tok, "segments": seg, "weights": prediction_weights(seg, tgt)}
 
 
 def packed_batch_at(corpus: Corpus, *, seed: int, step: int, batch: int, seq_len: int, vocab: int = 256,
@@ -187,7 +203,7 @@ def packed_batch_at(corpus: Corpus, *, seed: int, step: int, batch: int, seq_len
         starts = rng.integers(0, len(corpus.tokens) - seq_len - 1, size=batch)
         idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
         tok, seg = corpus.tokens[idx].astype(np.int32), corpus.doc[idx]
-        w = _weights(seg, None if corpus.target is None else corpus.target[idx])
+        w = prediction_weights(seg, None if corpus.target is None else corpus.target[idx])
     else:
         R = rows["tokens"].shape[0]
         i = step * batch + np.arange(batch)
@@ -214,21 +230,33 @@ class TrainData:
     def train_toks(self) -> np.ndarray:
         return self.train.tokens
 
-    def batch(self, *, seed: int, step: int, batch: int, seq_len: int):
-        """Step ``step``'s batch: tokens [batch, seq_len + 1] (``batch_at``), or a packed batch."""
+    def batch(self, *, seed: int, step: int, batch: int, seq_len: int, rows=None):
+        """Step ``step``'s batch: tokens [batch, seq_len + 1] (``batch_at``), or a packed batch; ``rows``: only these
+        rows of it (global row indices in [0, batch); None: all), as a process of a multi-process run asks."""
         if not self.packing:
-            return batch_at(self.train.tokens, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab)
-        return packed_batch_at(self.train, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab,
-                               rows=self.rows)
+            out = batch_at(self.train.tokens, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab)
+        else:
+            out = packed_batch_at(self.train, seed=seed, step=step, batch=batch, seq_len=seq_len, vocab=self.vocab,
+                                  rows=self.rows)
+        if rows is None:
+            return out
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if rows.size and (rows.min() < 0 or rows.max() >= batch):
+            raise ValueError(f"rows must lie in [0, {batch}), got {rows.min()}..{rows.max()}")
+        return out[rows] if isinstance(out, np.ndarray) else {k: v[rows] for k, v in out.items()}
 
 
-def prepare(tc, cfg, n_dev: int, log) -> TrainData:
+def prepare(tc, cfg, n_dev: int, log) -> TrainData | ShardData:
     """The corpus of ``tc.data`` split, checked and set up for ``tc.seq_len``: text with document masks
     (``tc.packing_masks``) or as plain windows (today's batches, exactly), chat packed into rows (with
-    ``--no-packing-masks`` every row is one sequence to the mixers; the assistant-only weights stay)."""
+    ``--no-packing-masks`` every row is one sequence to the mixers; the assistant-only weights stay). One shard
+    directory (`k3 tokenize`): ``prepare_shards``."""
     vocab = min(cfg.vocab_size, 256)
     if cfg.vocab_size < 256:
         log(f"vocab {cfg.vocab_size} < 256: tokens are byte % {cfg.vocab_size}")
+    n_eval = max(n_dev, tc.eval_windows // n_dev * n_dev)   # rounded down to the devices, at least one each
+    if is_shard_dir(tc.data):
+        return prepare_shards(tc, cfg, n_eval, log)
     chat = any(_is_chat(os.fspath(p)) for p in tc.data)
     tok = tpl = None
     if chat:
@@ -236,7 +264,6 @@ def prepare(tc, cfg, n_dev: int, log) -> TrainData:
         tpl = template_for(tc.init, tok)
     corpus = load_documents(tc.data, max_bytes=tc.max_bytes, tokenizer=tok, template=tpl)
     train, held = split_documents(corpus, tc.heldout_frac)
-    n_eval = max(n_dev, tc.eval_windows // n_dev * n_dev)   # rounded down to the devices, at least one each
     if not chat:
         check_size(train.tokens, tc.seq_len, "training")
         check_size(held.tokens, tc.seq_len, "held-out")
@@ -244,7 +271,7 @@ def prepare(tc, cfg, n_dev: int, log) -> TrainData:
         if tc.packing_masks:
             at = np.linspace(0, len(held.tokens) - tc.seq_len - 1, n_eval).astype(np.int64)
             seg = held.doc[at[:, None] + np.arange(tc.seq_len + 1)[None, :]]
-            ev = Windows(ev.tokens, _weights(seg, None), seg)
+            ev = Windows(ev.tokens, prediction_weights(seg, None), seg)
         return TrainData(train, ev, unigram_entropy(held.tokens, vocab), vocab, tc.packing_masks)
     rows, held_rows = pack_rows(train, tc.seq_len), pack_rows(held, tc.seq_len)
     if rows["cut"] or held_rows["cut"]:
@@ -259,6 +286,26 @@ def prepare(tc, cfg, n_dev: int, log) -> TrainData:
         f"{float(rows['weights'].mean()):.1%} of predictions are assistant tokens")
     ev = Windows(held_rows["tokens"][:n_eval], held_rows["weights"][:n_eval], held_rows["segments"][:n_eval])
     return TrainData(train, ev, unigram_entropy(held.tokens, vocab), vocab, True, rows)
+
+
+def prepare_shards(tc, cfg, n_eval: int, log) -> ShardData:
+    """``tc.data``'s one shard directory opened for this model (``stream.open_shards``): chat shards must have been
+    made with the model's tokenizer and chat template (``tc.init``'s, else bytes and the built-in template); text
+    shards are bytes, as in-memory text is. The split and the corpus size were fixed by `k3 tokenize`."""
+    root = os.fspath(tc.data[0])
+    manifest, _ = read_manifest(root)
+    ident, tpl = dict(BYTES_IDENTITY), None
+    if manifest["kind"] == "chat":
+        tok = load_tokenizer(tc.init, max(cfg.vocab_size, 256))
+        ident, tpl = tokenizer_identity(tok, tc.init), template_for(tc.init, tok)
+    data = open_shards(root, seq_len=tc.seq_len, tokenizer_identity=ident, template=tpl, vocab=min(cfg.vocab_size,
+                       256), packing_masks=tc.packing_masks, n_eval=n_eval)
+    sp = manifest["splits"]
+    log(f"{manifest['kind']} shards {root}: {sp['train']['rows']} training rows of {tc.seq_len + 1} tokens "
+        f"({sp['train']['tokens']:,} tokens), {sp['heldout']['rows']} held out; the split was fixed by `k3 tokenize` "
+        f"(held-out fraction {manifest['heldout_frac']}, max bytes {manifest['max_bytes']}): --max-bytes and "
+        "--heldout-frac are not read")
+    return data
 
 
 def split(tokens: np.ndarray, heldout_frac: float = HELDOUT_FRAC) -> tuple[np.ndarray, np.ndarray]:
@@ -282,11 +329,9 @@ def batch_at(tokens: np.ndarray, *, seed: int, step: int, batch: int, seq_len: i
 
 def unigram_entropy(tokens: np.ndarray, vocab: int = 256) -> float:
     """Unigram (byte-frequency) entropy in nats: the loss of the best context-free predictor."""
-    t = tokens.astype(np.int64) % vocab if vocab < 256 else tokens.astype(np.int64)
-    p = np.bincount(t, minlength=vocab).astype(np.float64)
-    p = p[p > 0] / p.sum()
-    return float(-(p * np.log(p)).sum())
+    return entropy_of_counts(np.bincount(np.asarray(tokens).reshape(-1).astype(np.int64)), vocab)
 
 
 __all__ = ["Corpus", "TrainData", "batch_at", "check_size", "load_corpus", "load_documents", "pack_rows",
-           "packed_batch_at", "prepare", "split", "split_documents", "unigram_entropy"]
+           "packed_batch_at", "prediction_weights", "prepare", "prepare_shards", "split", "split_documents",
+           "stride_rows", "unigram_entropy"]

@@ -34,7 +34,8 @@ the first compile: `k3 train` exits 2); the records written to ``--metrics`` in 
 
 from __future__ import annotations
 
-import signal
+import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from k3jax import distributed as dist
 from k3jax.checkpoint.atomic import check_out_dir
 from k3jax.checkpoint.peft import save_adapter
 from k3jax.checkpoint.save import export_trained
@@ -59,6 +61,7 @@ from k3jax.sharding import placement as place
 from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.train import data as tdata
 from k3jax.train.ckpt import manager, read_meta, restore_state, run_record, save_state, trained_settings
+from k3jax.train.control import Stop
 from k3jax.train.evaluate import Windows, heldout_loss
 from k3jax.train.flops import flops_per_token, matmul_peak_flops
 from k3jax.train.program import full_params, initial_params, programs, trained_and_frozen
@@ -66,6 +69,7 @@ from k3jax.train.records import MetricsFile, compile_ahead, compile_summary, pro
 from k3jax.train.settings import (
     TrainConfig,
     check_frozen,
+    flag_of,
     keeps_packed,
     optim_config,
     resolve_mesh,
@@ -78,45 +82,16 @@ from k3jax.train.settings import (
     validate,
 )
 
+# Settings every process of a job must share besides the resume keys: where it writes and what it is asked to do.
+_SAME_IN_EVERY_PROCESS = ("mesh", "devices", "strategy", "data", "ckpt_dir", "ckpt_every", "export", "eval_every",
+                          "keep", "max_bad_steps")
+
 
 class TrainingStoppedError(RuntimeError):
     """Too many non-finite steps in a row; the message names the steps and the last good checkpoint."""
 
 
 # -------------------------------------------------------------------------------------------------------- the loop
-
-
-class _Stop:
-    """``with _Stop(sigint) as stop``: ``stop.hit`` becomes "sigterm" on SIGTERM — and, with ``sigint``, "sigint"
-    on SIGINT (Ctrl-C) — and the loop then finishes its step, saves a checkpoint and returns. A second SIGINT raises
-    KeyboardInterrupt at once. The previous handlers are restored on exit; a SIGINT the process ignores (a
-    background job) stays ignored."""
-
-    NAMES = {signal.SIGTERM: "sigterm", signal.SIGINT: "sigint"}
-
-    def __init__(self, sigint: bool = False):
-        self.sigint = sigint
-        self.hit: str | None = None
-        self.prev: dict = {}
-
-    def _on(self, signum, frame):
-        if signum == signal.SIGINT and self.hit is not None:
-            raise KeyboardInterrupt  # the second Ctrl-C: abort now
-        self.hit = self.hit or self.NAMES[signum]
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT) if self.sigint else (signal.SIGTERM,):
-            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
-                continue
-            try:
-                self.prev[sig] = signal.signal(sig, self._on)
-            except ValueError:  # not the main thread: no handler (the run is then only stopped by its caller)
-                break
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self.prev.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -159,7 +134,9 @@ class _Run:
 
 
 def _prepare(tc: TrainConfig, log) -> _Run:
-    """Every user-facing check, before any compute; loads and splits the corpus."""
+    """Every user-facing check, before any compute (every process of a job started with the same settings and
+    data); loads and splits the corpus."""
+    dist.agree(tc.resume_key() | {k: getattr(tc, k) for k in _SAME_IN_EVERY_PROCESS}, flag=flag_of)
     if tc.export:  # refused before anything runs, not after training (the write itself: export_trained)
         check_out_dir(tc.export, overwrite=tc.overwrite, flag="--export", hint="pass --overwrite")
     cfg = resolve_model(tc)  # a ConfigError is an InputError
@@ -173,11 +150,22 @@ def _prepare(tc: TrainConfig, log) -> _Run:
     if place.uses_context(strategy, mesh):   # the micro-batch takes the token axes, the sequence the context axis
         ContextParallel(mesh, strategy, batch=tc.batch // tc.micro_batches).check(tc.seq_len, "--seq-len")
     data = tdata.prepare(tc, cfg, n_dev, log)
+    dist.agree({"data": _data_identity(data)}, what="data", flag=lambda _: "--data (its contents)")
     settings = run_settings(tc, cfg)
     return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, strategy=strategy, log=log, data=data,
                 train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy,
                 meta={"train": tc.resume_key(), "run": run_record(settings),
                       "model": cfg.to_dict() if hasattr(cfg, "to_dict") else repr(cfg)})
+
+
+def _data_identity(data) -> str:
+    """What tells two processes' data apart: the shards' manifest, or a digest of the in-memory corpus."""
+    if hasattr(data, "state"):
+        return json.dumps(data.state()["manifest"], sort_keys=True, default=str)
+    h = hashlib.sha256()
+    for a in (data.train.tokens, data.train.doc, data.eval_set.tokens):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def _build(run: _Run) -> None:
@@ -217,6 +205,8 @@ def _open_ckpt(run: _Run) -> None:
                          f"{run.meta['train']['muon_layout']!r}; resume with --muon-layout {saved}")
     if diff and not tc.fork:
         raise InputError(f"--ckpt-dir {tc.ckpt_dir}: {resume_refusal(old, run.meta['train'], diff)}")
+    if hasattr(run.data, "check_state") and not tc.fork:  # streamed shards: the checkpoint's must be these
+        run.data.check_state(meta.get("data"))
     run.saved, run.forked = int(run.mngr.latest_step()), diff
     # the QAT rounding rules travel with the trained model: its weight rule is the grid the export packs onto
     run.settings = trained_settings(meta, run.settings)
@@ -251,8 +241,9 @@ def _open_outputs(run: _Run) -> None:
     if tc.metrics:
         run.flops_tok = flops_per_token(run.cfg, abstract_params(run.cfg, run.settings), tc.seq_len)
         run.peak = tc.peak_flops or matmul_peak_flops(dtype=jnp.dtype(tc.compute_dtype))
-    run.mfile = MetricsFile(tc.metrics)
-    if tc.progress if tc.progress is not None else sys.stderr.isatty():
+    main = dist.is_main()  # one process writes the job's metrics, event files and progress
+    run.mfile = MetricsFile(tc.metrics if main else None, tensorboard=tc.tensorboard if main else None)
+    if main and (tc.progress if tc.progress is not None else sys.stderr.isatty()):
         run.bar = tqdm(total=tc.steps, initial=run.start, desc="train", unit="step", file=sys.stderr)
     run.write({"event": "start", "step": run.start, "heldout_unigram_entropy": run.held_entropy,
                "devices": run.mesh.devices.size, "mesh": dict(run.mesh.shape), "strategy": run.strategy,
@@ -293,7 +284,7 @@ def _evaluate(run: _Run) -> float:
     return heldout_loss(full_params(run.state), run.eval_set, batch=b, score=run.score)[0]
 
 
-def _finish_step(run: _Run, rec: dict, summary: dict, stop: _Stop) -> bool:
+def _finish_step(run: _Run, rec: dict, summary: dict, stop: Stop) -> bool:
     """Eval, metrics record, progress, checkpoint and SIGTERM / SIGINT handling after one step; False: stop the
     loop."""
     tc, step = run.tc, rec["step"]
@@ -311,8 +302,10 @@ def _finish_step(run: _Run, rec: dict, summary: dict, stop: _Stop) -> bool:
         recent = run.step_times[-tc.log_every:]
         run.log(progress_line(step, tc.steps, rec["loss"], tokens_per_s=tc.batch * tc.seq_len * len(recent) /
                               max(sum(recent), 1e-9), eta_s=(tc.steps - step) * sum(recent) / len(recent)))
-    hit = stop.hit
+    hit = stop.poll()  # the same in every process
     if run.mngr is not None and bad == 0 and (step % tc.ckpt_every == 0 or step == tc.steps or hit):
+        if hasattr(run.data, "state"):  # the loader's position travels with the checkpoint
+            run.meta["data"] = run.data.state(step)
         save_state(run.mngr, run.state, run.meta, force=bool(hit) or step == tc.steps)
         run.last_good = step
     if not hit:
@@ -337,16 +330,25 @@ def _compile_step(run: _Run, x, poison) -> None:
     run.write(rec)
 
 
-def _step_loop(run: _Run, summary: dict, stop: _Stop) -> int:
+def _global_batch(run: _Run, step: int, rows: np.ndarray):
+    """Step ``step``'s batch [M, b, ...] placed by ``run.batch_sh``, this process making only the rows ``rows``
+    (global row m * b + r of the step's batch) its devices hold."""
+    tc = run.tc
+    lead = (tc.micro_batches, tc.batch // tc.micro_batches)
+    local = run.data.batch(seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len, rows=rows)
+    return jax.tree.map(lambda a: dist.from_process_rows(run.batch_sh, (*lead, *a.shape[1:]), rows, a, row_axes=2),
+                        local)
+
+
+def _step_loop(run: _Run, summary: dict, stop: Stop) -> int:
     """Steps ``run.start + 1 .. tc.steps`` (or until SIGTERM / SIGINT); returns the last step taken."""
     tc = run.tc
     b = tc.batch // tc.micro_batches
     poison = {int(s) for s in tc.poison_steps}
+    rows = dist.process_rows(run.batch_sh, (tc.micro_batches, b, tc.seq_len + 1), row_axes=2)
     step = run.start
     while step < tc.steps:
-        x = jax.tree.map(lambda a: a.reshape(tc.micro_batches, b, *a.shape[1:]),
-                         run.data.batch(seed=tc.seed, step=step, batch=tc.batch, seq_len=tc.seq_len))
-        x, p = jax.device_put(x, run.batch_sh), jnp.float32(np.nan if step + 1 in poison else 0.0)
+        x, p = _global_batch(run, step, rows), jnp.float32(np.nan if step + 1 in poison else 0.0)
         if step == run.start:
             _compile_step(run, x, p)
         t0 = time.perf_counter()
@@ -367,9 +369,16 @@ def build(tc: TrainConfig, *, log=None) -> _Run:
     """A run's context without taking a step: every check, the corpus, the placed train state (``.state``, its
     shardings ``.state_sh``), the MoE ``.dispatch`` and the jitted ``.step_fn`` (for tests and notebooks that
     inspect shardings and gradients)."""
-    run = _prepare(tc, log or (lambda msg: print(msg, file=sys.stderr, flush=True)))
+    run = _prepare(tc, _job_log(log))
     _build(run)
     return run
+
+
+def _job_log(log):
+    """The run's log function (default: a line on stderr), in process 0 of a job only."""
+    if not dist.is_main():
+        return lambda msg: None
+    return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
 def _close(run: _Run) -> None:
@@ -388,7 +397,7 @@ def train(tc: TrainConfig, *, log=None, sigint: bool = False, need_params: bool 
     ``sigint``: Ctrl-C stops the run as SIGTERM does (the step finished, a checkpoint saved, ``stopped`` "sigint");
     a second one raises KeyboardInterrupt. ``need_params`` False: a re-run of a finished run (``complete``) returns
     without building its state (``params`` None; `k3 train`, unless it exports)."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = _job_log(log)
     run = _prepare(tc, log)
     summary = {"start_step": 0, "heldout_unigram_entropy": run.held_entropy, "skipped_steps": [], "evals": [],
                "losses": [], "qk_clip_events": 0, "stopped": None, "complete": False}
@@ -408,7 +417,7 @@ def train(tc: TrainConfig, *, log=None, sigint: bool = False, need_params: bool 
             if tc.eval_at_start and run.start == 0:
                 summary["evals"].append((0, _evaluate(run)))
                 run.write({"event": "eval", "step": 0, "eval_loss": summary["evals"][0][1]})
-            with _Stop(sigint) as stop:
+            with Stop(sigint) as stop:
                 step = _step_loop(run, summary, stop)
     finally:
         _close(run)

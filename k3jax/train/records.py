@@ -22,19 +22,33 @@ import numpy as np
 
 
 class MetricsFile:
-    """The run's JSONL file (``path`` None: writes nothing)."""
+    """The run's JSONL file (``path`` None: writes nothing) and, with ``tensorboard``, TensorBoard event files in
+    that directory beside it (tensorboardX's SummaryWriter: every numeric field of a record with a step, as the
+    scalar ``EVENT/FIELD``, EVENT "train" for step records)."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, *, tensorboard: str | None = None):
         self._f = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 (closed by close())
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # loaded only for a run that asks for event files
+
+            self._tb = SummaryWriter(tensorboard)
 
     def write(self, rec: dict) -> None:
         if self._f is not None:
             self._f.write(json.dumps(rec) + "\n")
             self._f.flush()
+        if self._tb is not None and isinstance(rec.get("step"), int):
+            kind = rec.get("event", "train")
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
+                    self._tb.add_scalar(f"{kind}/{k}", v, rec["step"])
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def to_json(x):

@@ -181,6 +181,8 @@ class TrainConfig:
     keep: int = setting(3, "checkpoints kept in --ckpt-dir, the latest ones (default {default})", group="output")
     async_ckpt: bool = setting(True, "checkpoints written in the background")
     metrics: str | None = setting(None, "metrics JSONL file (appended)", group="output")
+    tensorboard: str | None = setting(None, "also write the metrics as TensorBoard event files in this directory",
+                                      group="output", metavar="DIR")
     export: str | None = setting(None, "write the final model in the official layout here", group="output")
     fork: bool = setting(False, "resume from --ckpt-dir even if settings differ (e.g. switch --qat on from a "
                          "checkpoint of a QAT-off run)", group="output", kind="on")

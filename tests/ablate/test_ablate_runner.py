@@ -67,9 +67,9 @@ class FakeTrain:
 @pytest.fixture
 def fake(monkeypatch):
     monkeypatch.setattr(ab, "window_losses", lambda params, arm: params["base"] + np.linspace(-0.01, 0.01, 4))
-    monkeypatch.setattr(ab, "_plan", lambda spec, out: ({}, {rid: {"params": 10, "from_base": 10, "own_leaves": []}
+    monkeypatch.setattr(ab, "init_plan", lambda spec, out: ({}, {rid: {"params": 10, "from_base": 10, "own_leaves": []}
                                                              for rid in spec.runs}))
-    monkeypatch.setattr(ab, "_seed_checkpoint", lambda spec, out, plan, seed: None)
+    monkeypatch.setattr(ab, "seed_checkpoint", lambda spec, out, plan, seed: None)
 
     def use(f):
         monkeypatch.setattr(loop, "train", f)

@@ -250,9 +250,9 @@ def law(monkeypatch):
         return params["loss"] + np.linspace(-0.02, 0.02, n)
 
     monkeypatch.setattr(ab, "window_losses", losses)
-    monkeypatch.setattr(ab, "_plan", lambda spec, out: ({}, {rid: {"params": 10, "from_base": 10, "own_leaves": []}
+    monkeypatch.setattr(ab, "init_plan", lambda spec, out: ({}, {rid: {"params": 10, "from_base": 10, "own_leaves": []}
                                                              for rid in spec.runs}))
-    monkeypatch.setattr(ab, "_seed_checkpoint", lambda spec, out, plan, seed: None)
+    monkeypatch.setattr(ab, "seed_checkpoint", lambda spec, out, plan, seed: None)
 
     def use(f):
         monkeypatch.setattr(loop, "train", f)

@@ -16,6 +16,7 @@ import pytest
 import k3jax.train.loop as loop_mod
 from k3jax.cli.main import main
 from k3jax.train.ckpt import load_checkpoint_params, manager, save_state
+from k3jax.train.control import Stop
 from k3jax.train.records import progress_line
 from k3jax.train.settings import TrainConfig
 
@@ -88,7 +89,7 @@ def python_sigint():
 
 
 def test_sigint_is_caught_once_then_aborts(python_sigint):
-    with loop_mod._Stop(sigint=True) as stop:
+    with Stop(sigint=True) as stop:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.01)  # the handler runs between bytecodes
         assert stop.hit == "sigint"
@@ -96,10 +97,10 @@ def test_sigint_is_caught_once_then_aborts(python_sigint):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
-    with loop_mod._Stop():  # the library default: SIGTERM only
+    with Stop():  # the library default: SIGTERM only
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job ignores Ctrl-C: it stays ignored
-    with loop_mod._Stop(sigint=True):
+    with Stop(sigint=True):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
@@ -112,12 +113,14 @@ def test_a_line_every_log_every_steps_without_a_bar_and_sigint_stops_the_loop():
     tc = TrainConfig(preset="k3-tiny", steps=12, batch=2, seq_len=16, eval_every=100, log_every=4)
     logs, records, summary = [], [], {"stopped": None}
     run = _stand_in(tc, logs, records)
-    go = SimpleNamespace(hit=None)
+    go = Stop()  # no signal
     for step in (3, 4):
         assert loop_mod._finish_step(run, {"step": step, "loss": 2.5}, summary, go)
     assert logs == [progress_line(4, 12, 2.5, tokens_per_s=32 / 0.5, eta_s=8 * 0.5)]
     assert logs[0] == "step 4/12: loss 2.5000, 64 tokens/s, eta 0:00:04"
-    assert not loop_mod._finish_step(run, {"step": 5, "loss": 2.0}, summary, SimpleNamespace(hit="sigint"))
+    ctrl_c = Stop(sigint=True)
+    ctrl_c.hit = "sigint"  # as its handler sets it
+    assert not loop_mod._finish_step(run, {"step": 5, "loss": 2.0}, summary, ctrl_c)
     assert summary["stopped"] == "sigint" and records[-1]["event"] == "sigint"
     assert logs[-1].startswith("SIGINT: ")
 
