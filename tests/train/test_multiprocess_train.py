@@ -72,14 +72,19 @@ def _export(out: Path) -> dict:
     return vals
 
 
-def compare_runs(one: Path, two: Path, param_tol: float = TOL["fp32_shallow"]) -> dict:
+def compare_runs(one: Path, two: Path, param_tol: float = TOL["fp32_shallow"], *, loss_tol: float = 1e-6,
+                 close_steps: int | None = None) -> dict:
     """Assert the bounds of the module docstring between a one-process run (``one``) and a two-process one; returns
     the figures (worst loss difference, worst parameter rel-RMS, exported tensors byte-identical / all, packed
-    MXFP4 bytes that differ). ``param_tol``: the parameters' rel-RMS bound."""
+    MXFP4 bytes that differ). ``param_tol``: the parameters' rel-RMS bound; ``loss_tol``: the losses' after the
+    first ``close_steps`` (None: every step within 1e-6)."""
     l1, l2 = _losses(one), _losses(two)
     assert sorted(l1) == sorted(l2) == list(range(1, len(l1) + 1)), (l1, l2)
-    loss_rel = max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1)
-    assert loss_rel <= 1e-6, f"losses differ by {loss_rel:.2e} relative: {l1} vs {l2}"
+    rel = {s: abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1}
+    loss_rel = max(rel.values())
+    for s, r in rel.items():
+        bound = 1e-6 if close_steps is None or s <= close_steps else loss_tol
+        assert r <= bound, f"step {s}: losses differ by {r:.2e} relative (> {bound:.0e}): {l1} vs {l2}"
     (s1, p1), (s2, p2) = load_checkpoint_params(str(one / "ck")), load_checkpoint_params(str(two / "ck"))
     assert s1 == s2
     flat1 = jax.tree_util.tree_flatten_with_path(p1)[0]
@@ -147,10 +152,7 @@ MANUAL_CASES = {
     "frozen": ["--mesh", "data=2,expert=4", "--frozen-experts"],
     "lora": ["--mesh", "data=2,expert=4", "--lora", "rank=4,targets=attn+shared+experts"],
     "shards": ["--mesh", "data=2,expert=4"],  # + --data: the streamed shards
-    # k3-mini with Quantile Balancing (its default) parted at step 7: its bias estimator bins each token's
-    # margin, and a 1e-7 difference that moves a margin across a bin edge moves a bias by a step (LOG); without
-    # the bias updates the bound holds
-    "k3-mini": ["--mesh", "data=2,expert=4", "--preset", "k3-mini", "--balance", "off"],
+    "k3-mini": ["--mesh", "data=2,expert=4", "--preset", "k3-mini"],
 }
 
 
@@ -173,8 +175,13 @@ def test_two_processes_like_one_manual(case, tmp_path, cache, request):
     # worst 2.4e-2 rel-RMS, one layer's router bias; the expert stacks <= 1.5e-4; experiments/LOG.md)
     # LoRA: B starts at 0, so A's first gradients are ~0 and AdamW's normalisation turns their rounding into
     # relative differences above 1e-6 (measured worst 2.7e-6 rel-RMS, a shared expert's A factor)
-    tol = {"qat": 5e-2, "lora": 1e-5}.get(case, TOL["fp32_shallow"])
-    print(case, compare_runs(tmp_path / "one", tmp_path / "two", tol), f"one {t1 - t0:.0f} s, two "
+    # k3-mini: top-k routing is a choice, and among its tokens some expert scores are near-ties that a 1e-7
+    # difference flips (measured: the runs part at step 7 with its default QB, 6.1e-5 in the loss at step 8; at step
+    # 5 with --balance off, 2.9e-3); from then on they are two nearby trajectories, not one. The bound holds for the
+    # first 4 steps; after, the loss within 1e-2 and the parameters 0.2 rel-RMS (measured 4.2e-2, router biases).
+    tol = {"qat": 5e-2, "lora": 1e-5, "k3-mini": 0.2}.get(case, TOL["fp32_shallow"])
+    loose = {"loss_tol": 1e-2, "close_steps": 4} if case == "k3-mini" else {}
+    print(case, compare_runs(tmp_path / "one", tmp_path / "two", tol, **loose), f"one {t1 - t0:.0f} s, two "
           f"{time.perf_counter() - t1:.0f} s")
 
 
