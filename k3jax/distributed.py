@@ -112,15 +112,16 @@ def cluster_named(environ, has_device) -> str | None:
 
 def start(launch: Launch, *, environ, has_device) -> str | None:
     """Start the process group the flags or the environment name (``cluster_named``), before any backend starts;
-    returns how it started ("flags", "jax", "slurm", "ompi", "tpu") or None for a one-process job."""
+    returns how it started ("flags", "jax", "slurm", "ompi", "tpu"), or None for a one-process job and when the
+    group was already started (by the caller of an in-process `k3` command, who also ends it)."""
     import jax
 
     launch.check()
     how = "flags" if launch.given else cluster_named(environ, has_device)
     if how is None or launch.given and launch.num_processes == 1:  # one process: nothing to start
         return None
-    if jax.distributed.is_initialized():  # a `k3` command called in-process inside a job that started it
-        return how
+    if jax.distributed.is_initialized():  # a `k3` command called in-process inside a job: its caller owns the group
+        return None
     timeout = launch.timeout_s
     if launch.given and launch.process_id != 0:  # process 0 serves the coordinator; the others must reach it
         timeout = _reach(launch.coordinator, launch.timeout_s)
