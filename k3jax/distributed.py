@@ -272,18 +272,6 @@ def host_value(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def devices_per_process(total: int, launch: Launch, environ) -> int | None:
-    """The simulated CPU devices each process of a ``--num-processes N`` CPU job starts for a mesh of ``total``
-    devices (``total / N``), or None when that is not for this module to say (one process, a count already
-    chosen, a mesh the processes cannot split evenly: then the mesh check names it)."""
-    n = launch.processes(environ)
-    if not n or n <= 1 or total % n:
-        return None
-    if "xla_force_host_platform_device_count" in environ.get("XLA_FLAGS", "") or environ.get("JAX_NUM_CPU_DEVICES"):
-        return None
-    return total // n
-
-
 def shutdown() -> None:
     """Leave the process group (every process at the end of a job: the runtime then waits for the others)."""
     import jax
@@ -293,5 +281,5 @@ def shutdown() -> None:
 
 
 __all__ = ["HEARTBEAT_S", "INIT_TIMEOUT_S", "Launch", "agree", "any_process", "barrier", "cluster_named",
-           "devices_per_process", "from_process_rows", "host_value", "is_main", "prefix", "process_index",
+           "from_process_rows", "host_value", "is_main", "prefix", "process_index",
            "process_rows", "shutdown", "start"]

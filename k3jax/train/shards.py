@@ -30,6 +30,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from k3jax.chat import check_messages, encode_chat, jsonl_records
 from k3jax.checkpoint.atomic import staged_dir
+from k3jax.checkpoint.container import sha256_file
 from k3jax.errors import InputError
 from k3jax.tokenizer import RANKS_FILE
 from k3jax.train.settings import HELDOUT_FRAC
@@ -76,11 +77,6 @@ def tokenizer_identity(tokenizer, path: str | None = None) -> dict:
 
 def template_sha256(template: str) -> str:
     return hashlib.sha256(template.encode("utf-8")).hexdigest()
-
-
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def encode_rows(tok: np.ndarray, seg: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -423,5 +419,5 @@ def write_shards(paths, out_dir, *, seq_len: int, tokenizer, template: str | Non
 
 
 __all__ = ["BYTES_IDENTITY", "FORMAT", "MANIFEST", "ROWS_PER_FILE", "VERSION", "data_kind", "encode_rows",
-           "entropy_of_counts", "prediction_weights", "sha256_file", "template_sha256",
+           "entropy_of_counts", "prediction_weights", "template_sha256",
            "tokenizer_identity", "write_shards"]

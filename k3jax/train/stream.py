@@ -26,9 +26,10 @@ import os
 import grain.python as grain
 import numpy as np
 
+from k3jax.checkpoint.container import sha256_file
 from k3jax.errors import InputError
 from k3jax.train.evaluate import Windows
-from k3jax.train.shards import FORMAT, MANIFEST, VERSION, entropy_of_counts, sha256_file, template_sha256
+from k3jax.train.shards import FORMAT, MANIFEST, VERSION, entropy_of_counts, template_sha256
 
 
 def read_manifest(root: str) -> tuple[dict, str]:

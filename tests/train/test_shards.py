@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from k3jax.chat import BUILTIN_TEMPLATE
+from k3jax.checkpoint.container import sha256_file
 from k3jax.cli.main import main
 from k3jax.config import get_preset
 from k3jax.data import stdlib_files
@@ -125,7 +126,7 @@ def test_chat_with_a_bpe_tokenizer_names_its_files_in_the_identity(tmp_path):
                             tokenizer_path=str(tmp_path / "a"))
     ident = shards.tokenizer_identity(tok, str(tmp_path / "a"))
     assert m["tokenizer"] == ident and ident["kind"] == "tiktoken" and ident["vocab_size"] == 300
-    assert ident["model_sha256"] == shards.sha256_file(str(tmp_path / "a" / "tiktoken.model")) != other[
+    assert ident["model_sha256"] == sha256_file(str(tmp_path / "a" / "tiktoken.model")) != other[
         "model_sha256"]
     train, held = tdata.split_documents(tdata.load_documents(SFT[1:], tokenizer=tok, template=BUILTIN_TEMPLATE))
     for split, part in (("train", train), ("heldout", held)):
