@@ -72,6 +72,18 @@ def block(cls, key, **kw):
     return state.to_pure_dict(), lambda p, *a, **k: nnx.merge(gdef, p)(*a, **k)
 
 
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs in its equations' parameters (shard_map, custom_vjp, pjit
+    bodies), depth first."""
+    for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+            for sub in v if isinstance(v, list | tuple) else (v,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)
+
+
 def random_params(cfg, seed: int = 0, std: float = 0.02):
     """Random parameters of ``cfg``'s shapes and dtypes from NumPy (no jax PRNG compile): fixtures for I/O tests."""
     import jax

@@ -38,6 +38,7 @@ from k3jax.ablate.spec import (
     sha256,
 )
 from k3jax.config import ConfigError, K3Config
+from k3jax.config.run import LATER_RUN_FIELDS
 from k3jax.errors import InputError
 from k3jax.model import abstract_params, active_params, count_params
 from k3jax.train import data as tdata
@@ -126,7 +127,8 @@ def make_arm(parsed: SpecFile, name: str, factor, level, cfg: K3Config, train_ov
     train = _train_settings(parsed, train_over, where)
     run = run_settings(_train_config(cfg, train, where), cfg)
     flat = ({f"model.{k}": v for k, v in cfg.to_dict().items()}
-            | {f"run.{k}": v for k, v in dataclasses.asdict(run).items()}
+            | {f"run.{k}": v for k, v in dataclasses.asdict(run).items()
+               if k not in LATER_RUN_FIELDS or v != LATER_RUN_FIELDS[k]}
             | {f"train.{k}": (list(v) if isinstance(v, tuple) else v) for k, v in train.items()})
     arm = Arm(name, factor, level, cfg, train, run, flat, {})
     return dataclasses.replace(arm, derived=_derived(arm, parsed.seeds[0]))

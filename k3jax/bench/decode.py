@@ -61,6 +61,7 @@ import numpy as np
 from k3jax.bench.common import time_median
 from k3jax.config import default_run, get_preset
 from k3jax.errors import InputError, int_list
+from k3jax.layers.mla import big_key_block
 from k3jax.model import count_params, init_params
 from k3jax.model.cache import cache_bytes, cache_shapes, capacity, extend_donated, layer_cache_shapes
 from k3jax.ops.latent_attention import latent_attention
@@ -177,7 +178,7 @@ def _compile_extend(params, cfg, run, cache, T: int, *, absorbed: bool):
 
 def _attention_alone(cfg, run, B: int, S: int, context: int, *, reps: int) -> float:
     """Seconds of ``ops.latent_attention`` for one decode token per row against ``context`` cached keys, summed over
-    the MLA layers (the same shapes and key block as the model's decode step)."""
+    the MLA layers (the same shapes and key blocks as the model's decode step)."""
     N, Hn, Hr, V, R = (cfg.mla_num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                        cfg.kv_lora_rank)
     rng = np.random.default_rng(7)
@@ -193,7 +194,8 @@ def _attention_alone(cfg, run, B: int, S: int, context: int, *, reps: int) -> fl
 @functools.lru_cache
 def _attention_fn(scale: float, block: int):
     return jax.jit(lambda qn, qr, c, kr, wk, wv, q_pos, kv_len: latent_attention(
-        qn, qr, c, kr, wk, wv, q_pos=q_pos, kv_len=kv_len, scale=scale, block=block, absorbed=True))
+        qn, qr, c, kr, wk, wv, q_pos=q_pos, kv_len=kv_len, scale=scale, block=block,
+        big_block=big_key_block(1, block), absorbed=True))
 
 
 def _read_bandwidth(nbytes: int, *, reps: int) -> float:

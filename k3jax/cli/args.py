@@ -14,9 +14,10 @@ import os
 import jax
 
 from k3jax.checkpoint.source import checkpoint_error
-from k3jax.config import PRESETS, ConfigError, get_preset
+from k3jax.config import KERNELS, PRESETS, ConfigError, get_preset, with_kernels
 from k3jax.distributed import INIT_TIMEOUT_S
 from k3jax.errors import InputError
+from k3jax.layers.backends import kernel_target
 from k3jax.sharding.mesh import make_mesh
 from k3jax.sharding.placement import resolve_mesh
 
@@ -87,6 +88,30 @@ def add_distributed(parser) -> None:
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0 <= I < N")
     g.add_argument("--distributed-timeout", type=int, metavar="S", default=None,
                    help=f"seconds to wait for every process to join (default {INIT_TIMEOUT_S})")
+
+
+KERNELS_HELP = ("which kernels run: auto (default) = the Pallas kernels on a GPU or TPU wherever one runs for this "
+                "command (KDA chunks, MLA latent attention, packed MXFP4 experts), XLA elsewhere and on a CPU; xla = "
+                "every op's XLA path; pallas = every kernel, in Pallas' interpreter on a CPU (slow: for checking the "
+                "kernels against the XLA paths), exit 2 naming a kernel that cannot run. A per-op flag ({ops}) wins "
+                "over it for its op")
+
+
+def add_kernels(parser, ops: str = "none here") -> None:
+    """``--kernels {auto,xla,pallas}`` (``config.with_kernels``); ``ops``: the per-op flags of this command that
+    override it, for the help."""
+    parser.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP.format(ops=ops))
+
+
+def kernel_run(args, run, mesh=None, *, context: bool | None = None, **overrides):
+    """``run`` with ``--kernels`` applied for this process's backend over ``mesh`` (None: one device); ``overrides``:
+    the per-op flags' values (None: not given), which win. ``context``: whether sequences are split (default: a
+    context axis of ``mesh`` > 1)."""
+    devices = 1 if mesh is None else mesh.size
+    if context is None:
+        context = mesh is not None and dict(mesh.shape).get("context", 1) > 1
+    return with_kernels(run, getattr(args, "kernels", "auto"), kernel_target(), context=context, devices=devices,
+                        **overrides)
 
 
 def parse_mesh_arg(s: str | None):

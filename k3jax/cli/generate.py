@@ -40,7 +40,7 @@ import numpy as np
 from k3jax import distributed
 from k3jax.checkpoint.atomic import staged_file
 from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file, model_config, placed
-from k3jax.cli.args import add_distributed, add_model_source, add_strict_config, parse_mesh_arg
+from k3jax.cli.args import add_distributed, add_kernels, add_model_source, add_strict_config, kernel_run, parse_mesh_arg
 from k3jax.errors import InputError, int_list
 from k3jax.model.generate import Sampling, generate
 from k3jax.sharding.context_parallel import ContextParallel
@@ -80,6 +80,7 @@ def add_parser(sub) -> None:
     p.add_argument("--mesh", default=None, help="e.g. data=8: rows over 8 devices; context=4: each prompt's prefill "
                    "split over 4 devices (both: data=2,context=4)")
     add_strict_config(p)
+    add_kernels(p)
     add_distributed(p)
     p.set_defaults(func=run)
 
@@ -186,6 +187,7 @@ def run(args) -> int:
     mesh = parse_mesh_arg(args.mesh)
     cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
                                       strict_config=args.strict_config, adapter=args.adapter, mesh=mesh)
+    run_cfg = kernel_run(args, run_cfg, mesh)
     B = prompts.shape[0]
     stream = B == 1 and not args.json and tok is not None
     text = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: None)  # noqa: E731

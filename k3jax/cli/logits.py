@@ -33,7 +33,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax import distributed
 from k3jax.checkpoint.source import load_model, load_token_file, model_config, placed
-from k3jax.cli.args import add_checkpoint_dir, add_distributed, add_strict_config, checkpoint_dir, parse_mesh_arg
+from k3jax.cli.args import (
+    add_checkpoint_dir,
+    add_distributed,
+    add_kernels,
+    add_strict_config,
+    checkpoint_dir,
+    kernel_run,
+    parse_mesh_arg,
+)
 from k3jax.config import default_run
 from k3jax.model import forward
 from k3jax.sharding.context_parallel import ContextParallel
@@ -51,6 +59,7 @@ def add_parser(sub) -> None:
     p.add_argument("--mesh", default=None, help="e.g. context=4: each sequence split over 4 devices; data=2,context=4")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     add_strict_config(p)
+    add_kernels(p)
     add_distributed(p)
     p.set_defaults(func=run)
 
@@ -62,7 +71,8 @@ def run(args) -> int:
                            .vocab_size)                # checked before any weight is read
     cfg, settings, params = load_model(ckpt=ckpt, preset=None, dtype=args.dtype, strict_config=args.strict_config,
                                        adapter=args.adapter, mesh=mesh)
-    run_cfg = default_run(cfg).replace(lora=settings.lora)  # --dtype is the parameter dtype; compute as before
+    # --dtype is the parameter dtype; compute as before
+    run_cfg = kernel_run(args, default_run(cfg).replace(lora=settings.lora), mesh)
     mask = rows.mask
     tokens = np.where(mask, rows.tokens, 0)
     dispatch = None

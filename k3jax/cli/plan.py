@@ -8,6 +8,9 @@
     k3 plan --preset kimi-k3 --compile --target tpu:v5p:8x8x8 --mesh fsdp=8,expert=64 --mode frozen-experts \
             --batch 512 --seq-len 4096 --json                    # the TPU compiler's memory plan (nothing allocated)
     k3 plan --preset kimi-k3 --compile --target cpu:64 --mesh expert=64 --mode train --batch 64 --seq-len 4096
+    k3 plan --preset kimi-k3 --compile --target tpu:v5p:4x4x4 --mode decode --batch 1 --context 8192 --json
+                                        # no --mesh: the best of the candidate serving meshes (k3jax.plan.layouts)
+    k3 plan --preset k3-tiny --compile --target cpu:8 --mode decode --context 64 --compare-layouts
 
 ``--compile`` lowers and compiles the full-size program of ``--mode`` (forward: BF16 + packed MXFP4 experts;
 train: the QAT fine-tune step; frozen-experts: the step over packed experts) with the rules' shardings and
@@ -19,7 +22,9 @@ closed-form estimate, the collectives and loop-corrected FLOPs of the compiled p
 static buffers hold every token routed to one device), remat ``full`` for the train modes (``group`` for
 frozen-experts: the group's backward without a per-layer checkpoint inside it), and
 ``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
-flags override them. ``--mesh`` is the compile's mesh axes; the formula planner's devices are
+flags override them. ``--mesh`` is the compile's mesh axes; prefill and decode without it rank a few candidate
+meshes and rules columns by a closed-form step time and compile the best (``--compare-layouts``: every candidate;
+the JSON's ``layout`` lists them, their estimates and why the chosen one won); the formula planner's devices are
 ``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
 
 The counts and the memory model of the formula planner (``k3jax.plan.formula``):
@@ -32,11 +37,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
-from k3jax.cli.args import preset_arg, preset_help
-from k3jax.config import get_preset
+from k3jax.cli.args import KERNELS_HELP, preset_arg, preset_help
+from k3jax.config import KERNELS, get_preset
 from k3jax.errors import InputError
-from k3jax.plan import aot, formula
+from k3jax.plan import aot, formula, layouts
 from k3jax.plan.formula import DEFAULT_CONTEXT, build_plan, shard_rows, specs_with_fallback
 from k3jax.plan.hardware import DEFAULT_HARDWARE, GPU_BYTES, parse_target, xla_flags
 from k3jax.plan.spec import PlanSpec, check
@@ -73,6 +79,8 @@ def add_parser(sub) -> None:
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1)")
     c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
                    "expert axes, otherwise the mesh axes' default)")
+    c.add_argument("--compare-layouts", action="store_true", help="--mode decode / prefill without --mesh: compile "
+                   "every candidate mesh, not only the best by the closed-form estimate")
     c.add_argument("--hlo-out", default=None, metavar="PATH", help="write the compiled program's HLO text here")
     c.add_argument("--capacity-factor", type=float, default=None,
                    help="expert-parallel bucket size over the balanced load (default 1.25; -1: worst case, dropless)")
@@ -83,7 +91,9 @@ def add_parser(sub) -> None:
                    help="train modes: where Muon's Newton-Schulz runs: owner (default: each block whole on one "
                         "device) or layer (one layer at a time, where the rules put it)")
     c.add_argument("--packed-kernel", default=None, help="who runs the packed MXFP4 experts under expert "
-                   "parallelism: auto (default: the Pallas kernel on GPU/TPU), pallas, or tiles (the XLA loop)")
+                   "parallelism: auto (the Pallas kernel on GPU/TPU), pallas, or tiles (the XLA loop); default: as "
+                   "--kernels picks")
+    c.add_argument("--kernels", choices=KERNELS, default="auto", help=KERNELS_HELP.format(ops="--packed-kernel"))
     p.set_defaults(func=_main)
 
 
@@ -152,10 +162,11 @@ _CHILD_ENV = "K3_PLAN_CPU_DEVICES"
 
 
 def _compile_argv(args) -> list[str]:
-    argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mesh", args.mesh[0],
-            "--mode", args.mode, "--batch", str(args.batch or 1)]
+    argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mode", args.mode,
+            "--batch", str(args.batch or 1), *(["--mesh", args.mesh[0]] if args.mesh else []),
+            *(["--compare-layouts"] if args.compare_layouts else [])]
     for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
-                    ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel),
+                    ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel), ("--kernels", args.kernels),
                     ("--context", args.context), ("--opt-state-dtype", args.opt_state_dtype),
                     ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank)):
         if v is not None:
@@ -174,34 +185,89 @@ def _respawn_cpu(args, n: int) -> int:
 def _compile(args, cfg) -> int:
     if not args.target:
         raise InputError("--compile needs --target (tpu:v5p:8x8x8, tpu:v6e:16x16 or cpu:<devices>)")
-    if not args.mesh or len(args.mesh) > 1:
-        raise InputError("--compile needs one --mesh, e.g. --mesh fsdp=8,expert=64")
+    if args.mesh and len(args.mesh) > 1:
+        raise InputError("--compile takes one --mesh, e.g. --mesh fsdp=8,expert=64")
+    if not args.mesh and args.mode not in layouts.LAYOUT_MODES:
+        raise InputError(f"--compile needs one --mesh with --mode {args.mode}, e.g. --mesh fsdp=8,expert=64 (--mode "
+                         f"{' / '.join(layouts.LAYOUT_MODES)} choose one without it)")
+    if args.compare_layouts and args.mesh:
+        raise InputError("--compare-layouts compares the candidate meshes of a plan without --mesh; drop one")
+    if args.compare_layouts and args.strategy:
+        raise InputError("--compare-layouts compares candidate rules columns; drop --strategy")
     if args.hardware:
         raise InputError("--hardware is the formula planner's; --compile takes --target")
     target = parse_target(args.target)
     seq_len = args.seq_len if args.seq_len is not None else 1 if args.mode == "decode" else 4096
-    spec = PlanSpec(mode=args.mode, mesh=args.mesh[0], batch=args.batch or 1, seq_len=seq_len, remat=args.remat,
+    spec = PlanSpec(mode=args.mode, mesh=args.mesh[0] if args.mesh else None, batch=args.batch or 1,
+                    seq_len=seq_len, remat=args.remat,
                     capacity_factor=args.capacity_factor, strategy=args.strategy,
-                    packed_kernel=args.packed_kernel or "auto", context=args.context,
+                    packed_kernel=args.packed_kernel, kernels=args.kernels, platform=target.platform,
+                    context=args.context,
                     opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner",
                     lora_rank=16 if args.lora_rank is None else args.lora_rank)
+    layout = None
+    if spec.mesh is None:  # the serving modes: the best candidate by the closed-form estimate (k3jax.plan.layouts)
+        if args.strategy:
+            raise InputError("--strategy without --mesh: the candidate meshes come with their rules columns; give "
+                             "--mesh too")
+        layout = layouts.choose_layout(cfg, target, spec)
+        spec = replace(spec, mesh=layout["chosen"]["mesh"], strategy=layout["chosen"]["strategy"])
     check(cfg, target, spec)  # every input check before a child process or a compile
     if target.platform == "cpu" and os.environ.get(_CHILD_ENV) != str(target.devices):
         return _respawn_cpu(args, target.devices)
     log = lambda s: print(f"k3 plan: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    rc = 0
-    try:
-        out = aot.compile_plan(cfg, target, spec, log=log, hlo_out=args.hlo_out)
-    except aot.HbmOomError as e:
-        out, rc = e.plan, 1
-    if out.get("fits") is False:
-        rc = 1
+    if layout:
+        log(f"mesh {spec.mesh} ({spec.strategy}): {layout['why']}")
+    out, rc = _compile_one(cfg, target, spec, log, args.hlo_out)
+    if layout and args.compare_layouts:
+        for row in layout["candidates"]:
+            if row["estimate_s"] is None:
+                continue
+            if (row["mesh"], row["strategy"]) == (spec.mesh, spec.strategy):
+                row["compiled"] = _compiled_summary(out)
+                continue
+            log(f"--compare-layouts: {row['mesh']} ({row['strategy']})")
+            other = replace(spec, mesh=row["mesh"], strategy=row["strategy"])
+            row["compiled"] = _compiled_summary(_compile_one(cfg, target, other, log, None)[0])
+    if layout:
+        out["layout"] = layout
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         _print_compiled(out, sys.stdout)
+        if layout:
+            _print_layout(layout, sys.stdout)
     return rc
+
+
+def _compile_one(cfg, target, spec, log, hlo_out) -> tuple[dict, int]:
+    """(the plan's figures, exit code: 1 when the compiler ran out of device memory)."""
+    try:
+        out = aot.compile_plan(cfg, target, spec, log=log, hlo_out=hlo_out)
+    except aot.HbmOomError as e:
+        return e.plan, 1
+    return out, 1 if out.get("fits") is False else 0
+
+
+def _compiled_summary(p: dict) -> dict:
+    """What ``--compare-layouts`` keeps of a candidate's compiled plan."""
+    r = p.get("roofline") or {}
+    keep = {k: p[k] for k in ("fits", "peak_bytes_per_device", "compile_s") if k in p}
+    return {**keep, **{k: r[k] for k in ("step_s", "bound", "memory_s", "collective_latency_s") if k in r}}
+
+
+def _print_layout(layout: dict, out) -> None:
+    w = out.write
+    w(f"  layout: {layout['chosen']['mesh']} ({layout['chosen']['strategy']}) — {layout['why']}\n")
+    for r in layout["candidates"]:
+        est = "cannot place: " + r["error"][:160] if r["estimate_s"] is None else (
+            f"estimate {r['estimate_s'] * 1e3:,.2f} ms ({r['bytes_per_device'] / 1e9:,.2f} GB/chip"
+            f"{'' if r['fits_estimate'] else ', arguments over HBM'})")
+        c = r.get("compiled")
+        comp = "" if not c else (f"; compiled: {c['step_s'] * 1e3:,.2f} ms" if "step_s" in c
+                                 else f"; compiled: fits {c.get('fits')}")
+        w(f"    {r['mesh']:<22} {r['strategy']:<6} {est}{comp}\n")
 
 
 def _print_compiled(p: dict, out) -> None:
@@ -246,8 +312,12 @@ def _print_compiled(p: dict, out) -> None:
     r = p.get("roofline")
     if r:
         w(f"  roofline on {r['chip']}: compute {r['compute_s']:.3f} s useful, {r['compiled_compute_s']:.3f} s "
-          f"compiled; HBM {r['memory_s']:.3f} s, collectives {r['collective_s']:.3f} s -> {r['step_s']:.3f} s/step "
-          f"({r['bound']}-bound, compute share {r['compute_share'] or 0:.2f})\n")
+          f"compiled; HBM {r['memory_s']:.3f} s, collectives {r['collective_s']:.3f} s + latency "
+          f"{r['collective_latency_s'] * 1e3:,.2f} ms -> {r['step_s']:.3f} s/step ({r['bound']}-bound, compute share "
+          f"{r['compute_share'] or 0:.2f})\n")
+        if r.get("bytes_floor_s"):
+            w(f"  bytes floor {p['bytes_floor']['total'] / 1e9:,.2f} GB/device -> {r['bytes_floor_s']:.3f} s; HBM "
+              f"traffic {r['over_bytes_floor'] or 0:.1f}x the floor\n")
         if "tokens_per_s_per_chip" in r:
             lat = r.get("per_token_latency_s", r.get("time_to_first_token_s"))
             w(f"  {'per-token latency' if 'per_token_latency_s' in r else 'time to first token'} {lat * 1e3:,.2f} ms; "
@@ -265,7 +335,8 @@ def _main(args) -> int:
                         ("--remat", args.remat), ("--strategy", args.strategy),
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
                         ("--packed-kernel", args.packed_kernel), ("--opt-state-dtype", args.opt_state_dtype),
-                        ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank)):
+                        ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank),
+                        ("--kernels", args.kernels != "auto"), ("--compare-layouts", args.compare_layouts)):
         if given is not None and given is not False:
             raise InputError(f"{flag} applies to --compile")
     out = sys.stdout

@@ -37,7 +37,15 @@ from k3jax.analysis import plots as ap
 from k3jax.analysis.static import static_router_analysis
 from k3jax.checkpoint.host import peak_rss_bytes
 from k3jax.checkpoint.source import default_ckpt, load_model, load_params, load_token_file
-from k3jax.cli.args import add_distributed, add_model_source, add_strict_config, checkpoint_arg, parse_mesh_arg
+from k3jax.cli.args import (
+    add_distributed,
+    add_kernels,
+    add_model_source,
+    add_strict_config,
+    checkpoint_arg,
+    kernel_run,
+    parse_mesh_arg,
+)
 from k3jax.config import architecture_diff, from_hf, get_preset
 from k3jax.errors import InputError, int_list
 from k3jax.sharding.context_parallel import ContextParallel
@@ -68,6 +76,7 @@ def add_parser(sub) -> None:
                    help="second checkpoint: drift per layer")
     p.add_argument("--plots", default=None, metavar="DIR", help="write matplotlib figures and an HTML view here")
     add_strict_config(p)
+    add_kernels(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_distributed(p)
     p.set_defaults(func=run)
@@ -97,8 +106,10 @@ def read_tokens(args, vocab: int) -> tuple[np.ndarray, object]:
 
 
 def _model(args, mesh):
-    return load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype, strict_config=args.strict_config,
-                      init_seed=args.seed, adapter=args.adapter, mesh=mesh)
+    cfg, settings, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
+                                       strict_config=args.strict_config, init_seed=args.seed, adapter=args.adapter,
+                                       mesh=mesh)
+    return cfg, kernel_run(args, settings, mesh), params
 
 
 def run(args) -> int:

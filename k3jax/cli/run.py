@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from k3jax.analysis import collect as ac
 from k3jax.checkpoint.source import default_ckpt, load_model
-from k3jax.cli.args import add_model_source
+from k3jax.cli.args import add_kernels, add_model_source, kernel_run
 from k3jax.cli.route import write_plots
 from k3jax.config import KDA_IMPLS, MOE_IMPLS
 from k3jax.data import text_identity
@@ -71,17 +71,18 @@ def add_parser(sub) -> None:
                    help="how the routed experts run (default: the model's run settings; the same math)")
     p.add_argument("--kda-impl", choices=KDA_IMPLS, default=None,
                    help="how Kimi Delta Attention runs (default: the model's run settings; the same math)")
+    add_kernels(p, "--kda-impl")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
 def _model(args):
     """(where the model came from, cfg, run settings, params): --preset, --ckpt or the shipped k3-mini."""
-    over = {k: v for k, v in (("moe_impl", args.moe_impl), ("kda_impl", args.kda_impl)) if v}
     ckpt = None if args.preset else args.ckpt or default_ckpt()
     if not args.preset and ckpt is None:
         raise InputError("no shipped model in this install: give --ckpt DIR or --preset NAME")
-    cfg, settings, params = load_model(ckpt=ckpt, preset=args.preset, init_seed=args.seed, run_overrides=over)
+    cfg, settings, params = load_model(ckpt=ckpt, preset=args.preset, init_seed=args.seed)
+    settings = kernel_run(args, settings, moe_impl=args.moe_impl, kda_impl=args.kda_impl)
     return (f"preset {cfg.name} (random init, seed {args.seed})" if args.preset else ckpt), cfg, settings, params
 
 

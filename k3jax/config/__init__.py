@@ -22,17 +22,22 @@ from k3jax.config.presets import (
 from k3jax.config.run import (
     DTYPES,
     KDA_IMPLS,
+    KERNELS,
     LAYER_STACKS,
+    MLA_IMPLS,
     MOE_IMPLS,
+    PACKED_KERNELS,
     QAT_MODES,
     REMAT_POLICIES,
     RUN_FIELDS,
     SCALE_RULES,
     RunConfig,
+    kernel_choice,
+    with_kernels,
 )
 
-__all__ = ["DTYPES", "KDA_IMPLS", "LAYER_STACKS", "LORA_TARGETS", "MOE_IMPLS", "NOT_IN_HF_CONFIG", "PRESETS",
-           "PRESET_RUNS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS", "SCALE_RULES", "ConfigError", "K3Config",
-           "LoRAConfig", "RunConfig", "UnknownConfigKeysWarning", "architecture", "architecture_diff",
-           "default_run", "from_hf", "get_preset", "k3_full_attn_layers", "preset_json", "preset_of", "to_hf_dict",
-           "validate"]
+__all__ = ["DTYPES", "KDA_IMPLS", "KERNELS", "LAYER_STACKS", "LORA_TARGETS", "MLA_IMPLS", "MOE_IMPLS",
+           "NOT_IN_HF_CONFIG", "PACKED_KERNELS", "PRESETS", "PRESET_RUNS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS",
+           "SCALE_RULES", "ConfigError", "K3Config", "LoRAConfig", "RunConfig", "UnknownConfigKeysWarning",
+           "architecture", "architecture_diff", "default_run", "from_hf", "get_preset", "k3_full_attn_layers",
+           "kernel_choice", "preset_json", "preset_of", "to_hf_dict", "validate", "with_kernels"]

@@ -10,9 +10,20 @@ from typing import Literal, get_args
 
 from k3jax.config.checks import need, positive_int
 from k3jax.config.lora import LoRAConfig
+from k3jax.errors import InputError
 
 MoEImpl = Literal["sorted", "ragged", "tiled", "dense"]  # = k3jax.ops.grouped_matmul.EXPERT_IMPLS' keys (tested)
 KDAImpl = Literal["recurrent", "chunked", "pallas"]
+# Gated MLA's attention: XLA (k3jax/ops/attention.py, k3jax/ops/latent_attention.py) or the Pallas latent-attention
+# kernels (pallas_kernels/mla: flash attention over the latent for whole sequences, the absorbed split-KV kernel for
+# decode steps of up to 8 tokens per row).
+MLAImpl = Literal["xla", "pallas"]
+# Who runs packed MXFP4 expert stacks under expert parallelism (k3jax/sharding/expert_parallel.py): "auto" the
+# Pallas kernel when compiling for a GPU or TPU and the XLA tile loop for a CPU, "pallas" the kernel always (its TPU
+# schedule in the interpreter on a CPU), "tiles" the XLA loop always.
+PackedKernel = Literal["auto", "pallas", "tiles"]
+# The umbrella choice of every kernel (``with_kernels``; `k3 ... --kernels`): auto = Pallas on GPU / TPU, XLA on CPU.
+Kernels = Literal["auto", "xla", "pallas"]
 QATMode = Literal["off", "weights", "weights+acts"]
 # Rematerialisation (model/network.py) per decoder layer, or per scanned group of layers: none; "full" =
 # jax.checkpoint without a policy (keep only the unit's inputs; in the scanned AttnRes stack the group's backward
@@ -26,6 +37,9 @@ Remat = Literal["none", "full", "group", "dots_saveable", "dots_with_no_batch_di
 # the CLIs import these.
 MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
+MLA_IMPLS: tuple[str, ...] = get_args(MLAImpl)
+PACKED_KERNELS: tuple[str, ...] = get_args(PackedKernel)
+KERNELS: tuple[str, ...] = get_args(Kernels)
 QAT_MODES: tuple[str, ...] = get_args(QATMode)
 REMAT_POLICIES: tuple[str, ...] = get_args(Remat)
 # How an MX block's shared power-of-two scale is rounded (docs/numerics.md §10.2; k3jax/ops/mx.py implements them):
@@ -37,6 +51,8 @@ LAYER_STACKS: tuple[str, ...] = ("loop", "scan")
 _RUN_CHOICES = {
     "moe_impl": MOE_IMPLS,
     "kda_impl": KDA_IMPLS,
+    "mla_impl": MLA_IMPLS,
+    "packed_kernel": PACKED_KERNELS,
     "qat": QAT_MODES,
     "qat_weight_rule": SCALE_RULES,
     "qat_act_rule": SCALE_RULES,
@@ -57,6 +73,8 @@ class RunConfig:
     moe_impl: MoEImpl = "sorted"
     kda_impl: KDAImpl = "chunked"  # chunked for T > 1 (per-chunk states in training); decode uses the step
     kda_chunk_size: int = 64
+    mla_impl: MLAImpl = "xla"
+    packed_kernel: PackedKernel = "auto"
     mla_block_size: int = 512  # key block of the blockwise causal attention
     qat: QATMode = "off"
     qat_weight_rule: str = "even"
@@ -84,6 +102,64 @@ class RunConfig:
 
 
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+# Fields added after ablation studies were shipped, with the value every run had before them: an arm's flat settings
+# leave a field out at that value, so a study's fingerprint stays (k3jax/ablate/resolve.py).
+LATER_RUN_FIELDS = {"mla_impl": "xla", "packed_kernel": "auto"}
+# The run settings ``--kernels`` decides: each field's value per choice. A per-op flag (``--kda-impl``,
+# ``--packed-kernel``) names one of these fields and wins over it.
+KERNEL_FIELDS = {"pallas": {"kda_impl": "pallas", "mla_impl": "pallas", "packed_kernel": "pallas"},
+                 "xla": {"kda_impl": "chunked", "mla_impl": "xla", "packed_kernel": "tiles"}}
+_KERNEL_NAMES = {"kda_impl": "KDA chunk", "mla_impl": "MLA latent-attention", "packed_kernel": "MXFP4 expert"}
 
-__all__ = ["DTYPES", "KDA_IMPLS", "LAYER_STACKS", "MOE_IMPLS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS",
-           "SCALE_RULES", "RunConfig"]
+
+def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: int = 1) -> str | None:
+    """Why the Pallas kernel behind run field ``fld`` cannot run for a command on ``platform`` over ``devices``
+    devices (``context``: the mesh splits sequences), or None. Without a context axis the KDA and MLA kernels are
+    called outside ``shard_map``, and a Mosaic or Triton call is not partitioned by the compiler: on a GPU or TPU
+    they run on one device (on a CPU the interpreter's jnp is partitioned like any other). Under context parallelism
+    they run inside the sequence's ``shard_map``, one call per device (k3jax/sharding/context_parallel.py); the
+    packed-expert kernel inside expert parallelism's."""
+    if fld in ("kda_impl", "mla_impl") and platform != "cpu" and devices > 1 and not context:
+        return f"it runs on one {platform} device (the compiler does not partition a kernel call; {devices} devices)"
+    return None
+
+
+def kernel_choice(kernels: str, platform: str) -> str:
+    """"pallas" or "xla": what ``kernels`` (``KERNELS``) prefers on ``platform`` ('cpu', 'gpu' or 'tpu', the platform
+    being run or compiled for): auto is Pallas on a GPU or TPU and XLA on a CPU; pallas on a CPU runs the kernels in
+    Pallas' interpreter (slow, for checking them against the XLA paths)."""
+    if kernels not in KERNELS:
+        raise InputError(f"--kernels {kernels!r}: unknown; known: {', '.join(KERNELS)}")
+    if kernels != "auto":
+        return kernels
+    return "xla" if platform == "cpu" else "pallas"
+
+
+def with_kernels(run: RunConfig, kernels: str, platform: str, *, context: bool = False, devices: int = 1,
+                 **overrides) -> RunConfig:
+    """``run`` with the kernel fields (``KERNEL_FIELDS``) that ``kernels`` picks on ``platform``, then ``overrides``
+    (the per-op flags given; None values skipped), which win. Where a Pallas kernel cannot run for the command
+    (``kernel_refusal``), auto takes that op's XLA path and ``kernels="pallas"`` is an InputError naming the kernel
+    and the reason (never a silent fallback). XLA keeps a recurrent KDA (the token-by-token form is XLA too)."""
+    choice = kernel_choice(kernels, platform)
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if kernels == "auto" and platform == "cpu":     # the run's own settings: XLA paths (packed "auto" = tiles here)
+        return run.replace(**given)
+    fields = dict(KERNEL_FIELDS[choice])
+    if choice == "pallas":
+        for fld in fields:
+            why = None if fld in given else \
+                kernel_refusal(fld, platform, context=context, devices=devices)
+            if why and kernels == "pallas":
+                raise InputError(f"--kernels pallas: the {_KERNEL_NAMES[fld]} kernel cannot run here: {why}; "
+                                 f"use --kernels auto or xla")
+            if why:
+                fields[fld] = KERNEL_FIELDS["xla"][fld]
+    if fields["kda_impl"] == "chunked" and run.kda_impl == "recurrent":
+        fields["kda_impl"] = "recurrent"
+    return run.replace(**(fields | given))
+
+
+__all__ = ["DTYPES", "KDA_IMPLS", "KERNELS", "KERNEL_FIELDS", "LATER_RUN_FIELDS", "LAYER_STACKS", "MLA_IMPLS",
+           "MOE_IMPLS", "PACKED_KERNELS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS", "SCALE_RULES", "RunConfig",
+           "kernel_choice", "kernel_refusal", "with_kernels"]

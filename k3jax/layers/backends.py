@@ -7,6 +7,7 @@ unless the "ragged" dispatch asks for the kernel).
 
 from __future__ import annotations
 
+from k3jax.errors import InputError
 from pallas_kernels.platform import target_platform
 
 
@@ -20,35 +21,90 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale, initial_state, chunk_size, gate
                      gate_lower_bound=gate_lower_bound, **docs)
 
 
+def _kernel_input(kernel: str, call):
+    """``call()``, a kernel's own refusal of its arguments (a ValueError: a shape or block it cannot tile) turned into
+    the InputError of the run setting that asked for it (`k3` exits 2 naming the kernel and the reason)."""
+    try:
+        return call()
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(f"--kernels pallas: the {kernel} kernel cannot run here: {e}") from e
+
+
+def mla_flash(q, c_kv, k_rope, w_uk, w_uv, *, scale, block_size: int, segment_ids=None, key_segment_ids=None,
+              q_offset=None, cost_offset: int | None = None):
+    """Causal attention of q [B, T, N, Hn+Hr] over the MLA latent (c_kv [B, T, R], the shared key slice k_rope
+    [B, T, Hr], W_UK [R, N, Hn] / W_UV [R, N, V]) as a Pallas flash kernel with a custom VJP (pallas_kernels/mla:
+    keys up-projected per key block, no work above the diagonal) → (o [B, T, N, V], max_logit [B, N]); the contract
+    of ``ops.attention.causal_attention`` over the up-projected keys (``segment_ids``, ``key_segment_ids``,
+    ``q_offset`` alike; ``cost_offset``: the offset its cost estimate charges for a traced one). Interpreted on a CPU
+    (inside ``shard_map``, the TPU interpreter)."""
+    from pallas_kernels.mla import mla_flash as flash  # Pallas, lazily (the module docstring)
+
+    target = kernel_target()
+    return _kernel_input("MLA flash", lambda: flash(
+        q, c_kv, k_rope, w_uk, w_uv, scale=scale, segment_ids=segment_ids, key_segment_ids=key_segment_ids,
+        q_offset=q_offset, block_k=block_size, platform=target, interpret=target == "cpu", cost_offset=cost_offset))
+
+
+def mla_decode(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, q_pos, kv_len, scale, layer=None):
+    """Absorbed attention of up to 8 query tokens per row over an MLA latent cache as a Pallas split-KV kernel
+    (pallas_kernels/mla): the contract of ``ops.latent_attention.latent_attention(absorbed=True)``. Interpreted on a
+    CPU."""
+    from pallas_kernels.mla import mla_decode as decode  # Pallas, lazily (the module docstring)
+
+    target = kernel_target()
+    return _kernel_input("MLA decode", lambda: decode(
+        q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos=q_pos, kv_len=kv_len, scale=scale, layer=layer,
+        platform=target, interpret=target == "cpu"))
+
+
 def kernel_target() -> str:
     """The platform being compiled for ('cpu', 'gpu' or 'tpu'): the current (abstract) mesh's device, else the
     default backend (``pallas_kernels.platform.target_platform``)."""
     return target_platform()
 
 
-def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None):
+def expected_load(tokens: float, top_k: int, num_experts: int, local_experts: int) -> dict:
+    """{"rows", "groups"}: the expected routed rows and distinct experts reached on a device holding ``local_experts``
+    of ``num_experts`` when ``tokens`` tokens pick ``top_k`` each (uniform routing; an upper bound on the distinct
+    experts of the average device for any router): the ``expected_load`` of ``mxfp4_gmm`` / ``mxfp4_glu_ffn``
+    (pallas_kernels/mxfp4_matmul/cost.py)."""
+    from pallas_kernels.mxfp4_matmul.cost import expected_load as load  # Pallas package, lazily (module docstring)
+
+    return load(tokens, top_k, num_experts, local_experts)
+
+
+def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None, expected_load: dict | None = None):
     """Grouped MXFP4 matmul y [M, N] = x [M, K] @ W_gᵀ per expert group (packed uint8 [G, N, K/2], scale uint8
     [G, N, K/32]; rows sorted by group; output in x.dtype), with pallas_kernels/mxfp4_matmul's block sizes; its VJP
     with respect to x is the kernel's transposed form. ``platform``: whose schedule and tiles (None: the platform
     being compiled for). Compiled for a GPU/TPU target; for a CPU target a Pallas interpreter runs it (inside
     ``shard_map`` the TPU one), so ``platform="tpu"`` runs the TPU schedule on CPU, inside ``shard_map`` too
     (``ExpertParallel(packed_kernel="pallas")``). The packed experts' "sorted" dispatch never runs it on CPU: it
-    takes the XLA loop of k3jax/ops/packed_experts.py."""
+    takes the XLA loop of k3jax/ops/packed_experts.py. ``expected_load``: the caller's {"rows", "groups"} per call
+    (``expected_load``), for the kernels' cost estimates only (None: every static tile is charged)."""
     from pallas_kernels.mxfp4_matmul import mxfp4_gmm as gmm  # Pallas, lazily (the module docstring)
 
     target = kernel_target()
-    return gmm(x, packed, scale, group_sizes, platform=platform or target, interpret=target == "cpu")
+    load = expected_load or {}
+    return gmm(x, packed, scale, group_sizes, platform=platform or target, interpret=target == "cpu",
+               expected_rows=load.get("rows"), expected_groups=load.get("groups"))
 
 
-def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, platform: str | None = None):
+def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, platform: str | None = None,
+                  expected_load: dict | None = None):
     """The grouped GLU FFN of MXFP4 expert stacks (``PackedWeight`` pairs w1, w3 [G, F, P/2 | P/32], w2 [G, P, F/2 |
     F/32]) over expert-sorted rows x [R, P]: the three grouped kernels of ``mxfp4_gmm`` run in tile space, the rows
     padded into per-expert tiles once (pallas_kernels/mxfp4_matmul/ffn.py); output in x.dtype, VJP with respect to
-    x by the transposed kernel. ``platform``, the interpreter on CPU: as ``mxfp4_gmm``."""
+    x by the transposed kernel. ``platform``, the interpreter on CPU, ``expected_load``: as ``mxfp4_gmm``."""
     import jax.numpy as jnp
 
     from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn as ffn  # Pallas, lazily (the module docstring)
 
     target = kernel_target()
+    load = expected_load or {}
     return ffn(x, tuple(w1), tuple(w3), tuple(w2), group_sizes, act, act_quant=act_quant,
-               acc=jnp.float32 if acc is None else acc, platform=platform or target, interpret=target == "cpu")
+               acc=jnp.float32 if acc is None else acc, platform=platform or target, interpret=target == "cpu",
+               expected_rows=load.get("rows"), expected_groups=load.get("groups"))

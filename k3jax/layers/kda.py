@@ -189,9 +189,6 @@ class KDA(nnx.Module):
         scale = K ** -0.5
         state = cache.get("state")
         if context is not None and not (state is not None and T == 1):
-            if impl == "pallas":   # its pallas_call declares no varying mesh axes, so it cannot run in shard_map
-                raise ValueError("kda_impl='pallas' does not run under context parallelism (inside the sequence "
-                                 "shard_map); use 'chunked' (what plans and training use) or 'recurrent'")
             core = functools.partial(_core, impl, scale=scale, chunk_size=chunk_size,
                                      gate_lower_bound=self.gate_lower_bound)
             o, S, (tq, tk, tv) = context.kda(core, us, ws, g, beta, heads=N, tails=None if not cache else tails,

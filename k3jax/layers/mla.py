@@ -10,6 +10,12 @@ Inference (``extend``): the layer's cache is the latent itself — ``c_kv`` afte
 token) and the shared key slice ``k_rope`` (Hr) — written at each row's own position; attention reads it through
 ``ops.latent_attention`` in the absorbed form (decode) or the materialized one (the reference). The output gate is
 element-wise per head and value channel, applied before ``wo``: that is why W_UV cannot be folded into W_o.
+
+``impl`` ("xla" or "pallas", ``RunConfig.mla_impl``): the Pallas latent-attention kernels (pallas_kernels/mla, reached
+through ``layers.backends``) run the whole-sequence attention (flash attention over the latent, keys up-projected per
+key block; under context parallelism per shard over the gathered latent, its queries load-balanced) and the absorbed
+decode of pieces of at most ``MAX_DECODE_QUERIES`` tokens per row; longer cached pieces (a prompt's prefill), pieces
+split over a context axis and the materialized reference form run the XLA path either way.
 """
 
 from __future__ import annotations
@@ -22,13 +28,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.layers import lora
+from k3jax.layers import backends, lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.latent_attention import DECODE_BLOCK, latent_attention
 from k3jax.ops.norms import acc_dtype, rms_norm
 
 _QKV = ("embed", "heads", "head_dim")
+MAX_DECODE_QUERIES = 8  # query tokens per row of the Pallas decode kernel (a speculative verify block)
 
 
 def big_key_block(T: int, block_size: int) -> int | None:
@@ -103,16 +110,27 @@ class MLA(nnx.Module):
         y = lora.proj(self, "wo", "btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), acc)
         return y.astype(cdt)
 
-    def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None):
+    def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None,
+                 impl: str = "xla"):
         """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip.
         ``segment_ids`` [B, T]: packed documents; each token attends within its own (``k3jax.ops.segments``).
         K3's MLA is NoPE (docs/model.md §5.1): there are no positions to restart at a boundary. ``context``: None, or a
         ``ContextParallel`` (T split over devices): the latent is all-gathered along the sequence and each shard
-        attends from its own queries (k3jax/sharding/context_parallel.py)."""
+        attends from its own queries (k3jax/sharding/context_parallel.py). ``impl``: "xla" or "pallas" (the module
+        docstring)."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         N, Hn, Hr, V = self.dims
         q, c_kv, k_rope = self._project(x, norm_eps)
+        if impl == "pallas":
+            kv_b = lora.merged(self, "kv_b").astype(cdt)         # the kernel up-projects each key block itself
+            flash = functools.partial(backends.mla_flash, scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
+            args = (q.astype(acc), c_kv, k_rope.astype(acc), kv_b[..., :Hn], kv_b[..., Hn:])
+            if context is None:
+                o, max_logit = flash(*args, segment_ids=segment_ids)
+            else:   # per shard over the gathered latent, queries mirror-balanced (k3jax/sharding/context_parallel.py)
+                o, max_logit = context.latent_flash(flash, *args, segment_ids=segment_ids)
+            return self._output(x, o), max_logit
         if context is not None:                     # the latent (R + Hr per token) is what crosses the shards
             c_kv, k_rope = context.gather_seq(c_kv), context.gather_seq(k_rope)
         kv = lora.proj(self, "kv_b", "btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), acc)
@@ -125,18 +143,28 @@ class MLA(nnx.Module):
         return self._output(x, o), max_logit
 
     def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
-               layer=None, context=None):
+               layer=None, context=None, impl: str = "xla"):
         """Append a right-padded piece to the latent cache and attend over it (prefill pieces and decode steps).
 
-        x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R] (x.dtype), "k_rope": [B, S, Hr]
-        (acc dtype)}; start [B] the tokens already cached per row; lengths [B] the real tokens of this piece per
-        row (the rest is right padding, written nowhere). Token t of row b sits at position start[b] + t. Keys are
-        read in blocks of ``block_size``; for one token, first in blocks of about ``DECODE_BLOCK``.
+        x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R], "k_rope": [B, S, Hr]} (both in the
+        compute dtype, ``model.cache``); start [B] the tokens already cached per row; lengths [B] the real tokens of
+        this piece per row (the rest is right padding, written nowhere). Token t of row b sits at position
+        start[b] + t. Keys are read in blocks of ``block_size``; for one token, first in blocks of about
+        ``DECODE_BLOCK``.
         absorbed: the absorbed form (decode) or the materialized one (the reference; ``ops.latent_attention``).
         layer: None, or an index into a cache stacked over the scanned groups ([G, B, S, ...]: the new tokens are
         scattered into the stack in place and the keys read from it block by block).
         context: None, or a ``ContextParallel`` (the piece split over devices): each shard's queries read the layer's
         whole latent cache, gathered along S (k3jax/sharding/context_parallel.py).
+        impl: "pallas" runs the absorbed form of a piece of at most ``MAX_DECODE_QUERIES`` tokens through the Pallas
+        decode kernel (every latent read once for all heads and queries; under ``context`` the XLA path), and a
+        longer piece (either form) through the Pallas flash kernel over the updated cache (``backends.mla_flash``
+        with per-row offsets q_offset = start: online softmax, key blocks above a row's diagonal skipped, each key
+        block up-projected with W_UK / W_UV inside the kernel; under ``context`` per shard,
+        ``ContextParallel.latent_flash_cached``). Keys past a row's written positions lie above its real queries'
+        diagonal; padding queries (t ≥ lengths) may see stale cache rows (finite) and their outputs are unused.
+        With a stacked cache the kernel reads the layer's [B, S, ·] slice, a copy of it (one read and one write of
+        B · S · (R + Hr) values per call; the kernel then reads its blocks).
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
@@ -155,9 +183,23 @@ class MLA(nnx.Module):
         big = big_key_block(T, block_size)
         attend = functools.partial(latent_attention, scale=1.0 / math.sqrt(Hn + Hr), block=block_size,
                                    big_block=big, absorbed=absorbed)
-        if context is not None:
+        lay = (lambda c: c) if layer is None else (lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, False))
+        if impl == "pallas" and absorbed and T <= MAX_DECODE_QUERIES and context is None:
+            o = backends.mla_decode(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn],
+                                    kv_b[..., Hn:], q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr),
+                                    layer=layer)
+        elif impl == "pallas" and T > MAX_DECODE_QUERIES:      # a prefill piece: the flash kernel over the cache
+            acc = acc_dtype(x.dtype)
+            w = kv_b.astype(x.dtype)                            # as __call__: the kernel up-projects each key block
+            flash = functools.partial(backends.mla_flash, scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
+            args = (q.astype(acc), lay(new["c_kv"]), lay(new["k_rope"]).astype(acc), w[..., :Hn], w[..., Hn:])
+            if context is None:
+                o, _ = flash(*args, q_offset=start)
+            else:
+                context.check(T, "piece length")
+                o = context.latent_flash_cached(flash, *args, start=start)
+        elif context is not None:
             context.check(T, "piece length")
-            lay = (lambda c: c) if layer is None else (lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, False))
             o = context.latent_attention(attend, q[..., :Hn], q[..., Hn:], lay(new["c_kv"]), lay(new["k_rope"]),
                                          kv_b[..., :Hn], kv_b[..., Hn:], q_pos=pos, kv_len=start + lengths)
         else:
@@ -166,4 +208,4 @@ class MLA(nnx.Module):
         return self._output(x, o), new
 
 
-__all__ = ["MLA", "MLADims", "big_key_block"]
+__all__ = ["MAX_DECODE_QUERIES", "MLA", "MLADims", "big_key_block"]

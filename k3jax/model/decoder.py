@@ -103,7 +103,8 @@ class DecoderLayer(nnx.Module):
         if context is not None:
             docs["context"] = context
         if hasattr(self, "mla"):
-            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size, **docs)
+            y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size, impl=run.mla_impl,
+                                    **docs)
             return y, {"mla_max_logit": max_logit}
         y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, **docs)
         return y, {}
@@ -118,7 +119,8 @@ class DecoderLayer(nnx.Module):
         written back. context: a ``ContextParallel`` (the piece split over devices), or None."""
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
-                                   block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context)
+                                   block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context,
+                                   impl=run.mla_impl)
         mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
         y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
                           lengths=lengths, start=start, context=context)

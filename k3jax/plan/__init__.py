@@ -9,6 +9,8 @@
     hlo_cost.py  what it costs: FLOPs, HBM bytes (weights / activations / kernels / collectives), collectives and
                  custom calls (a kernel charged its declared cost estimate), named scopes' FLOPs and collectives
     hlo_bytes.py the HBM bytes one instruction reads and writes, and which values are views of the arguments
+    floor.py     what a step cannot go below: its collectives' fixed latency (launch + ICI hops) and the bytes it
+                 must touch (weights given batch and routing, caches, inputs / outputs once)
 
 It sits above ``k3jax.train`` (a train plan compiles the train step) and below ``k3jax.cli`` (``cli/plan.py`` only
 parses flags and prints).

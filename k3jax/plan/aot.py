@@ -17,7 +17,11 @@ loop-corrected FLOPs of the compiled HLO (``k3jax.plan.hlo``) against the closed
 6 · N_active · tokens and the mode's terms, plus Muon's Newton–Schulz split over the devices — at full size with
 the experts trained that is ~1.5x 6·N·tokens of a 262k-token batch); the roofline step time at the chip's published
 peaks (``hardware.roofline``: compute from the useful FLOPs and from the compiled program, HBM — split into weights,
-activations, kernels and collectives by ``k3jax.plan.hlo_cost`` —, collectives; the compute share). Under expert
+activations, kernels and collectives by ``k3jax.plan.hlo_cost`` —, collective bandwidth, the largest of them plus the
+collectives' fixed latency, ``collective_latency_s``: a launch and per-hop latency per collective run, from the
+slice's torus, ``k3jax.plan.floor.collective_latency``; the compute share) and the bytes floor (``bytes_floor``: the
+weights the step's tokens reach, optimizer state, cache and io each touched once, per device, ``k3jax.plan.floor``;
+``roofline.over_bytes_floor`` = memory_s / bytes_floor_s). Under expert
 parallelism the packed experts run the Pallas kernel on a TPU target (``--packed-kernel``, default auto). A compile
 that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,8 @@ from k3jax.model.cache import advance, cache_shapes, capacity
 from k3jax.ops.latent_attention import key_loop_trips
 from k3jax.optim.dist_muon import NS_SCOPE, OPTIMIZER_SCOPE
 from k3jax.plan.estimate import cache_bytes, estimate_arguments, model_flops
-from k3jax.plan.hardware import Target, roofline
+from k3jax.plan.floor import bytes_floor, collective_latency
+from k3jax.plan.hardware import Target, roofline, topology_dims
 from k3jax.plan.hlo_cost import largest_values, program_stats
 from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, train_config, with_defaults
 from k3jax.sharding import placement as place
@@ -84,7 +90,7 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     run = run_settings(cfg, spec)
     small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
     dispatch = place.expert_dispatch(strategy, mesh, batch=spec.batch, capacity_factor=spec.capacity_factor,
-                                     packed_kernel=spec.packed_kernel, replicate_tokens=small)
+                                     packed_kernel=run.packed_kernel, replicate_tokens=small)
     context = getattr(dispatch, "context", None)               # the sequence split (k3jax/sharding/context_parallel)
     abstract = plan_params(cfg, spec)
     if spec.mode in ("prefill", "decode"):
@@ -198,7 +204,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     log = log or (lambda s: None)
     t_start = time.perf_counter()
     sizes, strategy = check(cfg, target, spec)
-    spec, defaults = with_defaults(spec)
+    spec, defaults = with_defaults(replace(spec, platform=target.platform))  # the kernels --kernels picks for it
     est = estimate_arguments(cfg, spec, sizes, strategy)
     mesh = _mesh(sizes, target_devices(target))
     run = run_settings(cfg, spec)
@@ -206,7 +212,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
            "mesh": place.format_mesh(sizes), "strategy": strategy, "mode": spec.mode, "remat": spec.remat,
            "batch": spec.batch, "seq_len": spec.seq_len, "layer_stack": run.layer_stack, "qat": run.qat,
            "param_dtype": run.param_dtype, "compute_dtype": run.compute_dtype,
-           "capacity_factor": spec.capacity_factor, "packed_kernel": spec.packed_kernel, "defaults": defaults,
+           "capacity_factor": spec.capacity_factor, "packed_kernel": run.packed_kernel, "defaults": defaults,
            "opt_state_dtype": spec.opt_state_dtype, "muon_layout": spec.muon_layout,
            "estimated_argument_bytes_per_device": est["total"], "estimate": est}
     if spec.mode in ("prefill", "decode"):
@@ -215,6 +221,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         out["cache"] = cache_bytes(cfg, spec, sizes, strategy)
     cap = target.chip.hbm_bytes if target.chip else None
     out["capacity_bytes_per_device"] = cap
+    out["bytes_floor"] = bytes_floor(cfg, spec, sizes, strategy, est=est)
     if spec.mode not in SERVING:
         # the train-state lower bound: master + optimizer state + gradients (activations come on top)
         out["lower_bound_bytes_per_device"] = est["total"] + est["gradient_bytes"]
@@ -283,8 +290,13 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         # devices); loops with routing-dependent trip counts are counted once (hlo.unknown_trip_counts), so the
         # check is only meaningful where there are none
         out["flops"]["within_20pct_of_expected"] = bool(abs(compiled_global / mf["expected"] - 1) <= 0.2)
+    latency = None
+    if target.chip is not None:
+        latency = collective_latency(text, hints, target.chip, sizes, topology_dims(target))
+        out["collective_latency"] = latency
     out["roofline"] = roofline(target.chip, mf["useful"] / target.devices, stats.flops, stats.bytes_accessed,
-                               coll_bytes)
+                               coll_bytes, latency_s=latency["seconds"] if latency else 0.0,
+                               floor_bytes=out["bytes_floor"]["total"])
     if out["roofline"] and spec.mode in ("prefill", "decode"):
         r, new = out["roofline"], spec.batch * spec.seq_len
         # one step: a decode step emits one token per row (its latency is the step); prefill's is the first token's

@@ -24,7 +24,9 @@ rules shard the experts; the layer stack scanned; the train modes are `k3 train`
                     key blocks) → logits [B, V] and the cache, donated
 
 The serving modes (forward, prefill, decode) hold BF16 weights and the routed experts as packed MXFP4 bytes, run
-through the Pallas kernel under expert parallelism on a TPU target. Prefill and decode place the cache by the
+through the Pallas kernel under expert parallelism on a TPU target. Prefill and decode without a mesh take the best
+of a few candidate meshes and rules columns (``serve`` among them) by a closed-form step time
+(``k3jax.plan.layouts``); every other mode needs its mesh. Prefill and decode place the cache by the
 rules (``model.cache.CACHE_AXES``: rows over the token axes, KDA heads over the heads' axes); a batch smaller than
 the token axes' ways takes the small-batch rule (``sharding.placement.small_batch``: rows and cache replicated, each
 device runs its local experts on every row, one psum), in decode only.
@@ -32,9 +34,19 @@ device runs its local experts on every row, one psum), in decode only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from k3jax.config import LORA_TARGETS, REMAT_POLICIES, K3Config, LoRAConfig, RunConfig, default_run
+from k3jax.config import (
+    LORA_TARGETS,
+    PACKED_KERNELS,
+    REMAT_POLICIES,
+    K3Config,
+    LoRAConfig,
+    RunConfig,
+    default_run,
+    with_kernels,
+)
 from k3jax.errors import InputError
 from k3jax.layers.experts import packed_form
 from k3jax.model import abstract_params
@@ -42,7 +54,6 @@ from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
 from k3jax.sharding import placement as place
 from k3jax.sharding.context_parallel import ContextParallel
-from k3jax.sharding.expert_parallel import PACKED_KERNELS
 from k3jax.train.settings import TrainConfig
 from k3jax.train.settings import run_settings as train_run_settings
 
@@ -54,17 +65,19 @@ SERVING = ("forward", "prefill", "decode")  # BF16 weights + packed MXFP4 expert
 @dataclass(frozen=True)
 class PlanSpec:
     mode: str
-    mesh: str
+    mesh: str | None  # None: prefill / decode choose one (k3jax.plan.layouts.choose_layout); others need it
     batch: int
     seq_len: int
     remat: str | None = None  # None: PLAN_REMAT for the train modes, "none" for forward
     capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
-    packed_kernel: str = "auto"  # ExpertParallel's packed-expert path: auto (the kernel on GPU/TPU), pallas, tiles
+    packed_kernel: str | None = None  # --packed-kernel: auto, pallas, tiles; None: as --kernels picks (RunConfig)
     context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
     opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
     muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; owner-compute)
     lora_rank: int = 16  # lora: the adapters' rank (alpha = 2 rank, every target)
+    kernels: str = "auto"  # --kernels (config.with_kernels) for the target's platform
+    platform: str = "tpu"  # the platform the plan compiles for (its --target's)
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -106,7 +119,7 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
         d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode == "decode" else PLAN_CAPACITY
     if spec.context is None and spec.mode == "prefill":
         d["context"] = spec.seq_len
-    if spec.strategy is None:
+    if spec.strategy is None and spec.mesh is not None:
         d["strategy"] = plan_strategy(place.parse_mesh(spec.mesh))
     quiet = {}  # filled, but a serving mode has no optimizer to report it for
     if spec.opt_state_dtype is None:
@@ -124,18 +137,25 @@ def train_config(spec: PlanSpec) -> TrainConfig:
     return TrainConfig(preset=None, steps=1000, lr=2e-3, batch=spec.batch, seq_len=spec.seq_len,
                        optimizer="adamw" if lora else "per_head", opt_state_dtype=spec.opt_state_dtype,
                        muon_layout=spec.muon_layout, qat="weights+acts", compute_dtype="bfloat16", layer_stack="scan",
-                       remat=spec.remat, frozen_experts=spec.mode == "frozen-experts",
+                       remat=spec.remat, frozen_experts=spec.mode == "frozen-experts", kernels=spec.kernels,
                        lora=plan_lora(spec) if lora else None)
 
 
 def run_settings(cfg: K3Config, spec: PlanSpec) -> RunConfig:
     """How the mode's model runs. Serving: BF16 weights, the layer stack scanned (prefill / decode: the scanned cache
     layout of model.cache runs the group as a scan), no remat. The train modes: `k3 train`'s run settings of
-    ``train_config(spec)`` (``k3jax.train.settings.run_settings``); lora holds its frozen base in BF16."""
+    ``train_config(spec)`` (``k3jax.train.settings.run_settings``); lora holds its frozen base in BF16. Both with
+    ``spec.kernels`` for the target's platform over the plan's mesh (``config.with_kernels``; ``--packed-kernel``
+    wins over it)."""
     spec = with_defaults(spec)[0]
-    if spec.mode in SERVING:
-        return default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
-    return train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32")
+    sizes = place.axis_sizes(place.parse_mesh(spec.mesh))
+    if spec.mode not in SERVING:
+        run = train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32",
+                                 platform=spec.platform, mesh=sizes)
+        return run if spec.packed_kernel is None else run.replace(packed_kernel=spec.packed_kernel)
+    run = default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
+    return with_kernels(run, spec.kernels, spec.platform, context=sizes["context"] > 1,
+                        devices=math.prod(sizes.values()), packed_kernel=spec.packed_kernel)
 
 
 def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
@@ -143,13 +163,15 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     Unset fields of ``spec`` are checked as ``with_defaults`` fills them."""
     if spec.mode not in MODES:
         raise InputError(f"--mode {spec.mode!r}: unknown; known: {', '.join(MODES)}")
+    if spec.mesh is None:  # the serving modes choose theirs before they get here (k3jax.plan.layouts)
+        raise InputError(f"--compile --mode {spec.mode} needs --mesh (e.g. --mesh fsdp=8,expert=64)")
     spec, _ = with_defaults(spec)
     if spec.remat not in REMAT_POLICIES:
         raise InputError(f"--remat {spec.remat!r}: unknown policy; known: {', '.join(REMAT_POLICIES)}")
     if spec.mode in SERVING and spec.remat != "none":
         raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode {spec.mode} has "
                          "none")
-    if spec.packed_kernel not in PACKED_KERNELS:
+    if spec.packed_kernel is not None and spec.packed_kernel not in PACKED_KERNELS:
         raise InputError(f"--packed-kernel {spec.packed_kernel!r}: unknown; known: {', '.join(PACKED_KERNELS)}")
     if spec.batch < 1 or spec.seq_len < 1:
         raise InputError(f"--batch {spec.batch} --seq-len {spec.seq_len}: both must be >= 1")
@@ -176,9 +198,6 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
         if spec.mode in SERVING:
             raise InputError(f"--muon-layout {spec.muon_layout}: --mode {spec.mode} has no optimizer")
         OptimConfig(muon_layout=spec.muon_layout)
-    if target.platform == "cpu" and spec.packed_kernel == "pallas":
-        raise InputError(f"--packed-kernel pallas --target {target.spec}: the Pallas kernel compiles for TPU targets "
-                         "(Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")
     if not (spec.capacity_factor == -1 or spec.capacity_factor > 0):
         raise InputError(f"--capacity-factor {spec.capacity_factor}: must be > 0 or -1 (worst case, dropless)")
     if spec.mode in ("frozen-experts", "lora") and cfg.expert_format != "mxfp4":
@@ -189,6 +208,11 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     plan_lora(spec)  # a positive rank, or a ConfigError naming it
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
+    spec = replace(spec, platform=target.platform)
+    if run_settings(cfg, spec).packed_kernel == "pallas" and target.platform == "cpu":   # --kernels pallas: checked
+        flag = "--packed-kernel" if spec.packed_kernel == "pallas" else "--kernels"
+        raise InputError(f"{flag} pallas --target {target.spec}: the packed-expert Pallas kernel compiles for TPU "
+                         "targets (Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")
     if place.uses_context(strategy, sizes):                   # the batch takes the token axes it divides
         if spec.mode == "decode":
             raise InputError(f"--mesh {spec.mesh} --mode decode: a context axis splits sequences, and a decode step "

@@ -29,15 +29,44 @@ document masks restart it. Gradients: autodiff through all of it (ppermute's tra
 the core's memory is the chunked core's (one state per group of chunks) at V + K columns instead of V, and the scan
 adds log2(n) [B, N, K, K + V] fp32 maps.
 
-MLA (``attention``, ``latent_attention``). The compressed latent (c_kv after its norm and the shared key slice:
-kv_lora + rope values per token, 576 at full K3) is all-gathered along the sequence; each shard up-projects the
-keys and values of the whole sequence and attends from its own queries at their global positions
-(``causal_attention(q_offset=...)``), block by block; the max logit for QK-Clip is a pmax. The cached path reads
-the gathered latent cache through ``ops.latent_attention`` with the queries' global positions.
-A contiguous split is not load-balanced for causal attention: shard p has (p + 1/2) L of useful keys per query but
-the key loop has a fixed trip count over all T keys (so the compiled program's FLOPs are the same on every shard:
-T L per head, 1/n of the one-device program's T², which also computes its masked blocks); see experiments/LOG.md
-for what a zigzag split would save.
+MLA (``attention``, ``latent_flash``, ``latent_attention``). The compressed latent (c_kv after its norm and the
+shared key slice: kv_lora + rope values per token, 576 at full K3) is all-gathered along the sequence; the
+up-projected keys and values never cross the shards. ``attention`` (XLA): each shard up-projects the keys and values
+of the whole sequence and attends from its own queries at their global positions (``causal_attention(q_offset=...)``)
+with a fixed trip count over all T keys, so its compiled FLOPs are the same on every shard (T L per head, 1/n of the
+one-device program's T², which also computes its masked blocks). ``latent_flash``: a flash kernel (the Pallas one
+in pallas_kernels/mla, passed in) runs per shard over the gathered latent, up-projecting each key block itself and
+skipping the blocks above the diagonal; the max logit for QK-Clip is a pmax. The cached path (``latent_attention``)
+reads the gathered latent cache through ``ops.latent_attention`` with the queries' global positions.
+
+Load balance (``latent_flash(balance=True)``, the default). With block skipping, a contiguous split is skewed: shard
+p does (p + 1/2) L² (query, key) pairs, the last one 2n - 1 times the first (less at block granularity). KDA's scan
+needs contiguous spans, so the balancing lives around the attention only. Every shard keeps the first half of its
+queries and swaps the second half with its mirror shard n-1-p (one ``ppermute`` of q there, one of o back: the swap
+is its own inverse, and autodiff's transpose is the same swap for dO and dq). Shard p then attends for half-blocks
+2p and 2n-1-2p of the 2n: (2p + 1/2 + 2n-1-2p + 1/2) (L/2)² = n L²/2 each, exactly the mean.
+Counted by ``causal_block_pairs`` (the flash kernel's (query block, key block) pairs per shard, no documents),
+L = 4096 tokens per shard:
+
+    blocks (bq, bk)   n   contiguous: max / mean   max / min     mirror: max / mean
+    (512, 256) TPU    2          1.47                2.78               1.000
+                      4          1.73                6.33               1.000
+                      8          1.86               13.4                1.000
+    (128, 64) GPU     2          1.49                2.94               1.000
+                      8          1.87               14.6                1.000
+
+The zigzag split (2n half-blocks, shard p takes p and 2n-1-p) is balanced as well, but moves the queries of 2n - 2
+of the 2n half-blocks (0.75 L per shard at n = 4, 0.875 L at n = 8) where the mirror moves L/2 (none for the middle
+shard of an odd n); at n = 2 they are the same split. Cost of the swap per shard and MLA layer, K3 in bf16: L/2 ·
+N (Hn + Hr + V) · 2 B = 30 KiB per token of L forward (q out, o back), the same again backward (dO, dq); fp32 q / o
+double it. Against it, the critical shard saves (n - 1)/2 · L² (query, key) pairs of ~1150 FLOP per head at bq =
+512 (the scores and values, 640, plus the key block's up-projection shared by bq queries, 2 R (Hn + V) / bq): (n - 1)
+L · 1.8 FLOP per byte moved forward. That beats a link's FLOP-per-byte ratio (H100 989 TFLOP/s over NVLink's
+450 GB/s per direction: ~2200; TPU v5p 459 TFLOP/s over one ~200 GB/s ICI link: ~2300) from L ≈ 1300 tokens at
+n = 2 and L ≈ 180 at n = 8, and sequences are split for their length. (Moving q is needed in any balanced scheme:
+all keys are on every shard already, and a query's work can only be moved with it or its x.) A shard of one token
+stays contiguous. All of this is counted, not timed (no multi-chip run yet); the mirror partner can be several
+ICI hops away on a ring (p = n/4: about n/2), which the count does not see.
 """
 
 from __future__ import annotations
@@ -79,6 +108,20 @@ def split_axes(rules, mesh, batch: int) -> tuple[tuple[str, ...], tuple[str, ...
         taken.append(a)
         k *= sizes[a]
     return tuple(taken), (*token[len(taken):], *mesh_axes_of("seq", rules, mesh))
+
+
+def causal_block_pairs(T: int, n: int, block_q: int, block_k: int, *, balance: bool = True) -> list[int]:
+    """The (query block, key block) pairs at or below the causal diagonal that each of the ``n`` shards visits in
+    ``latent_flash`` over a T-token row without documents (the flash kernel's block skipping: query blocks start at
+    each query piece's first token, key blocks at token 0); ``balance``: the mirror split (module docstring)."""
+    L = T // n
+    h0 = L // 2 if balance and L >= 2 else L
+
+    def pairs(a: int, m: int) -> int:                       # queries [a, a + m)
+        return sum(min(a + min(i * block_q + block_q, m) - 1, T - 1) // block_k + 1
+                   for i in range(-(-m // block_q)))
+
+    return [pairs(p * L, h0) + (pairs((n - 1 - p) * L + h0, L - h0) if h0 < L else 0) for p in range(n)]
 
 
 class ContextParallel:
@@ -277,6 +320,82 @@ class ContextParallel:
                            out_specs=(P(b, s, h, None), P(b, h)))
         return fn(q, k, v, seg)
 
+    def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None, balance: bool = True):
+        """Causal MLA attention of the sequence-split queries q [B, T, N, Hn+Hr] over the latent c_kv [B, T, R] /
+        k_rope [B, T, Hr] (any split on entry: all-gathered along T, the only thing that crosses the shards besides
+        the balancing swap) by a flash kernel per shard: ``flash(q, c_kv, k_rope, w_uk, w_uv, segment_ids=,
+        key_segment_ids=, q_offset=)`` → (o, max_logit), e.g. ``pallas_kernels.mla.mla_flash`` with its scale bound
+        (it must run inside ``shard_map``: the TPU interpreter on a CPU). w_uk [R, N, Hn], w_uv [R, N, V].
+        ``balance``: the mirror split (module docstring; a shard of fewer than 2 tokens stays contiguous). ``flash``
+        also takes ``cost_offset`` (``mla_flash``'s), given each call's mean offset over the shards.
+        Returns (o [B, T, N, V] split like q, max logit [B, N])."""
+        B, T = q.shape[:2]
+        self.check(T)
+        L, n = T // self.n, self.n
+        h0 = L // 2 if balance and L >= 2 else L          # the half a shard keeps; the other half h1 = L - h0 swaps
+        b, s, h = self._specs()
+        docs = segment_ids is not None
+        seg = jnp.zeros((B, T), jnp.int32) if not docs else jnp.asarray(segment_ids, jnp.int32)
+
+        def attend(qp, off, mean, c, r, wk, wv, seg):
+            kw = {}
+            if docs:
+                kw = dict(segment_ids=lax.dynamic_slice_in_dim(seg, off, qp.shape[1], axis=1), key_segment_ids=seg)
+            return flash(qp, c, r, wk, wv, q_offset=off, cost_offset=mean, **kw)
+
+        def local(q, c, r, wk, wv, seg):
+            p = self._index()
+            # the cost estimate of each call: its offset's mean over the shards (the work is linear in the offset,
+            # and a shard's two offsets sum to the same on every shard, so each shard is charged its own work)
+            o, m = attend(q[:, :h0], p * L, (n - 1) * L // 2, c, r, wk, wv, seg)
+            if h0 < L:                                    # shard p attends for shard n-1-p's second half
+                swap = [(i, n - 1 - i) for i in range(n)]
+                o1, m1 = attend(lax.ppermute(q[:, h0:], self.seq_axes, swap), (n - 1 - p) * L + h0,
+                                (n - 1) * L // 2 + h0, c, r, wk, wv, seg)
+                o = jnp.concatenate([o, lax.ppermute(o1, self.seq_axes, swap)], axis=1)
+                m = jnp.maximum(m, m1)
+            return o, lax.pmax(lax.stop_gradient(m), self.seq_axes)
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(P(b, s, h, None), P(b, None, None), P(b, None, None), P(None, h, None),
+                                     P(None, h, None), P(b, None)),
+                           out_specs=(P(b, s, h, None), P(b, h)))
+        return fn(q, c_kv, k_rope, w_uk, w_uv, seg)
+
+    def latent_flash_cached(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, start, balance: bool = True):
+        """A cached prefill piece split over the shards: queries q [B, T, N, Hn+Hr] (token t of row b at position
+        start[b] + t, start int32 [B]) over one layer's latent cache c_kv [B, S, R] / k_rope [B, S, Hr] (gathered
+        along S on entry, as ``latent_attention``), by a flash kernel per shard with that shard's per-row offsets:
+        ``flash(q, c_kv, k_rope, w_uk, w_uv, q_offset=[B])`` → (o, max_logit), e.g. ``backends.mla_flash`` with its
+        scale bound. ``balance``: the mirror split of ``latent_flash`` (shard p keeps its first half, offsets start
+        + p·L, and attends for shard n-1-p's second half, offsets start + (n-1-p)·L + L/2): every shard then sees
+        about start + T/2 keys per query instead of start + (p + 1/2)·L; the price is one swap of half the queries and
+        outputs. Inference only (no max logit). ``flash`` takes ``cost_offset`` (``mla_flash``'s: the offset its cost
+        estimate charges; here each call's mean over the shards, for a piece starting at position 0). Returns o
+        [B, T, N, V] split like q."""
+        B, T = q.shape[:2]
+        self.check(T)
+        L, n = T // self.n, self.n
+        h0 = L // 2 if balance and L >= 2 else L          # the half a shard keeps; the other half swaps
+        b, s, h = self._specs()
+
+        def local(q, c, r, wk, wv, st):
+            p = self._index()
+            # cost estimates: each call's offset mean over the shards (as latent_flash), for a piece from position 0
+            o, _ = flash(q[:, :h0], c, r, wk, wv, q_offset=st + p * L, cost_offset=(n - 1) * L // 2)
+            if h0 < L:
+                swap = [(i, n - 1 - i) for i in range(n)]
+                o1, _ = flash(lax.ppermute(q[:, h0:], self.seq_axes, swap), c, r, wk, wv,
+                              q_offset=st + (n - 1 - p) * L + h0, cost_offset=(n - 1) * L // 2 + h0)
+                o = jnp.concatenate([o, lax.ppermute(o1, self.seq_axes, swap)], axis=1)
+            return o
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(P(b, s, h, None), P(b, None, None), P(b, None, None), P(None, h, None),
+                                     P(None, h, None), P(b)),
+                           out_specs=P(b, s, h, None))
+        return fn(q, c_kv, k_rope, w_uk, w_uv, jnp.asarray(start, jnp.int32))
+
     def latent_attention(self, attend, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, q_pos, kv_len):
         """``attend`` (``ops.latent_attention`` with its static settings) of the sequence-split queries over one
         layer's latent cache c_kv [B, S, R] / k_rope [B, S, Hr], gathered along S on entry (one all-gather per
@@ -290,4 +409,4 @@ class ContextParallel:
         return fn(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos, kv_len)
 
 
-__all__ = ["COMBINES", "ContextParallel", "split_axes"]
+__all__ = ["COMBINES", "ContextParallel", "causal_block_pairs", "split_axes"]

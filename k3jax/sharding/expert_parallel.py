@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from k3jax.config import PACKED_KERNELS
 from k3jax.errors import InputError
 from k3jax.layers import backends
 from k3jax.ops.grouped_matmul import experts_sorted
@@ -103,14 +104,15 @@ def _base(w):
     return w.base if isinstance(w, LoraWeight) else w
 
 
-def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, kernels, weights=None):
+def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, kernels, weights=None, expected_load=None):
     """Run the local experts on rows x [R, P] with local ids [R] (or [R, A] slots combined by ``weights`` [R, A];
     pad id = El → zero output). The stacks are arrays, or ``PackedWeight`` pairs (frozen MXFP4 experts:
     k3jax/ops/packed_experts.py), run by the grouped MXFP4 kernels ``kernels`` = (grouped matmul, grouped GLU FFN)
     (``_packed_kernels``: forward and the activation gradient; the FFN kernel for plain packed stacks) or, when it
     is None, the XLA loop; any of them may be a ``LoraWeight`` (per-expert adapters over either base), and then all
     three run ``experts_lora`` (the grouped matmul for a packed base). x comes fake-quantized (``dispatch``
-    quantizes the tokens before the exchange): ``act_quant`` runs on h only.
+    quantizes the tokens before the exchange): ``act_quant`` runs on h only. ``expected_load`` ({"rows", "groups"}
+    per call, ``backends.expected_load``) goes to the kernels' cost estimates (what XLA and ``k3 plan`` charge).
 
     The output is in the accumulation dtype, except on the kernel path over one slot per row without a tensor
     split: the kernel's outputs are already in the rows' dtype and neither the combine over one slot (× 1) nor the
@@ -121,6 +123,8 @@ def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, kernel
     one_slot = weights is None and ids.shape[1] == 1
     if weights is None:
         weights = jnp.ones(ids.shape, acc_dtype(x.dtype))
+    if kernels is not None and expected_load is not None:
+        kernels = tuple(partial(k, expected_load=expected_load) for k in kernels)
     gmm, glu_ffn = kernels or (None, None)
     q = {"act_quant": act_quant, "quantized_input": True}  # x was fake-quantized before the exchange (dispatch)
     if any(isinstance(w, LoraWeight) for w in (w1, w3, w2)):
@@ -142,7 +146,7 @@ def _varying(x, axes):
     return lax.pvary(x, axes)                                            # jax 0.11
 
 
-def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, kernels):
+def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, tensor_axes, kernels):
     """The small-batch rule (``placement.small_batch``): every device holds every token row; it runs the slots
     routed to its own experts (the others take the pad id: zero) and the shards' partial sums meet in one psum over
     the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Returns (y [m, P] acc, 0)."""
@@ -154,8 +158,19 @@ def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, tensor_axes, k
     # the devices (the cast's transpose, a psum). Left invariant, the custom VJPs of the sorted path
     # (grouped_matmul.permute_rows) hand back one device's partial cotangent as the whole: dz was off (rel-RMS 1.4)
     z, wts = _varying(z, (axis, *tensor_axes)), _varying(wts, (axis, *tensor_axes))
-    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), kernels, weights=wts)
+    load = _load(kernels, z.shape[0], ids.shape[1], El * n_shards, El)  # every device sees all m tokens
+    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), kernels, weights=wts, expected_load=load)
     return lax.psum(y, (axis, *tensor_axes)), jnp.int32(0)
+
+
+def _load(kernels, tokens: int, top_k: int, num_experts: int, local_experts: int, max_rows: int | None = None):
+    """The expected load of one local-experts call for the kernels' cost estimates (None without kernels): ``tokens``
+    tokens routed top-``top_k`` over ``num_experts``, ``local_experts`` of them here, at most ``max_rows`` rows (the
+    receive buffer of an exchange)."""
+    if kernels is None:
+        return None
+    load = backends.expected_load(tokens, top_k, num_experts, local_experts)
+    return load if max_rows is None else {**load, "rows": min(load["rows"], max_rows)}
 
 
 def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, kernels):
@@ -173,8 +188,9 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
     send_id = jnp.where(valid, flat[row] % El, El).astype(jnp.int32)
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)
     recv_id = lax.all_to_all(send_id, axis, 0, 0, tiled=True)
+    load = _load(kernels, m * X, A, El * X, El, X * C)  # m·X tokens over the exchange, X·C rows received
     out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes,
-                         kernels)
+                         kernels, expected_load=load)
     back = lax.all_to_all(out.reshape(X, C, -1), axis, 0, 0, tiled=True)  # [X, C, P], slots as sent
     rank = jnp.arange(m * A, dtype=jnp.int32)[inverse] - starts[dest]  # position of each row in its bucket
     kept = rank < C
@@ -204,7 +220,8 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
                                  recv_sizes, axis_name=axis)
     recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
                                     recv_sizes, axis_name=axis)
-    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, kernels)
+    load = _load(kernels, m * X, A, El * X, El, R)  # m·X tokens over the exchange, R = X·capacity rows received
+    out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, kernels, expected_load=load)
     back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
     back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
                                  send_sizes, axis_name=axis)
@@ -213,7 +230,6 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     return y, jnp.sum(counts - send_sizes).astype(jnp.int32)
 
 
-PACKED_KERNELS = ("auto", "pallas", "tiles")
 
 
 def _packed_kernels(packed_kernel: str):
@@ -397,7 +413,7 @@ class ExpertParallel:
             kernels = _packed_kernels(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
             w1, w3, w2 = self._gather_width(w1, w3, w2)
             return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
-                               tensor_axes=self.tensor_axes, kernels=kernels)
+                               n_shards=self.n_shards, tensor_axes=self.tensor_axes, kernels=kernels)
 
         rep = P()
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rep, rep, rep, *self._weight_specs(w1, w3, w2)),

@@ -5,12 +5,21 @@ Nothing else in k3jax maps names to mesh axes.
     specs = param_specs(cfg, "ep_tp", mesh)          # PartitionSpec per leaf of abstract_params(cfg)
     shard = param_shardings(cfg, "ep_tp", mesh)      # NamedSharding per leaf (needs a real Mesh)
 
-Columns: ``single`` (one device), ``fsdp``, ``ep``, ``ep_tp``, ``fsdp_ep_tp`` and ``zero3_ep_tp`` — the same as
-``fsdp_ep_tp`` except that the embed and latent dimensions, and MLA's low ranks q_lora / kv_lora, are split over
-fsdp × expert: ZeRO-3 over both axes the non-expert weights are data-parallel on (MaxText shards ``embed`` over
-its expert axis too). The routed-expert stacks keep their placement (experts → expert, so their latent dimension
-is left fsdp). Full-size K3 training needs it on v5p-512: fp32 master + gradient + optimizer state of the ~57 B
-non-expert parameters is ~100 GB per chip over fsdp = 8 alone (``k3 plan --compile``, experiments/LOG.md).
+Columns: ``single`` (one device), ``fsdp``, ``ep``, ``ep_tp``, ``fsdp_ep_tp``, ``zero3_ep_tp`` and ``serve``.
+``zero3_ep_tp`` is ``fsdp_ep_tp`` except that the embed and latent dimensions, and MLA's low ranks q_lora / kv_lora,
+are split over fsdp × expert: ZeRO-3 over both axes the non-expert weights are data-parallel on (MaxText shards
+``embed`` over its expert axis too). The routed-expert stacks keep their placement (experts → expert, so their
+latent dimension is left fsdp). Full-size K3 training needs it on v5p-512: fp32 master + gradient + optimizer
+state of the ~57 B non-expert parameters is ~100 GB per chip over fsdp = 8 alone (``k3 plan --compile``,
+experiments/LOG.md).
+
+``serve`` is the serving column (``k3 plan --compile --mode decode | prefill`` ranks it, k3jax/plan/layouts.py): a
+decode step reads every weight once, so each chip's share of the non-expert weights sets its time. ``ep_tp`` splits
+them over ``tensor`` alone (kimi-k3 on v5p-64, tensor 4: 36 GB per chip per token); ``serve`` keeps heads, FFN
+hidden and vocab over ``tensor`` and splits the model width ``embed`` (and the LatentMoE ``latent``) over
+``expert``, so every projection is split over tensor × expert — all chips of a tensor × expert mesh. The routed
+expert stacks keep ep_tp's placement (experts → expert, their hidden → tensor; their ``latent`` loses the contested
+expert axis to ``experts``).
 
 ``seq`` (a sequence's positions) maps to the ``context`` axis in every column but ``single``: a mesh with
 context > 1 splits each sequence (k3jax/sharding/context_parallel.py, which also lends a small batch's unused token
@@ -47,29 +56,47 @@ from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 # --------------------------------------------------------------------------------------------------------------
 # logical axis → mesh axes, one column per strategy. Value: None (replicated), a mesh axis, or a tuple of axes.
 #
-# logical      single   fsdp            ep                         ep_tp                      fsdp_ep_tp   zero3_ep_tp
+# logical      single  fsdp             ep        ep_tp     fsdp_ep_tp  zero3_ep_tp  serve
 _TOK = ("data", "fsdp", "expert")  # tokens are sharded over every non-tensor axis (EP: the expert axis doubles as DP)
 _Z3 = ("fsdp", "expert")  # zero3_ep_tp: non-expert weights split over fsdp x expert, not fsdp alone
+_C, _E, _T = "context", "expert", "tensor"
 _TABLE = {
-    "batch":      (None,   ("data", "fsdp"), _TOK,                      _TOK,                      _TOK,      _TOK),
-    "seq":        (None,   "context",       "context",                 "context",                 "context", "context"),
-    "embed":      (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
-    "vocab":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
-    "heads":      (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
-    "head_dim":   (None,   None,            None,                      None,                      None,      None),
-    "q_lora":     (None,   None,            None,                      None,                      None,      _Z3),
-    "kv_lora":    (None,   None,            None,                      None,                      None,      _Z3),
-    "kda_rank":   (None,   None,            None,                      None,                      None,      None),
-    "conv_tap":   (None,   None,            None,                      None,                      None,      None),
-    "mlp":        (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
-    "experts":    (None,   None,            "expert",                  "expert",                  "expert",  "expert"),
-    "expert_mlp": (None,   None,            None,                      "tensor",                  "tensor",  "tensor"),
-    "latent":     (None,   "fsdp",          None,                      None,                      "fsdp",    _Z3),
-    "norm":       (None,   None,            None,                      None,                      None,      None),
-    "layers":     (None,   None,            None,                      None,                      None,      None),
-    "lora_rank":  (None,   None,            None,                      None,                      None,      None),
+    "batch":      (None,  ("data", "fsdp"), _TOK,     _TOK,     _TOK,       _TOK,        _TOK),
+    "seq":        (None,  _C,               _C,       _C,       _C,         _C,          _C),
+    "embed":      (None,  "fsdp",           None,     None,     "fsdp",     _Z3,         _E),
+    "vocab":      (None,  None,             None,     _T,       _T,         _T,          _T),
+    "heads":      (None,  None,             None,     _T,       _T,         _T,          _T),
+    "head_dim":   (None,  None,             None,     None,     None,       None,        None),
+    "q_lora":     (None,  None,             None,     None,     None,       _Z3,         None),
+    "kv_lora":    (None,  None,             None,     None,     None,       _Z3,         None),
+    "kda_rank":   (None,  None,             None,     None,     None,       None,        None),
+    "conv_tap":   (None,  None,             None,     None,     None,       None,        None),
+    "mlp":        (None,  None,             None,     _T,       _T,         _T,          _T),
+    "experts":    (None,  None,             _E,       _E,       _E,         _E,          _E),
+    "expert_mlp": (None,  None,             None,     _T,       _T,         _T,          _T),
+    "latent":     (None,  "fsdp",           None,     None,     "fsdp",     _Z3,         _E),
+    "norm":       (None,  None,             None,     None,     None,       None,        None),
+    "layers":     (None,  None,             None,     None,     None,       None,        None),
+    "lora_rank":  (None,  None,             None,     None,     None,       None,        None),
 }
-STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp")
+# The serve column, row by row (kimi-k3: 96 heads, d = 7168 = 2^10 x 7, vocab 163840, 896 experts, q_lora 1536,
+# kv_lora 512 + 64):
+# - heads over tensor alone, not tensor x expert: 96 = 3 x 32 heads split over no 64-, 128- or 256-chip product,
+#   and the KDA state and the cache rows already take the expert axis (batch → _TOK); the heads' projections reach
+#   all chips through their width instead: embed → expert (7168 splits 2 .. 1024 ways), so wq [embed, heads, h] is
+#   [expert, tensor, -]. At decode the activations are [B, d]: per layer the projections' partial sums are
+#   all-reduced over expert and the output projection's over tensor x expert — O(1) collectives per block.
+# - latent → expert, as embed (ExpertParallel reads the float stacks' width split from "latent": both map alike):
+#   the LatentMoE down [embed, latent] and up [latent, embed] split 16 ways on tensor 4 x expert 16 (their first
+#   dimension takes expert, the other has nothing left: tensor is not theirs).
+# - q_lora, kv_lora replicated: q_b [q_lora, heads, h] and kv_b [kv_lora, heads, h] are split over tensor by their
+#   heads, and q_a / kv_a over expert by their embed; splitting the low ranks as well would add an all-reduce per
+#   MLA layer to save ~14 MB of reads per MLA layer and chip. kv_lora also places the latent cache's last dimension
+#   (cache.CACHE_AXES), which decode reads whole per head.
+# - head_dim, kda_rank, conv_tap, norm, layers, lora_rank: small or contracted inside a head; replicated as in ep_tp.
+# - vocab over tensor and embed over expert: the embedding [vocab, embed] and lm_head [embed, vocab] split over all
+#   chips (vocab 163840 / 8, d / 64).
+STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp", "serve")
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     s: {name: col[i] for name, col in _TABLE.items()} for i, s in enumerate(STRATEGIES)
 }

@@ -101,7 +101,8 @@ def programs(cfg: K3Config, settings: RunConfig, ocfg: OptimConfig, spec, strate
     if frozen_experts:
         abstract = packed_form(abstract)
     param_sh = param_shardings(cfg, strategy, mesh, abstract)
-    dispatch = place.expert_dispatch(strategy, mesh, batch=micro_batch)   # with a context axis: the sequence split
+    # with a context axis: the sequence split; packed experts by the run's kernel choice
+    dispatch = place.expert_dispatch(strategy, mesh, batch=micro_batch, packed_kernel=settings.packed_kernel)
     ts = train_step_program(cfg, settings, ocfg, spec, strategy, mesh, abstract, dispatch)
     return Programs(
         param_sh=param_sh,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from k3jax.config import (
     DTYPES,
+    KERNELS,
     LAYER_STACKS,
     QAT_MODES,
     REMAT_POLICIES,
@@ -38,6 +39,7 @@ from k3jax.config import (
     default_run,
     from_hf,
     get_preset,
+    with_kernels,
 )
 from k3jax.errors import InputError
 
@@ -58,7 +60,7 @@ TRAIN_DTYPES = tuple(d for d in DTYPES if d != "float64")
 OPTIMIZERS = ("per_head", "full", "adamw")
 BALANCE_MODES = ("qb", "sign", "aux", "off")
 MUON_LAYOUTS = ("auto", "layer", "owner")
-STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp")
+STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp", "serve")
 _DEFAULT = object()
 
 
@@ -104,6 +106,8 @@ class TrainConfig:
                          "group (a scanned group's backward without the per-layer checkpoint inside it) or a "
                          "jax.checkpoint_policies name; the same math, less activation memory, more recompute",
                          group="model", choices=REMAT_POLICIES)  # the same math: not a resume key
+    kernels: str = setting("auto", "auto (Pallas kernels on GPU/TPU where one runs on the mesh, else XLA), xla, or "
+                           "pallas (all; interpreted on CPU; exit 2 if one cannot run)", group="model", choices=KERNELS)
     # ---- run
     steps: int = setting(300, "optimizer steps to train for (default {default})", group="run")
     total_steps: int | None = setting(None, "the LR schedule's length (default: steps)", flag="--steps", resume=True)
@@ -422,13 +426,22 @@ def keeps_packed(tc: TrainConfig, cfg: K3Config) -> bool:
 
 
 
-def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32") -> RunConfig:
+def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32", platform: str | None = None,
+                 mesh=None) -> RunConfig:
     """Which run settings a training run's model runs with — the one answer for `k3 train` (the loop), `k3 plan`'s
     train programs and `k3 ablate`'s arms: the config's own run settings (``config.default_run``) with the run's
     QAT mode, compute dtype, layer stack, remat policy and LoRA adapters, parameters in ``param_dtype`` (fp32
-    master weights; a plan's LoRA base is held in bf16, its adapters are fp32 whatever the base: layers/lora.py)."""
-    return default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype=param_dtype,
-                       layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
+    master weights; a plan's LoRA base is held in bf16, its adapters are fp32 whatever the base: layers/lora.py),
+    and ``--kernels`` for ``platform`` (None: the one being compiled for) over ``mesh`` (a Mesh or its axis sizes;
+    None: one device) — ``config.with_kernels``."""
+    run = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype=param_dtype,
+                      layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
+    if platform is None:
+        from k3jax.layers.backends import kernel_target  # jax: loaded when a run is resolved
+        platform = kernel_target()
+    sizes = {} if mesh is None else dict(getattr(mesh, "shape", mesh))
+    return with_kernels(run, tc.kernels, platform, context=sizes.get("context", 1) > 1,
+                        devices=math.prod(sizes.values()) if sizes else 1)
 
 
 __all__ = ["BALANCE_MODES", "CORPUS_BYTES", "HELDOUT_FRAC", "MUON_LAYOUTS", "OPTIMIZERS", "RESUME_KEYS", "SETTINGS",

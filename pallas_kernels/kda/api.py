@@ -4,9 +4,11 @@ Forward: the Pallas kernel (``kernel.py``). Backward: the VJP of the jnp chunked
 (``k3jax.ops.kda.kda_chunked``), recomputed from the saved inputs; the kernel has no backward of its own yet.
 ``interpret`` reaches ``pallas_call``; it defaults to True when the target platform
 (``pallas_kernels.platform.target_platform``: ``platform=``, else the current mesh's device, else the default
-backend) is the CPU. The platform picks the schedule (kernel.py: TPU = sequential chunk grid) and the default
-block_v. Input and tiling checks are the jnp rung's (``k3jax.ops.kda.validate_inputs``, ``check_chunking``), so both
-reject the same arguments.
+backend) is the CPU, and True becomes the TPU interpreter inside ``jax.shard_map`` (``interpret_mode``: the generic
+one loses the varying mesh axes there); the kernel's outputs declare the inputs' varying axes (README.md). The
+platform picks the schedule (kernel.py: TPU = sequential chunk grid) and the default block_v. Input and tiling
+checks are the jnp rung's (``k3jax.ops.kda.validate_inputs``, ``check_chunking``), so both reject the same
+arguments.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from k3jax.ops import kda as kda_ops
 from k3jax.ops.kda.chunked import doc_masks
 from k3jax.ops.norms import acc_dtype
 from pallas_kernels.kda.kernel import BlockSizes, kda_fwd_pallas
+from pallas_kernels.mxfp4_matmul.api import interpret_mode
 from pallas_kernels.platform import target_platform
 
 # Value columns per program: 64 for Triton (registers); the whole lane width (128 = K3's V) for Mosaic.
@@ -48,7 +51,7 @@ def in_chunk_sums(g, *, chunk: int, sub_chunk: int):
 
 
 @functools.cache
-def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, platform: str, interpret: bool,
+def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bound, platform: str, interpret,
           segments: bool):
     """The custom_vjp function f(q, k, v, g, beta, h0[, segment_ids]) for one static configuration; ``segments``
     adds the segment_ids argument (an integer input, no cotangent) and the kernel's document masks."""
@@ -105,7 +108,7 @@ def _make(scale: float, chunk: int, sub_chunk: int, block_v: int, gate_lower_bou
 
 def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: int = 64,
               gate_lower_bound: float | None = None, sub_chunk: int = kda_ops.SUB_CHUNK, block_v: int | None = None,
-              platform: str | None = None, interpret: bool | None = None, segment_ids=None):
+              platform: str | None = None, interpret=None, segment_ids=None):
     """Chunked KDA with a Pallas forward kernel; same contract as ``k3jax.ops.kda.kda_chunked``.
 
     q, k: [B, T, N, K]; v: [B, T, N, V]; g: [B, T, N, K] log decay <= 0; beta: [B, T, N] in [0, 1];
@@ -113,7 +116,8 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: i
     state [B, N, K, V] in ``acc_dtype(q.dtype)`` (float64 inputs are computed in fp32 inside the kernel).
     Unbounded gates (gate_lower_bound None) use in-sub-chunk differences of sums for the exact diagonal decays;
     see README.md "Known limits". ``platform``: "cpu", "gpu" ("cuda", "rocm") or "tpu" (None: ``target_platform()``)
-    picks the schedule and the default ``block_v`` (``DEFAULT_BLOCK_V``); ``interpret`` None = platform is "cpu".
+    picks the schedule and the default ``block_v`` (``DEFAULT_BLOCK_V``); ``interpret`` None = platform is "cpu", True
+    = a Pallas interpreter (inside ``shard_map`` the TPU one), or an interpreter config (``pltpu.InterpretParams``).
     ``segment_ids``: None, or [B, T] integer document ids of packed rows (docs/model.md §4.7): every document runs from
     a zero state (the initial state continues the first), the final state is the last document's; the kernel applies
     the masks of ``kda_chunked(..., segment_ids=)`` (README.md "Packed documents"). Not differentiated.
@@ -124,9 +128,11 @@ def kda_chunk(q, k, v, g, beta, *, scale=None, initial_state=None, chunk_size: i
     V = v.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
     platform = target_platform(platform)
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    if interpret is None or isinstance(interpret, bool | int):
+        interpret = platform == "cpu" if interpret is None else bool(interpret)
     block_v = DEFAULT_BLOCK_V[platform] if block_v is None else block_v
     h0 = jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None else initial_state
+    interpret = interpret_mode(interpret, q, k, v, g, beta, h0)    # inside shard_map: the TPU interpreter
     if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
         raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must be [B, T] = {(B, T)}")
     f = _make(scale, chunk_size, sub_chunk, block_v, None if gate_lower_bound is None else float(gate_lower_bound),

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from k3jax.ops.grouped_matmul import varying_struct
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -271,6 +273,7 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
     if V % bv:
         raise ValueError(f"V = {V} must be a multiple of block_v = {bv}")
     nsub = Tp // bs.sub_chunk
+    ins = (q, k, v, g, beta, lr, rex, gcs, tot, *docs, h0)
     kernel = functools.partial(_kda_fwd_kernel, num_chunks=Tp // bs.chunk, bs=bs, K=K, scale=float(scale),
                                gate_lower_bound=gate_lower_bound)
     tk = pl.BlockSpec((None, Tp, None, K), lambda b, n, j: (b, 0, n, 0))
@@ -289,7 +292,7 @@ def kda_fwd_pallas(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower
                   *[pl.BlockSpec((None, Tp), lambda b, n, j: (b, 0))] * len(docs),        # run, carry, last
                   pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
         out_specs=[tv, pl.BlockSpec((None, None, K, bv), lambda b, n, j: (b, n, 0, j))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, N, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
+        out_shape=[varying_struct((B, Tp, N, V), q.dtype, *ins), varying_struct((B, N, K, V), jnp.float32, *ins)],
         interpret=interpret,
         name="kda_chunk_fwd",
         **kwargs,
@@ -316,6 +319,7 @@ def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound
     bv = min(bs.block_v, V)
     if V % bv or (bv % 128 and bv != V):
         raise ValueError(f"TPU: block_v = {bv} must divide V = {V} and be a multiple of 128 (or V)")
+    ins = (q, k, v, g, beta, lr, rex, gcs, tot, *docs, h0)
     kernel = functools.partial(_kda_tpu_kernel, bs=bs, K=K, scale=float(scale), gate_lower_bound=gate_lower_bound,
                                by_column=True)
     tk = pl.BlockSpec((None, None, C, K), lambda b, h, j, c: (b, h, c, 0))
@@ -332,7 +336,7 @@ def _kda_tpu(q, k, v, g, beta, lr, rex, gcs, tot, h0, *, scale, gate_lower_bound
                   *[pl.BlockSpec((None, C, 1), lambda b, h, j, c: (b, c, 0))] * len(docs),
                   state],
         out_specs=[tv, state],
-        out_shape=[jax.ShapeDtypeStruct((B, N, Tp, V), q.dtype), jax.ShapeDtypeStruct((B, N, K, V), jnp.float32)],
+        out_shape=[varying_struct((B, N, Tp, V), q.dtype, *ins), varying_struct((B, N, K, V), jnp.float32, *ins)],
         scratch_shapes=[pltpu.VMEM((K, bv), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,

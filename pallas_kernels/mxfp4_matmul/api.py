@@ -24,7 +24,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
 from k3jax.ops.grouped_matmul import match_varying, varying_axes
+from pallas_kernels.mxfp4_matmul import cost as _cost
 from pallas_kernels.mxfp4_matmul import kernel as _k
+from pallas_kernels.mxfp4_matmul import kernel_t as _kt
 from pallas_kernels.mxfp4_matmul import reference as _ref
 from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
 from pallas_kernels.platform import target_platform
@@ -117,8 +119,8 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
       3. padded row p = t*bm + q holds x row starts[g] + (t - tile_starts[g])*bm + q when that is inside group g,
          else M (padding: ``pad_rows`` fills it with any row; nothing reads its output)  ->  src_rows [T*bm].
       4. x row r (r < sum(sizes)) lands at dst_rows[r] = tile_starts[g(r)]*bm + r - starts[g(r)]; rows past the
-         groups (valid_rows false) read the last row, in the unused last tile: their output is 0 by one gather,
-         with no select over the output.
+         groups (valid_rows false) get T*bm, one past the padded rows: ``unpad_rows`` fills them with 0 (the
+         kernels leave unused tiles unwritten, so no padded row is 0 to read).
     Invariant: every row of every group appears exactly once in src_rows.
     Returns (tile_group int32 [T], src_rows int32 [T*bm], dst_rows int32 [M], valid_rows bool [M]).
     """
@@ -141,7 +143,7 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     r = jnp.arange(num_rows, dtype=jnp.int32)
     g_of_r = jnp.minimum(jnp.searchsorted(ends, r, side="right"), G - 1)
     valid_rows = r < ends[-1]
-    dst_rows = jnp.where(valid_rows, tile_starts[g_of_r] * block_m + r - starts[g_of_r], T * block_m - 1)
+    dst_rows = jnp.where(valid_rows, tile_starts[g_of_r] * block_m + r - starts[g_of_r], T * block_m)
     return tile_group, src_rows, dst_rows, valid_rows
 
 
@@ -154,42 +156,57 @@ def pad_rows(x, src_rows):
     return jnp.take(x, src_rows, axis=0, mode="clip")
 
 
+def unpad_rows(y_pad, dst_rows):
+    """Tile-padded rows [T·bm, n] → [M, n] by one gather: row r reads y_pad[dst_rows[r]], and a row past the groups
+    (index T·bm, out of range) reads 0. The fill is the gather's own bounds select, in one pass; no padded row is
+    read for it (an unused tile's rows are never written: the TPU grid does not visit them)."""
+    return jnp.take(y_pad, dst_rows, axis=0, mode="fill", fill_value=0)
+
+
+def charged_tiles(expected: tuple[float, float] | None, bm: int) -> float | None:
+    """The used tiles the kernels' cost estimates charge: None (all the static tiles), or from (expected rows,
+    expected non-empty groups) per call, ``cost.expected_tiles``."""
+    return None if expected is None else _cost.expected_tiles(*expected, bm)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # grouped
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gmm(x, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret: bool, expected=None):
     M = x.shape[0]
     tile_group, src_rows, dst_rows, _ = group_tile_metadata(group_sizes, M, bs.block_m)  # rows past: zeros
     xe, xo = split_even_odd(pad_rows(x, src_rows))
     launch = _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
-    y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret)  # in x.dtype (fp32 accumulation)
-    return y_pad[dst_rows]  # rows past the groups read the unused last tile's zeros
+    y_pad = launch(tile_group, xe, xo, packed, scale, bs, interpret=interpret,
+                   expected_tiles=charged_tiles(expected, bs.block_m))  # in x.dtype (fp32 accumulation)
+    return unpad_rows(y_pad, dst_rows)  # rows past the groups: 0
 
 
-def _gmm_fwd(x, packed, scale, group_sizes, bs, platform, interpret):
+def _gmm_fwd(x, packed, scale, group_sizes, bs, platform, interpret, expected):
     # x[:0]: no bytes, only x's type (its varying mesh axes inside shard_map) for the backward's match_varying
-    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret), (packed, scale, group_sizes, x[:0])
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret, expected), (packed, scale, group_sizes, x[:0])
 
 
-def _gmm_bwd(bs, platform, interpret, res, g):
+def _gmm_bwd(bs, platform, interpret, expected, res, g):
     packed, scale, group_sizes, x_type = res
-    dx = _gmm_t(g, packed, scale, group_sizes, bs, platform, interpret)
+    dx = _gmm_t(g, packed, scale, group_sizes, bs, platform, interpret, expected)
     # inside shard_map with W's N split over a mesh axis (tensor-parallel expert F), each device's dx is a partial
     # sum over its N slice and varies along that axis where x does not: sum it there (what autodiff would do)
     return match_varying(dx, x_type), None, None, None  # uint8 storage and int sizes: no cotangent
 
 
-def _gmm_t(g, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret):
+def _gmm_t(g, packed, scale, group_sizes, bs: BlockSizes, platform: str, interpret, expected=None):
     """dx [M, K] = g [M, N] @ W_g [N, K] per group, by the transposed kernel over the packed bytes (the tile layout
     of the forward: the same row tiles, the weights re-read once per row tile); output in g.dtype."""
     M = g.shape[0]
     tile_group, src_rows, dst_rows, _ = group_tile_metadata(group_sizes, M, bs.block_m)  # rows past: zeros
     g_rows = pad_rows(g, src_rows)
-    launch = _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
-    dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret)  # in g.dtype
-    return interleave_columns(dxe[dst_rows], dxo[dst_rows])  # past the groups: the last tile's zeros
+    launch = _kt.mxfp4_gmm_t_tpu if platform == "tpu" else _kt.mxfp4_gmm_t_loop
+    dxe, dxo = launch(tile_group, g_rows, packed, scale, bs, interpret=interpret,
+                      expected_tiles=charged_tiles(expected, bs.block_m))  # in g.dtype
+    return interleave_columns(unpad_rows(dxe, dst_rows), unpad_rows(dxo, dst_rows))  # past the groups: 0
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -197,7 +214,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, block_n: int | None = None,
               block_k: int | None = None, act_quant: str | None = None, platform: str | None = None,
-              interpret: bool = False):
+              interpret: bool = False, expected_rows: float | None = None, expected_groups: float | None = None):
     """Grouped MXFP4 matmul over experts (ragged groups; empty groups and partial tiles allowed).
 
     Args:
@@ -210,6 +227,10 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
       platform: "cpu", "gpu" ("cuda", "rocm") or "tpu": which kernel and tiles; None = ``target_platform()``.
       interpret: run the chosen platform's kernel in a Pallas interpreter on CPU: True (the one that runs where the
         call is, ``interpret_mode``: inside ``shard_map`` the TPU interpreter), or your own ``pltpu.InterpretParams()``.
+      expected_rows, expected_groups: the caller's expectation of sum(group_sizes) and of the non-empty groups per
+        call (``cost.expected_load``), for the kernels' cost estimates only: they charge the expected used tiles
+        (``cost.expected_tiles``) instead of the static grid. None: every static tile (groups default to
+        min(rows, G) when only the rows are given).
     Returns: y [M, N] in x.dtype. Its VJP with respect to x is the transposed kernel (``_gmm_t``): no weight is
     dequantized outside a tile.
     """
@@ -224,7 +245,19 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
     # 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
     bs = block_sizes(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n,
                      block_k)
-    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret_mode(interpret, x, packed, scale))
+    expected = expected_load_of(expected_rows, expected_groups, packed.shape[0])
+    return _gmm(x, packed, scale, group_sizes, bs, platform, interpret_mode(interpret, x, packed, scale), expected)
+
+
+def expected_load_of(rows: float | None, groups: float | None, G: int) -> tuple[float, float] | None:
+    """(expected rows, expected non-empty groups) or None; groups default to min(rows, G), their upper bound."""
+    if rows is None:
+        if groups is not None:
+            raise ValueError("expected_groups needs expected_rows")
+        return None
+    if rows < 0 or (groups is not None and not 0 <= groups <= G):
+        raise ValueError(f"expected_rows must be >= 0 and expected_groups in [0, G = {G}], got {rows}, {groups}")
+    return float(rows), float(min(rows, G) if groups is None else groups)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -234,13 +267,13 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _matmul(x, packed, scale, bs: BlockSizes, schedule: str, platform: str, interpret: bool):
     if schedule == "loop":
-        return _gmm(x, packed[None], scale[None], jnp.array([x.shape[0]], jnp.int32), bs, platform, interpret)
+        return _gmm(x, packed[None], scale[None], jnp.array([x.shape[0]], jnp.int32), bs, platform, interpret, None)
     M = x.shape[0]
     Mp = -(-M // bs.block_m) * bs.block_m
     xe, xo = split_even_odd(jnp.pad(x, ((0, Mp - M), (0, 0))))
-    if platform == "tpu":  # one expert, every row tile used: no row gather
+    if platform == "tpu":  # one expert, every row tile used: no row gather; the static (megacore) grid
         tile_group = jnp.zeros((Mp // bs.block_m,), jnp.int32)
-        y = _k.mxfp4_gmm_tpu(tile_group, xe, xo, packed[None], scale[None], bs, interpret=interpret)
+        y = _k.mxfp4_gmm_tpu(tile_group, xe, xo, packed[None], scale[None], bs, interpret=interpret, static_grid=True)
     else:
         y = _k.mxfp4_matmul_grid(xe, xo, packed, scale, bs, interpret=interpret)
     return y[:M].astype(x.dtype)

@@ -23,14 +23,23 @@ columns (in), blocks (bn, bk), x / g and the outputs of ``itemsize`` bytes (fp32
 
 Weights and scales are fetched per step as above when their block index changes every step (N/bn > 1 or K/bk >
 1: K3's shapes); with a single weight block per expert consecutive tiles of one expert would share it, and the
-figure is an upper bound. Every tile is counted as used: the estimate is static and the used tiles depend on the
-routing (``ceil(M/bm) + G`` tiles bound them; an unused tile fetches nothing and writes a zero block). For an
-expert-parallel receive buffer at capacity factor c the padding rows are ~1 - 1/c of it, so the estimate's FLOPs
-are the kernel's grid at its worst, not the model's useful FLOPs (``k3 plan`` reports both).
+figure is an upper bound.
+
+Which tiles are charged (``charged_cost``). The used tiles depend on the routing, the estimate is one static
+number, and an unused tile costs (almost) nothing: the dynamic TPU grid never visits it (its tile extent is the used
+count), the static (megacore) TPU grid visits it to fetch nothing new and write its zero output block, and a
+loop-schedule program of an unused tile loads and writes nothing. By default every one of the T static tiles is
+charged (the grid at its worst: ``ceil(M/bm) + G`` bound the used ones). A caller that knows its routing passes the
+expected used tiles instead (``expected_tiles(rows, groups, bm)`` from ``expected_load``): at decode a chip's rows
+reach ~1 of its experts, and charging the static grid overstates the weights read by ~G x. For an expert-parallel
+receive buffer at capacity factor c the padding rows are ~1 - 1/c of it, so the default's FLOPs are the kernel's
+grid at its worst, not the model's useful FLOPs (``k3 plan`` reports both).
 tests/pallas/test_mxfp4_cost.py recounts these bytes by walking the grid with the block index maps.
 """
 
 from __future__ import annotations
+
+import math
 
 from k3jax.ops.mx import BLOCK_SIZE
 
@@ -57,9 +66,56 @@ def gmm_t_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: 
     return {"flops": 2 * tiles * bm * N * K, "bytes_accessed": rows + weights + tiles * bm * K * itemsize}
 
 
+def expected_load(tokens: float, top_k: int, num_experts: int, local_experts: int) -> dict:
+    """{"rows", "groups"}: the expected assignments and distinct experts reached on a device holding
+    ``local_experts`` of ``num_experts`` when ``tokens`` tokens each pick ``top_k`` distinct experts.
+
+    A token picks a given expert with probability p_e (sum over e = top_k); for independent tokens the expected
+    distinct experts reached is sum_e 1 - (1 - p_e)^tokens, concave in p_e, so at most its value at p_e = k/E
+    (Jensen): ``local_experts·(1 - (1 - k/E)^tokens)`` is an upper bound for a device's share, exact under uniform
+    routing, for any router on the average device (a hot device may exceed it). It is >= the with-replacement form
+    E_l·(1 - (1 - 1/E)^(tokens·k)), since (1 - 1/E)^k >= 1 - k/E. Rows: tokens·k·E_l/E on the average device."""
+    if tokens < 0 or not 0 < top_k <= num_experts or not 0 < local_experts <= num_experts:
+        raise ValueError(f"expected_load needs tokens >= 0 and 0 < top_k, local_experts <= num_experts; got "
+                         f"{tokens}, {top_k}, {local_experts}, {num_experts}")
+    return {"rows": tokens * top_k * local_experts / num_experts,
+            "groups": local_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)}
+
+
+def expected_tiles(rows: float, groups: float, bm: int) -> float:
+    """An upper bound on the expected used row tiles for ``rows`` expected rows over ``groups`` expected non-empty
+    groups: a group of n >= 1 rows takes ceil(n/bm) <= 1 + (n - 1)/bm tiles, so sum_g ceil(n_g/bm) <= D·(1 - 1/bm) +
+    rows/bm for D non-empty groups; linear in D and rows, so it holds for their expectations (and an upper bound
+    on E[D] keeps it one)."""
+    return groups * (1.0 - 1.0 / bm) + rows / bm
+
+
+def charged_cost(fn, schedule: str, tiles: int, expected: float | None, bm: int, bn: int, bk: int, N: int, K: int,
+                 itemsize: int, *, static_grid: bool = False) -> dict:
+    """The integer {"flops", "bytes_accessed"} a kernel's estimate carries: ``fn`` (``gmm_cost`` / ``gmm_t_cost``)
+    over all ``tiles`` static tiles when ``expected`` is None, else over u = min(expected, tiles - 1) used tiles (the
+    last static tile is never used), plus on the TPU schedule what unused tiles cost. The dynamic grid
+    (``kernel.visited_tiles``) visits one tile only when none is used (one block of each input, its output written):
+    E[bytes] = E[used]·per tile + P(none used)·that visit <= this. The static grid (``static_grid``, the megacore
+    one, ``kernel.static_tpu_grid``) visits every unused tile: they fetch one block of each input between them
+    (per core: <= this plus one block per extra core) and each writes its output block, (tiles - u) of them."""
+    if expected is None:
+        c = fn(schedule, tiles, bm, bn, bk, N, K, itemsize)
+    else:
+        used = min(max(expected, 0.0), tiles - 1)
+        c = fn(schedule, used, bm, bn, bk, N, K, itemsize)
+        if schedule == "tpu":
+            weight_block = bn * bk // 2 + bn * K // BLOCK_SIZE
+            rows_in, rows_out = (bm * bn, bm * K) if fn is gmm_t_cost else (bm * K, bm * N)
+            writes = tiles - used if static_grid else 1
+            extra = weight_block + (rows_in + writes * rows_out) * itemsize
+            c = {**c, "bytes_accessed": c["bytes_accessed"] + extra}
+    return {k: int(math.ceil(v)) for k, v in c.items()}
+
+
 def _check(schedule: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
-__all__ = ["SCHEDULES", "gmm_cost", "gmm_t_cost"]
+__all__ = ["SCHEDULES", "charged_cost", "expected_load", "expected_tiles", "gmm_cost", "gmm_t_cost"]

@@ -28,51 +28,56 @@ import jax.numpy as jnp
 from k3jax.ops.grouped_matmul import match_varying
 from pallas_kernels.mxfp4_matmul import api
 from pallas_kernels.mxfp4_matmul import kernel as _k
+from pallas_kernels.mxfp4_matmul import kernel_t as _kt
 from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
 from pallas_kernels.platform import target_platform
 
 
 def _launch(platform: str, t: bool):
     if t:
-        return _k.mxfp4_gmm_t_tpu if platform == "tpu" else _k.mxfp4_gmm_t_loop
+        return _kt.mxfp4_gmm_t_tpu if platform == "tpu" else _kt.mxfp4_gmm_t_loop
     return _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
 
 
-def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret):
-    """a = x W1ᵀ, b = x W3ᵀ [T·bm, F] in the rows' dtype, in tile space."""
-    fwd = _launch(platform, False)
-    return fwd(tg, xe, xo, *w1, bs, interpret=interpret), fwd(tg, xe, xo, *w3, bs, interpret=interpret)
+def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret, tiles):
+    """a = x W1ᵀ, b = x W3ᵀ [T·bm, F] in the rows' dtype, in tile space (unused tiles' rows unwritten)."""
+    fwd = functools.partial(_launch(platform, False), interpret=interpret, expected_tiles=tiles)
+    return fwd(tg, xe, xo, *w1, bs), fwd(tg, xe, xo, *w3, bs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
 def _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13: BlockSizes, bs2: BlockSizes, platform: str,
-         interpret):
-    return _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret)[0]
+         interpret, expected):
+    return _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret, expected)[0]
 
 
-def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret):
+def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret, expected):
     tg, src_rows, dst_rows, _ = api.group_tile_metadata(group_sizes, x.shape[0], bs13.block_m)
+    tiles = api.charged_tiles(expected, bs13.block_m)  # bs2 has the same block_m: one tile layout
     xe, xo = api.split_even_odd(api.pad_rows(x, src_rows))
-    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret)
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles)
+    # an unused tile's a, b (never written, any bits) give any h there: nothing reads it (the kernels skip unused
+    # tiles, the rows are independent, and unpad_rows reads only used tiles' rows)
     h = act(a.astype(acc), b.astype(acc)).astype(x.dtype)
     if act_quant is not None:
         h = act_quant(h)
-    y_pad = _launch(platform, False)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret)
-    # rows past the groups read the unused last tile's zeros; x[:0] carries x's type (its varying mesh axes)
-    return y_pad[dst_rows], (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
+    y_pad = _launch(platform, False)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret, expected_tiles=tiles)
+    # rows past the groups: 0 (unpad_rows); x[:0] carries x's type (its varying mesh axes)
+    return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
 
 
-def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, res, dy):
+def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, res, dy):
     xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x_type = res
     dt = x_type.dtype
-    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret)
-    bwd = _launch(platform, True)
-    dh = api.interleave_columns(*bwd(tg, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2, interpret=interpret))
+    tiles = api.charged_tiles(expected, bs13.block_m)
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles)
+    bwd = functools.partial(_launch(platform, True), interpret=interpret, expected_tiles=tiles)
+    dh = api.interleave_columns(*bwd(tg, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2))
     _, act_vjp = jax.vjp(act, a.astype(acc), b.astype(acc))
     da, db = act_vjp(dh.astype(acc))  # the STE passes dh through act_quant
-    e1, o1 = bwd(tg, da.astype(dt), *w1, bs13, interpret=interpret)
-    e3, o3 = bwd(tg, db.astype(dt), *w3, bs13, interpret=interpret)
-    dx = api.interleave_columns((e1 + e3)[dst_rows], (o1 + o3)[dst_rows])  # past the groups: the last tile's zeros
+    e1, o1 = bwd(tg, da.astype(dt), *w1, bs13)
+    e3, o3 = bwd(tg, db.astype(dt), *w3, bs13)
+    dx = api.interleave_columns(api.unpad_rows(e1 + e3, dst_rows), api.unpad_rows(o1 + o3, dst_rows))  # past: 0
     # with W's F split over a mesh axis (tensor-parallel experts), each device's dx is a partial sum over its slice
     return match_varying(dx, x_type), None, None, None, None
 
@@ -82,7 +87,7 @@ _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.float32, block_m: int | None = None,
                   block_n: int | None = None, block_k: int | None = None, platform: str | None = None,
-                  interpret: bool = False):
+                  interpret: bool = False, expected_rows: float | None = None, expected_groups: float | None = None):
     """Grouped GLU FFN over expert-sorted rows with MXFP4 expert stacks (module docstring).
 
     Args:
@@ -92,6 +97,8 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
       act_quant: None, or a function applied to h (the MXFP8 fake-quant of the GEMM input; straight-through).
       block_m, block_n, block_k, platform, interpret: as ``api.mxfp4_gmm`` (one block_m for the three kernels; n
         and k fit each weight).
+      expected_rows, expected_groups: the cost estimates' routing expectation, as ``api.mxfp4_gmm`` (all six
+        kernels charge the same expected tiles).
     Returns: y [M, P] in x.dtype. Gradient with respect to x only.
     """
     w1, w3, w2 = (tuple(w) for w in (w1, w3, w2))
@@ -108,8 +115,9 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
     rows = -(-x.shape[0] // G)  # block_m follows the rows per group, as in mxfp4_gmm: the same for the three
     bs13 = api.block_sizes(platform, rows, F, x.shape[1], block_m, block_n, block_k)
     bs2 = api.block_sizes(platform, rows, x.shape[1], F, block_m, block_n, block_k)
+    expected = api.expected_load_of(expected_rows, expected_groups, G)
     return _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform,
-                api.interpret_mode(interpret, x, *w1, *w3, *w2))
+                api.interpret_mode(interpret, x, *w1, *w3, *w2), expected)
 
 
 __all__ = ["mxfp4_glu_ffn"]

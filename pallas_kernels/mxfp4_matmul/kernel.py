@@ -14,18 +14,25 @@ Two schedules share the tile math:
     zeroed at k == 0 (the TPU-style pipeline of docs/numerics.md §10.8; also what interpret mode runs by default);
   * ``loop``: grid (tiles, N/bn) and a fori_loop over K inside the kernel. A GPU (Triton) grid has no sequential
     reduction axis, so this is the schedule for GPUs; it is also the grouped (per-expert) kernel, where each row
-    tile reads its expert id from ``tile_group`` (-1 = unused tile: writes zeros, loads no weights);
+    tile reads its expert id from ``tile_group`` (-1 = unused tile: loads and writes nothing; a Triton grid is
+    static, so its program still starts and reads one int);
   * ``tpu``: grid (tiles, N/bn, K/bk), reduction last, the expert id of each row tile scalar-prefetched into SMEM and
-    read by the weight index maps (dense = one expert). Mosaic wants the last two block dims divisible by (8, 128) or
-    equal to the array's, and a scale block (bn, bk/32) meets neither for K3 (bk/32 = 16 of K/32 = 112 at K = 3584;
-    bk ≥ 4096 does not divide 3584). So the scale block spans the whole K/32 (index (g, j, 0), fetched once per
-    (tile, j)) and at k == 0 the kernel spreads it into a VMEM scratch [bn, K/2] of fp32 scales
-    (``_expand_scale_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of 128 (a
-    dynamic lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that index
-    in dimension 1 is a multiple of 128"). The scales stay uint8 in HBM (no wrapper-side relayout of the weights).
+    read by the weight index maps (dense = one expert). Two grids, chosen at trace time (``static_tpu_grid``):
+    when experts dominate (decode) the tile axis has a dynamic extent, the number of used tiles (``visited_tiles``):
+    a chip's few rows reach ~1 of its experts, and the static grid's unused tiles would each cost (N/bn)·(K/bk)
+    pipeline steps; when row tiles dominate (training) the static grid over all tiles, whose "parallel" tile axis a
+    megacore chip splits over its two TensorCores (a dynamic axis cannot be "parallel"). Mosaic wants the last
+    two block dims divisible by (8, 128) or equal to the array's, and a scale block (bn, bk/32) meets neither for K3
+    (bk/32 = 16 of K/32 = 112 at K = 3584; bk ≥ 4096 does not divide 3584). So the scale block spans the whole K/32
+    (index (g, j, 0), fetched once per (tile, j)) and at k == 0 the kernel spreads it into a VMEM scratch [bn, K/2] of
+    fp32 scales (``expand_scale_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of
+    128 (a dynamic lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that
+    index in dimension 1 is a multiple of 128"). The scales stay uint8 in HBM (no wrapper-side relayout of the weights).
     The row blocks are a tile's whole x halves [bm, K/2] (index (t, 0)), sliced at the same lane offsets: each row
     tile is fetched once, not once per column tile (at K3's shapes that was 12-14x the rows' bytes, 2 of the
     forward plan's 3.3 TB of kernel traffic per chip; experiments/LOG.md).
+
+The transposed kernels (dx = g @ W_g, the backward with respect to the rows) are in ``kernel_t``.
 """
 
 from __future__ import annotations
@@ -40,10 +47,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
-from k3jax.ops.grouped_matmul import varying_struct
+from k3jax.ops.grouped_matmul import varying_axes, varying_struct
 from pallas_kernels.mxfp4_matmul import cost
 
 SCALE_GROUP_BYTES = mx.BLOCK_SIZE // 2  # the packed bytes of one scale block (16: two codes per byte)
+# the TPU grids' (tiles, N/bn, K/bk) axes, per grid (``static_tpu_grid``). The dynamic grid's tile extent is the
+# used tiles (``visited_tiles``), so its tile axis is "arbitrary" (as megablox's num_active_tiles): a "parallel" axis
+# must be static (the TPU interpreter refuses a dynamic one) and the parallel axes a prefix of the grid, so none is
+# parallel and a megacore chip (v5p) runs the call on one of its two TensorCores. The static grid visits every tile
+# and splits the tiles (forward: and the column tiles) over the cores; the transposed kernel's N axis is a reduction.
+TPU_SEMANTICS = {"dynamic": ("arbitrary", "arbitrary", "arbitrary"),
+                 "static": ("parallel", "parallel", "arbitrary"),
+                 "static_t": ("parallel", "arbitrary", "arbitrary")}
 
 
 @dataclass(frozen=True)
@@ -64,21 +79,24 @@ class BlockSizes:
             raise ValueError(f"block_k must be a multiple of {mx.BLOCK_SIZE} (whole scale blocks), got {self.block_k}")
 
 
-def _estimate(fn, schedule: str, rows: int, bs: BlockSizes, N: int, K: int, itemsize: int) -> pl.CostEstimate:
-    """The ``pl.CostEstimate`` of one call (cost.py): ``rows`` = T·bm padded rows."""
-    c = fn(schedule, rows // bs.block_m, bs.block_m, bs.block_n, bs.block_k, N, K, itemsize)
+def estimate(fn, schedule: str, rows: int, bs: BlockSizes, N: int, K: int, itemsize: int,
+              expected_tiles: float | None = None, static_grid: bool = False) -> pl.CostEstimate:
+    """The ``pl.CostEstimate`` of one call (cost.py): ``rows`` = T·bm padded rows (the static grid), charged as
+    ``cost.charged_cost`` says: every tile, or ``expected_tiles`` of them (the caller's routing expectation)."""
+    c = cost.charged_cost(fn, schedule, rows // bs.block_m, expected_tiles, bs.block_m, bs.block_n, bs.block_k, N, K,
+                          itemsize, static_grid=static_grid)
     return pl.CostEstimate(flops=c["flops"], transcendentals=0, bytes_accessed=c["bytes_accessed"])
 
 
-def _expand_scale(scale_u8):
+def expand_scale(scale_u8):
     """Scale bytes [bn, n] -> fp32 scales [bn, 16 n], one per packed byte (from the bit pattern, never exp2)."""
     bn, n = scale_u8.shape
     scale = mx.e8m0_to_float(scale_u8)
     return jnp.broadcast_to(scale[:, :, None], (bn, n, SCALE_GROUP_BYTES)).reshape(bn, n * SCALE_GROUP_BYTES)
 
 
-def _expand_scale_by_dot(scale_u8):
-    """``_expand_scale`` as one matmul with a 0/1 matrix E[s, c] = (c // 16 == s): [bn, n] @ [n, 16 n].
+def expand_scale_by_dot(scale_u8):
+    """``expand_scale`` as one matmul with a 0/1 matrix E[s, c] = (c // 16 == s): [bn, n] @ [n, 16 n].
 
     For the TPU kernel, where the broadcast + reshape of a whole-K scale block needs more scoped VMEM than the
     default 16 MiB (measured: 19.6 MiB at bn = 256, K = 3584) and unrolling it over static slices took 9 s to
@@ -93,7 +111,7 @@ def _expand_scale_by_dot(scale_u8):
     return lax.dot_general(scale, spread, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _decode_tile(bytes_u8, scale, dtype):
+def decode_tile(bytes_u8, scale, dtype):
     """Packed bytes [bn, bk/2] + their fp32 scales [bn, bk/2] -> (even, odd) weight tiles [bn, bk/2] in ``dtype``.
 
     fp4 x 2^e is exact in fp32 and bf16 (unless subnormal), so the cast to the matmul dtype loses nothing. The bytes
@@ -106,7 +124,7 @@ def _decode_tile(bytes_u8, scale, dtype):
 
 def _tile_product(xe, xo, bytes_u8, scale):
     """x halves [bm, bk/2], one packed weight tile and its fp32 scales -> fp32 [bm, bn] partial product."""
-    we, wo = _decode_tile(bytes_u8, scale, xe.dtype)
+    we, wo = decode_tile(bytes_u8, scale, xe.dtype)
     precision = lax.Precision.HIGHEST if xe.dtype == jnp.float32 else None
     dims = (((1,), (1,)), ((), ()))
     out = lax.dot_general(xe, we, dims, precision=precision, preferred_element_type=jnp.float32)
@@ -118,7 +136,7 @@ def _grid_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref):
     def _init():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], _expand_scale(s_ref[...]))
+    o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], expand_scale(s_ref[...]))
 
 
 def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
@@ -138,7 +156,7 @@ def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool)
             pl.BlockSpec((bn, bk // mx.BLOCK_SIZE), lambda i, j, k: (j, k)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
-        cost_estimate=_estimate(cost.gmm_cost, "grid", M, bs, N, 2 * half, xe.dtype.itemsize),
+        cost_estimate=estimate(cost.gmm_cost, "grid", M, bs, N, 2 * half, xe.dtype.itemsize),
         interpret=interpret,
         name="mxfp4_matmul_fwd",
     )(xe, xo, packed, scale)
@@ -154,24 +172,23 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
         def body(k, acc):
             kh = pl.ds(k * (bk // 2), bk // 2)
             ks = pl.ds(k * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
-            scale = _expand_scale(s_ref[g, rows, ks])
+            scale = expand_scale(s_ref[g, rows, ks])
             return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
         o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
-
-    @pl.when(g < 0)
-    def _unused():
-        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    # an unused tile (g < 0) loads and writes nothing: its output rows stay unwritten (``api.unpad_rows``)
 
 
-def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
+def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool,
+                   expected_tiles: float | None = None) -> jax.Array:
     """Grouped kernel, loop schedule.
 
     Args:
       tile_group: int32 [T] expert id of each row tile of bm rows (-1 = unused).
       xe, xo: [T*bm, K/2] even / odd columns of the tile-padded rows.
       packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32].
-    Returns: [T*bm, N] in x's dtype (fp32 accumulation).
+    Returns: [T*bm, N] in x's dtype (fp32 accumulation); an unused tile's rows are left unwritten.
+    expected_tiles: the used tiles the cost estimate charges (None: all T; ``cost.charged_cost``).
     """
     Mp, half = xe.shape
     _, N, _ = packed.shape
@@ -189,37 +206,74 @@ def mxfp4_gmm_loop(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpr
             pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        cost_estimate=_estimate(cost.gmm_cost, "loop", Mp, bs, N, 2 * half, xe.dtype.itemsize),
+        cost_estimate=estimate(cost.gmm_cost, "loop", Mp, bs, N, 2 * half, xe.dtype.itemsize, expected_tiles),
         interpret=interpret,
         name="mxfp4_gmm_fwd",
     )(tile_group, xe, xo, packed, scale)
 
 
-def _k_lanes(k, bk: int, nk: int):
+def k_lanes(k, bk: int, nk: int):
     """The lanes [k·bk/2, (k+1)·bk/2) of a whole-K/2 VMEM buffer: a dynamic slice at a multiple of bk/2 (of 128 when
     there are several k steps, ``api.block_sizes``), or all of it (static) when bk = K: Mosaic cannot prove a dynamic
     offset aligned when bk/2 is not a multiple of 128 (k3-mini: K = 192)."""
     return slice(None) if nk == 1 else pl.ds(pl.multiple_of(k * (bk // 2), bk // 2), bk // 2)
 
 
-def _unused_tiles(tile_group, n_mid: int, nk: int):
-    """The TPU schedules' way past unused tiles (group -1, after the used ones): (dma_tile [T], steps). An unused
-    tile's index maps name the blocks of the last used tile (``dma_tile``) at its last step (``steps(t, a, k, tg)``
-    -> the (middle, k) grid indices whose blocks tile t names), so the pipeline fetches nothing for it."""
-    used = tile_group >= 0
-    last = jnp.maximum(jnp.sum(used.astype(jnp.int32)) - 1, 0)
-    dma_tile = jnp.where(used, jnp.arange(tile_group.shape[0], dtype=jnp.int32), last).astype(jnp.int32)
-
-    def steps(t, a, k, tg):
-        on = tg[t] >= 0
-        return jnp.where(on, a, n_mid - 1), jnp.where(on, k, nk - 1)
-
-    return dma_tile, steps
+def static_tpu_grid(tiles: int, groups: int) -> bool:
+    """Which grid the TPU kernels run, chosen at trace time from the static shapes: True = the static grid over all
+    T tiles, its tile axis "parallel" (a megacore chip splits it over its two TensorCores); False = the dynamic grid
+    over the used tiles only (``visited_tiles``), every axis "arbitrary" (one core). T = ceil(M/bm) + G + 1
+    (``api.group_tile_metadata``), of which at most ceil(M/bm) + G are used. When the row tiles dominate,
+    ceil(M/bm) > 2·G (training: all but <= G + 1 of the tiles are used), skipping the few unused tiles saves less
+    than the second core gives; when the experts dominate (decode: a chip's few rows over many experts, ~1 tile used
+    of G + 2) the skipped tiles are the call."""
+    return tiles - groups - 1 > 2 * groups
 
 
-def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, acc_ref, *, bk: int,
-                nk: int):
-    del dma_tile_ref  # read by the index maps only
+def visited_tiles(tile_group):
+    """The dynamic TPU grid's extent over row tiles: the used ones (group >= 0; they come first), at least one.
+    Tiles past them are never visited: no DMA, no compute, no write (their output rows stay unwritten, and
+    ``api.unpad_rows`` reads none of them). With no tile used the one visit is tile 0 at group -1 (``tile_blocks``)."""
+    return jnp.maximum(jnp.sum((tile_group >= 0).astype(jnp.int32)), 1)
+
+
+def tile_blocks(t, mid, k, tg):
+    """(expert, middle, k) block indices of weights and scales at grid step (t, mid, k): a used tile's own, and for
+    an unused tile the same block (0, 0, 0) at every step, so the unused tiles together fetch one block (the static
+    grid visits them all, the dynamic one only tile 0 when no tile is used)."""
+    on = tg[t] >= 0
+    return jnp.maximum(tg[t], 0), jnp.where(on, mid, 0), jnp.where(on, k, 0)
+
+
+def row_tile(t, tg, tiles: int | None):
+    """The row block of grid tile t on the static grid (``tiles`` = T): its own, or for an unused tile the last tile
+    (T - 1, never used), the same for all of them, so the unused tiles fetch one row block between them. The dynamic
+    grid (``tiles`` None) visits an unused tile only when none is used: t itself."""
+    return t if tiles is None else jnp.where(tg[t] >= 0, t, tiles - 1)
+
+
+def interpreter_needs_static_grid(tile_group, interpret) -> bool:
+    """True under the TPU interpreter (``pltpu.InterpretParams``, what ``api.interpret_mode`` picks inside
+    ``jax.shard_map``) when tile_group varies over mesh axes: the interpreter runs a dynamic grid as a loop whose
+    bound (here the used-tile count) varies, so every ``pl.program_id`` and index-map argument varies too, and any
+    op mixing one with an unvarying value (``k == 0`` in the body, ``jnp.where(tg[t] >= 0, ...)`` in an index map)
+    fails JAX's check ("Primitive eq requires varying manual axes to match"; a 20-line pallas_call with grid
+    (n[0],) and ``pl.when(pl.program_id(0) == 0)`` in shard_map repeats it). Such calls run the static grid: the
+    same bits for the used tiles. Compiled kernels are unaffected (Mosaic lowers the traced, unvarying jaxprs)."""
+    return isinstance(interpret, pltpu.InterpretParams) and bool(varying_axes(tile_group))
+
+
+def tpu_grid(tile_group, groups: int, static_grid: bool | None, transposed: bool, interpret):
+    """(tile extent, dimension_semantics, static?) of a TPU call: ``static_grid`` None = ``static_tpu_grid``; the
+    static grid always where ``interpreter_needs_static_grid``."""
+    T = tile_group.shape[0]
+    static = static_tpu_grid(T, groups) if static_grid is None else static_grid
+    if not static and not interpreter_needs_static_grid(tile_group, interpret):
+        return visited_tiles(tile_group), TPU_SEMANTICS["dynamic"], False
+    return T, TPU_SEMANTICS["static_t" if transposed else "static"], True
+
+
+def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, acc_ref, *, bk: int, nk: int):
     k = pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
 
@@ -229,11 +283,11 @@ def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_re
 
     @pl.when(used & (k == 0))
     def _expand():
-        scale_ref[...] = _expand_scale_by_dot(s_ref[...])
+        scale_ref[...] = expand_scale_by_dot(s_ref[...])
 
     @pl.when(used)
     def _compute():
-        kh = _k_lanes(k, bk, nk)
+        kh = k_lanes(k, bk, nk)
         acc_ref[...] += _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[...], scale_ref[:, kh])
 
     @pl.when(k == nk - 1)
@@ -241,193 +295,53 @@ def _tpu_kernel(tile_group_ref, dma_tile_ref, xe_ref, xo_ref, p_ref, s_ref, o_re
         o_ref[...] = acc_ref[...].astype(o_ref.dtype)
 
 
-def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
+def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool,
+                  expected_tiles: float | None = None, static_grid: bool | None = None) -> jax.Array:
     """Grouped kernel, TPU schedule (also the dense kernel on TPU: one expert, every tile used).
 
     Args as ``mxfp4_gmm_loop``; used tiles must come first (as ``api.group_tile_metadata`` lays them out). Needs
-    bm % 16 == 0 (bf16 sublane tiling), bn % 32 == 0 (uint8 tiling) and bk/2 % 128 == 0 (``api`` checks). An unused
-    tile (group -1) names the blocks of the last used tile's last step, so the pipeline fetches nothing for it, and
-    writes zeros. Accumulates in an fp32 VMEM scratch; returns [T*bm, N] in x's dtype.
+    bm % 16 == 0 (bf16 sublane tiling), bn % 32 == 0 (uint8 tiling) and bk/2 % 128 == 0 (``api`` checks). Two grids
+    (``static_grid``; None: ``static_tpu_grid`` from T and G): the dynamic one visits only the used tiles
+    (``visited_tiles``) and leaves the other tiles' output rows unwritten; the static one visits every tile with
+    the tile and column axes "parallel" (megacore), and an unused tile fetches nothing new (``tile_blocks``,
+    ``row_tile``) and writes zeros. The used tiles' outputs are the same bits in both. Accumulates in an fp32 VMEM
+    scratch; returns [T*bm, N] in x's dtype. ``expected_tiles``: the used tiles the cost estimate charges (None:
+    all T; ``cost.charged_cost``).
     """
     Mp, half = xe.shape
-    _, N, _ = packed.shape
+    G, N, _ = packed.shape
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     nj, nk = N // bn, 2 * half // bk
-    dma_tile, steps = _unused_tiles(tile_group, nj, nk)
+    extent, semantics, static = tpu_grid(tile_group, G, static_grid, False, interpret)
+    T = Mp // bm if static else None  # row_tile
 
-    def x_map(t, j, k, tg, dt):  # a row tile's whole K/2: resident across j and k, fetched once per tile
-        return dt[t], 0
+    def x_map(t, j, k, tg):  # a row tile's whole K/2: resident across j and k, fetched once per tile
+        return row_tile(t, tg, T), 0
 
-    def w_map(t, j, k, tg, dt):
-        return (jnp.maximum(tg[dt[t]], 0), *steps(t, j, k, tg))
+    def w_map(t, j, k, tg):
+        return tile_blocks(t, j, k, tg)
 
-    def s_map(t, j, k, tg, dt):
-        return jnp.maximum(tg[dt[t]], 0), steps(t, j, k, tg)[0], 0
+    def s_map(t, j, k, tg):
+        return tile_blocks(t, j, k, tg)[:2] + (0,)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(Mp // bm, nj, nk),
+        num_scalar_prefetch=1,
+        grid=(extent, nj, nk),
         in_specs=[
             pl.BlockSpec((bm, half), x_map),
             pl.BlockSpec((bm, half), x_map),
             pl.BlockSpec((None, bn, bk // 2), w_map),
             pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32: see the module docstring
         ],
-        out_specs=pl.BlockSpec((bm, bn), lambda t, j, k, tg, dt: (t, j)),
+        out_specs=pl.BlockSpec((bm, bn), lambda t, j, k, tg: (t, j)),
         scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, bn), jnp.float32)],
     )
     return pl.pallas_call(
         functools.partial(_tpu_kernel, bk=bk, nk=nk),
         out_shape=varying_struct((Mp, N), xe.dtype, tile_group, xe, xo, packed, scale),
         grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-        cost_estimate=_estimate(cost.gmm_cost, "tpu", Mp, bs, N, 2 * half, xe.dtype.itemsize),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        cost_estimate=estimate(cost.gmm_cost, "tpu", Mp, bs, N, 2 * half, xe.dtype.itemsize, expected_tiles, static),
         interpret=interpret,
         name="mxfp4_gmm_tpu_fwd",
-    )(tile_group.astype(jnp.int32), dma_tile, xe, xo, packed, scale)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# transposed (the backward with respect to the rows): dx [M, K] = g [M, N] @ W_g [N, K], contracting over N
-
-
-def _tile_product_t(g, bytes_u8, scale):
-    """Rows of the cotangent g [bm, bn] and one packed weight tile [bn, bk/2] with its fp32 scales -> the fp32
-    partial products with the even and the odd columns of the tile, each [bm, bk/2]."""
-    we, wo = _decode_tile(bytes_u8, scale, g.dtype)
-    precision = lax.Precision.HIGHEST if g.dtype == jnp.float32 else None
-    dims = (((1,), (0,)), ((), ()))
-    return (lax.dot_general(g, we, dims, precision=precision, preferred_element_type=jnp.float32),
-            lax.dot_general(g, wo, dims, precision=precision, preferred_element_type=jnp.float32))
-
-
-def _loop_t_kernel(group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, *, bn: int, bk: int, nn: int):
-    i, j = pl.program_id(0), pl.program_id(1)
-    grp = group_ref[i]
-    kh = pl.ds(j * (bk // 2), bk // 2)
-    ks = pl.ds(j * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
-
-    @pl.when(grp >= 0)
-    def _compute():
-        def body(n, acc):
-            rows = pl.ds(n * bn, bn)
-            pe, po = _tile_product_t(g_ref[:, rows], p_ref[grp, rows, kh], _expand_scale(s_ref[grp, rows, ks]))
-            return acc[0] + pe, acc[1] + po
-
-        zero = jnp.zeros(oe_ref.shape, jnp.float32)
-        ae, ao = lax.fori_loop(0, nn, body, (zero, zero))
-        oe_ref[...], oo_ref[...] = ae.astype(oe_ref.dtype), ao.astype(oo_ref.dtype)
-
-    @pl.when(grp < 0)
-    def _unused():
-        oe_ref[...] = jnp.zeros(oe_ref.shape, oe_ref.dtype)
-        oo_ref[...] = jnp.zeros(oo_ref.shape, oo_ref.dtype)
-
-
-def mxfp4_gmm_t_loop(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) -> tuple[jax.Array, jax.Array]:
-    """Transposed grouped kernel, loop schedule: grid (tiles, K/bk), a fori_loop over N inside the kernel.
-
-    Args:
-      tile_group: int32 [T] expert id of each row tile of bm rows (-1 = unused).
-      g: [T*bm, N] the tile-padded cotangent rows.
-      packed: uint8 [G, N, K/2]; scale: uint8 [G, N, K/32].
-    Returns: (dx_even, dx_odd) [T*bm, K/2] each in g's dtype (fp32 accumulation): dx's even and odd columns (the low
-    / high nibbles' columns).
-    """
-    Mp, N = g.shape
-    half = packed.shape[2]
-    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-    out = varying_struct((Mp, half), g.dtype, tile_group, g, packed, scale)
-    return pl.pallas_call(
-        functools.partial(_loop_t_kernel, bn=bn, bk=bk, nn=N // bn),
-        out_shape=(out, out),
-        grid=(Mp // bm, 2 * half // bk),
-        in_specs=[
-            pl.BlockSpec(tile_group.shape, lambda i, j: (0,)),
-            pl.BlockSpec((bm, N), lambda i, j: (i, 0)),
-            pl.BlockSpec(packed.shape, lambda i, j: (0, 0, 0)),  # whole stack; the kernel indexes [g, rows, k]
-            pl.BlockSpec(scale.shape, lambda i, j: (0, 0, 0)),
-        ],
-        out_specs=(pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j)), pl.BlockSpec((bm, bk // 2), lambda i, j: (i, j))),
-        cost_estimate=_estimate(cost.gmm_t_cost, "loop", Mp, bs, N, 2 * half, g.dtype.itemsize),
-        interpret=interpret,
-        name="mxfp4_gmm_bwd_x",
-    )(tile_group, g, packed, scale)
-
-
-def _tpu_t_kernel(tile_group_ref, dma_tile_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, ae_ref, ao_ref, *,
-                  bk: int, nn: int, nk: int):
-    del dma_tile_ref  # read by the index maps only
-    n, k = pl.program_id(1), pl.program_id(2)
-    used = tile_group_ref[pl.program_id(0)] >= 0
-
-    @pl.when((n == 0) & (k == 0))
-    def _init():
-        ae_ref[...] = jnp.zeros(ae_ref.shape, ae_ref.dtype)
-        ao_ref[...] = jnp.zeros(ao_ref.shape, ao_ref.dtype)
-
-    @pl.when(used & (k == 0))
-    def _expand():
-        scale_ref[...] = _expand_scale_by_dot(s_ref[...])
-
-    @pl.when(used)
-    def _compute():
-        kh = _k_lanes(k, bk, nk)
-        pe, po = _tile_product_t(g_ref[...], p_ref[...], scale_ref[:, kh])
-        ae_ref[:, kh] += pe
-        ao_ref[:, kh] += po
-
-    @pl.when((n == nn - 1) & (k == nk - 1))
-    def _write():  # the tile's last step, after its _compute
-        oe_ref[...] = ae_ref[...].astype(oe_ref.dtype)
-        oo_ref[...] = ao_ref[...].astype(oo_ref.dtype)
-
-
-def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret) -> tuple[jax.Array, jax.Array]:
-    """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
-
-    The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
-    fp32 VMEM scratch from the tile's first step and written in g's dtype at its last), so each weight block
-    [bn, bk/2] is fetched once per row tile, the cotangent block [bm, bn] once per (tile, n), and the scale block
-    (bn, K/32) once per (tile, n) and spread into the fp32 scratch at k == 0 as in ``mxfp4_gmm_tpu`` (the same
-    Mosaic constraint). Unused tiles fetch nothing (``_unused_tiles``) and write zeros. Args and returns as
-    ``mxfp4_gmm_t_loop``; used tiles must come first.
-    """
-    Mp, N = g.shape
-    half = packed.shape[2]
-    bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
-    nn, nk = N // bn, 2 * half // bk
-    dma_tile, steps = _unused_tiles(tile_group, nn, nk)
-
-    def g_map(t, n, k, tg, dt):
-        return dt[t], steps(t, n, k, tg)[0]
-
-    def w_map(t, n, k, tg, dt):
-        return (jnp.maximum(tg[dt[t]], 0), *steps(t, n, k, tg))
-
-    def s_map(t, n, k, tg, dt):
-        return jnp.maximum(tg[dt[t]], 0), steps(t, n, k, tg)[0], 0
-
-    out_block = pl.BlockSpec((bm, half), lambda t, n, k, tg, dt: (t, 0))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(Mp // bm, nn, nk),
-        in_specs=[
-            pl.BlockSpec((bm, bn), g_map),
-            pl.BlockSpec((None, bn, bk // 2), w_map),
-            pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32, as in mxfp4_gmm_tpu
-        ],
-        out_specs=(out_block, out_block),
-        scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, half), jnp.float32),
-                        pltpu.VMEM((bm, half), jnp.float32)],
-    )
-    out = varying_struct((Mp, half), g.dtype, tile_group, g, packed, scale)
-    return pl.pallas_call(
-        functools.partial(_tpu_t_kernel, bk=bk, nn=nn, nk=nk),
-        out_shape=(out, out),
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
-        cost_estimate=_estimate(cost.gmm_t_cost, "tpu", Mp, bs, N, 2 * half, g.dtype.itemsize),
-        interpret=interpret,
-        name="mxfp4_gmm_tpu_bwd_x",
-    )(tile_group.astype(jnp.int32), dma_tile, g, packed, scale)
+    )(tile_group.astype(jnp.int32), xe, xo, packed, scale)

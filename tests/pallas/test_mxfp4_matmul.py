@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
 from k3jax.quant import mxfp4_pack
-from k3jax.testing import TOL, assert_close, rel_rms
+from k3jax.testing import TOL, assert_close, jaxpr_eqns, rel_rms
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
 from pallas_kernels.mxfp4_matmul.api import group_tile_metadata
 from pallas_kernels.mxfp4_matmul.reference import (
@@ -148,3 +149,94 @@ def test_bad_inputs_raise():
         mxfp4_matmul(jnp.ones((2, 64)), packed.astype(jnp.int32), scale, interpret=True)
     with pytest.raises(ValueError, match=r"group_sizes \(3,\)"):
         mxfp4_gmm(jnp.ones((2, 64)), packed[None], scale[None], jnp.ones(3, jnp.int32), interpret=True)
+
+
+@pytest.mark.parametrize("platform", [pytest.param("tpu", marks=pytest.mark.slow), "cpu"])  # tpu: ~17 s interpreted
+def test_unselected_experts_and_unused_tiles_are_skipped(platform):
+    """B = 1-like call: 5 rows reach expert 3 of 8. Every other expert's scales are NaN (byte 255) and the TPU
+    interpreter fills unwritten memory with NaN, yet y is exact and finite, and rows past the groups are 0; the TPU
+    grid visits the one used tile's (N/bn)·(K/bk) = 4 points, where the static grid had T = ceil(8/16) + 8 + 1 = 10
+    tiles (40 points), and fetches each of its weight blocks once (4 fetches)."""
+    G, N, K, M = 8, 256, 512, 8
+    packed, scale = _weights(jax.random.key(0), (G, N, K))
+    scale = scale.at[jnp.arange(G) != 3].set(255)  # E8M0 255 = NaN
+    x = _x(jax.random.key(1), M, K, jnp.float32)
+    gs = jnp.zeros((G,), jnp.int32).at[3].set(5)
+    points = []
+
+    def record(token, point, core):
+        points.append(tuple(int(v) for v in point))
+        return token
+
+    interpret = pltpu.InterpretParams(grid_point_recorder=record) if platform == "tpu" else True
+    y = mxfp4_gmm(x, packed, scale, gs, block_m=16, block_n=128, block_k=256, platform=platform, interpret=interpret)
+    want = mxfp4_matmul_reference(x[:5], packed[3], scale[3])
+    assert_close(y[:5], want, TOL["fp32_vs_fp64"], name="y")
+    assert np.all(np.asarray(y[5:]) == 0)
+    if platform == "tpu":
+        assert sorted(points) == [(0, j, k) for j in range(2) for k in range(2)]
+        assert len({(j, k) for _, j, k in points}) == 4  # weight block (3, j, k) changes every step: 4 fetches
+
+
+def test_static_and_dynamic_tpu_grids_agree():
+    """The TPU kernels' two grids (kernel.static_tpu_grid): the static (megacore) one over all T tiles and the
+    dynamic one over the used tiles give the used tiles' rows bit for bit, forward and transposed (two N and two K
+    steps, an empty expert, unused tail tiles); the static grid writes zeros for unused tiles."""
+    from pallas_kernels.mxfp4_matmul import kernel, kernel_t
+
+    rng = np.random.default_rng(7)  # NumPy inputs: no eager jax op to compile (the test's budget is the kernels)
+    packed = rng.integers(0, 256, (3, 64, 64), dtype=np.uint8)  # any byte is two E2M1 codes
+    scale = rng.integers(124, 131, (3, 64, 4), dtype=np.uint8)  # 2^-3 .. 2^3
+    bs = kernel.BlockSizes(16, 32, 64)
+    tile_group = np.array([0, 2, 2, -1, -1, -1], np.int32)  # group_tile_metadata of sizes (5, 0, 17), 24 rows
+    xe, xo, g = rng.standard_normal((3, 96, 64), dtype=np.float32)
+    used = np.repeat(tile_group >= 0, 16)
+
+    @jax.jit  # one program for the four calls: one compile (~3 s here, ~6 s as four)
+    def run(xe, xo, g):
+        return [jax.tree.leaves((kernel.mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs, **kw),
+                                 kernel_t.mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs, **kw)))
+                for kw in ({"interpret": True, "static_grid": True}, {"interpret": True, "static_grid": False})]
+
+    static, dynamic = run(xe, xo, g)  # y, dx even, dx odd
+    for s, d in zip(static, dynamic, strict=True):
+        np.testing.assert_array_equal(np.asarray(s)[used], np.asarray(d)[used])
+        np.testing.assert_array_equal(np.asarray(s)[~used], 0.0)
+        assert np.abs(np.asarray(s)[used]).sum() > 0
+
+
+def test_the_tpu_grid_follows_rows_per_expert():
+    """mxfp4_gmm on TPU: training-like rows (ceil(M/bm) > 2·G) take the static grid with the tile and column axes
+    "parallel" (a megacore chip splits them), its VJP the tile axis; decode-like rows the dynamic, all-"arbitrary"
+    grid; the dense matmul (every tile used) always the static one."""
+    from pallas_kernels.mxfp4_matmul import kernel
+
+    def semantics(M, G, grouped=True):
+        packed = jnp.zeros((G, 256, 256), jnp.uint8)
+        scale = jnp.zeros((G, 256, 16), jnp.uint8)
+        blocks = {"block_m": 16, "block_n": 128, "block_k": 256, "platform": "tpu", "interpret": True}
+
+        def f(x):
+            if not grouped:
+                return mxfp4_matmul(x, packed[0], scale[0], **blocks)
+            y, vjp = jax.vjp(lambda x: mxfp4_gmm(x, packed, scale, jnp.full((G,), M // G, jnp.int32), **blocks), x)
+            return vjp(y)[0]
+
+        calls = [e for e in jaxpr_eqns(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((M, 512), jnp.float32)).jaxpr)
+                 if e.primitive.name == "pallas_call"]
+        return {e.params["name"]: _dimension_semantics(e.params["compiler_params"]) for e in calls}
+
+    assert kernel.static_tpu_grid(16 + 2 + 1, 2) and not kernel.static_tpu_grid(1 + 4 + 1, 4)
+    train, decode, dense = semantics(256, 2), semantics(8, 4), semantics(8, 1, grouped=False)
+    assert train == {"mxfp4_gmm_tpu_fwd": kernel.TPU_SEMANTICS["static"],
+                     "mxfp4_gmm_tpu_bwd_x": kernel.TPU_SEMANTICS["static_t"]}, train
+    assert set(decode.values()) == {kernel.TPU_SEMANTICS["dynamic"]}, decode
+    assert dense == {"mxfp4_gmm_tpu_fwd": kernel.TPU_SEMANTICS["static"]}, dense
+
+
+
+def _dimension_semantics(params) -> tuple:
+    """A pallas_call's TPU dimension_semantics: its CompilerParams, or (older jax) inside a dict of them."""
+    if isinstance(params, dict):
+        params = next(v for v in params.values() if hasattr(v, "dimension_semantics"))
+    return tuple(str(d).lower().split(".")[-1] for d in params.dimension_semantics)

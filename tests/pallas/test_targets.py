@@ -6,11 +6,13 @@
 Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 3584], w2 [3584, 3072]), M = 256 rows
 (the grouped entry point also through its VJP: the forward kernel, then the transposed one for the rows' gradient);
 KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks), also with packed documents (segment_ids: the
-kernel's three mask inputs). The platform comes from the mesh each test enters
-(``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry point lowered
-for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with K3's bounded
-gate); the other combinations run in the slow pass. The TPU schedules' numerics are checked here too (slow pass),
-in interpret mode against the jnp references.
+kernel's three mask inputs); MLA decode with 96 heads over an 8192-key bf16 cache (T = 1, and T = 8 over a cache
+stacked over layers) and the MLA flash kernel at T = S = 2048 (forward; its VJP and packed documents in the slow
+pass; each MLA kernel compiled for v5p in the default pass, v6e in the slow one). The platform comes from the mesh
+each test enters (``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry
+point lowered for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with
+K3's bounded gate); the other combinations run in the slow pass. The TPU schedules' numerics are checked here too
+(slow pass), in interpret mode against the jnp references.
 """
 
 import json
@@ -27,22 +29,26 @@ from k3jax.quant import mxfp4_pack
 from k3jax.reference import kda as kda_ref
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.kda import kda_chunk
+from pallas_kernels.mla import mla_decode, mla_flash
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
 from pallas_kernels.mxfp4_matmul.reference import mxfp4_gmm_loop_reference, mxfp4_matmul_reference
 from pallas_kernels.platform import target_platform
 
 M, G = 256, 8  # rows, experts in the grouped call
+M_TRAIN = 8192  # a training-sized grouped call: ceil(M/bm) = 32 > 2·G = 16 row tiles, the static ("parallel") TPU grid
 # (N, K) in torch orientation: w1 / w3 map 3584 -> 3072 (K = 3584), w2 maps 3072 -> 3584
 WEIGHTS = {"w13": (3072, 3584), "w2": (3584, 3072)}
 B, T, H, DK = 1, 256, 96, 128  # KDA: batch, tokens, heads, K = V
 TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MLA = {"N": 96, "Hn": 128, "Hr": 64, "R": 512, "V": 128, "S": 8192}  # K3's MLA decode, B = 1: a cache of 8192 keys
+MLA_T = 2048  # MLA flash (prefill / training): T = S = 2048
 
 
-def _mxfp4_args(N, K, grouped, sharding=None):
+def _mxfp4_args(N, K, grouped, sharding=None, rows=M):
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     lead = (G,) if grouped else ()
-    args = [S((M, K), jnp.bfloat16), S((*lead, N, K // 2), jnp.uint8), S((*lead, N, K // 32), jnp.uint8)]
+    args = [S((rows, K), jnp.bfloat16), S((*lead, N, K // 2), jnp.uint8), S((*lead, N, K // 32), jnp.uint8)]
     return args + [S((G,), jnp.int32)] if grouped else args
 
 
@@ -67,7 +73,42 @@ def _grouped_bwd(x, packed, scale, group_sizes):
     return vjp(y)[0]
 
 
-ENTRY = {"dense": _dense, "grouped": _grouped, "grouped_bwd": _grouped_bwd}
+def _mla_decode_args(T, layers=None, sharding=None):
+    """K3 decode of T query tokens (1, or 8 = a speculative verify) over a bf16 latent cache, stacked over ``layers``
+    (then indexed by an int32 layer, scalar-prefetched on TPU) or one layer's."""
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    d, lead, bf = MLA, (() if layers is None else (layers,)), jnp.bfloat16
+    args = [S((1, T, d["N"], d["Hn"]), bf), S((1, T, d["N"], d["Hr"]), bf), S((*lead, 1, d["S"], d["R"]), bf),
+            S((*lead, 1, d["S"], d["Hr"]), bf), S((d["R"], d["N"], d["Hn"]), bf), S((d["R"], d["N"], d["V"]), bf),
+            S((1, T), jnp.int32), S((1,), jnp.int32)]
+    return args + ([S((), jnp.int32)] if layers else [])
+
+
+def _mla_decode(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos, kv_len, layer=None):
+    return mla_decode(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos=q_pos, kv_len=kv_len,
+                      scale=(MLA["Hn"] + MLA["Hr"]) ** -0.5, layer=layer)
+
+
+def _mla_flash_args(sharding=None, segments=False):
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    d, bf = MLA, jnp.bfloat16
+    args = [S((1, MLA_T, d["N"], d["Hn"] + d["Hr"]), bf), S((1, MLA_T, d["R"]), bf), S((1, MLA_T, d["Hr"]), bf),
+            S((d["R"], d["N"], d["Hn"]), bf), S((d["R"], d["N"], d["V"]), bf)]
+    return args + [S((1, MLA_T), jnp.int32)] if segments else args
+
+
+def _mla_flash(vjp, segments=False):
+    def f(q, c_kv, k_rope, w_uk, w_uv, *seg):
+        fwd = lambda *x: mla_flash(*x, scale=(MLA["Hn"] + MLA["Hr"]) ** -0.5,  # noqa: E731
+                                   segment_ids=seg[0] if segments else None)
+        if not vjp:
+            return fwd(q, c_kv, k_rope, w_uk, w_uv)
+        (o, m), back = jax.vjp(fwd, q, c_kv, k_rope, w_uk, w_uv)
+        return back((o, jnp.zeros_like(m)))          # the gradients: outputs shaped like the five inputs
+    return f
+
+
+ENTRY = {"dense": _dense, "grouped": _grouped, "grouped_bwd": _grouped_bwd, "grouped_bwd_train": _grouped_bwd}
 
 
 def _kda(lb, segments=False):
@@ -135,10 +176,19 @@ TPU_CASES = {
     "grouped-v5p-w13": ("grouped", "v5p", "w13"), "grouped-v6e-w2": ("grouped", "v6e", "w2"),
     "kda-v5p-softplus": ("kda", "v5p", None), "kda-v6e-softplus": ("kda", "v6e", None),
     "grouped_bwd-v6e-w2": ("grouped_bwd", "v6e", "w2"), "kda_segments-v6e-softplus": ("kda_segments", "v6e", None),
+    # MLA decode: (T, stacked layers or None); MLA flash: (the VJP too, packed documents)
+    "mla_decode-v5p-T8-stacked": ("mla_decode", "v5p", (8, 2)), "mla_decode-v6e-T1": ("mla_decode", "v6e", (1, None)),
+    "mla_flash-v5p": ("mla_flash", "v5p", (False, False)), "mla_flash-v6e": ("mla_flash", "v6e", (False, False)),
+    "mla_decode-v5p-T1": ("mla_decode", "v5p", (1, None)), "mla_decode-v6e-T8-stacked": ("mla_decode", "v6e", (8, 2)),
+    "mla_flash_segments-v5p": ("mla_flash", "v5p", (False, True)),
+    "mla_flash_bwd-v5p": ("mla_flash", "v5p", (True, False)), "mla_flash_bwd-v6e": ("mla_flash", "v6e", (True, False)),
+    "grouped_bwd_train-v5p-w13": ("grouped_bwd_train", "v5p", "w13"),  # the static grid's transposed kernel (~18 s)
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
 # KDA with packed documents once (~4 s more)
-TPU_TIERS = {"default": list(TPU_CASES)[:8], "slow": list(TPU_CASES)[8:]}
+# ... and each MLA kernel once (v5p: decode 3.3 s, the flash forward ~6 s; v6e in the slow pass)
+_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p"]
+TPU_TIERS = {"default": _DEFAULT, "slow": [c for c in TPU_CASES if c not in _DEFAULT]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
 
@@ -151,14 +201,24 @@ def _tpu_compile(name) -> dict:
     # One chip: a Mosaic kernel is not auto-partitioned (several chips would need a shard_map around it).
     mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    if kind in ("kda", "kda_segments"):
+    if kind == "mla_decode":
+        tokens, layers = arg
+        f, args = _mla_decode, _mla_decode_args(tokens, layers, sharding)
+        out_bytes = tokens * MLA["N"] * MLA["V"] * 4  # o [1, T, N, V] fp32
+    elif kind == "mla_flash":
+        vjp, segments = arg
+        f, args = _mla_flash(vjp, segments), _mla_flash_args(sharding, segments)
+        out_bytes = sum(a.size * a.dtype.itemsize for a in args[:5]) if vjp else \
+            MLA_T * MLA["N"] * MLA["V"] * 2 + MLA["N"] * 4      # o [1, T, N, V] bf16, max_logit [1, N] fp32
+    elif kind in ("kda", "kda_segments"):
         segments = kind == "kda_segments"
         f, args = _kda(arg, segments), _kda_args(sharding, segments)
         out_bytes = B * T * H * DK * 2 + B * H * DK * DK * 4
     else:
         N, K = WEIGHTS[arg]
-        f, args = ENTRY[kind], _mxfp4_args(N, K, kind != "dense", sharding)
-        out_bytes = M * (K if kind == "grouped_bwd" else N) * 2
+        rows = M_TRAIN if kind == "grouped_bwd_train" else M
+        f, args = ENTRY[kind], _mxfp4_args(N, K, kind != "dense", sharding, rows=rows)
+        out_bytes = rows * (K if kind.startswith("grouped_bwd") else N) * 2
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # also what Mosaic reads the TPU version from
         platform = target_platform()
@@ -167,7 +227,8 @@ def _tpu_compile(name) -> dict:
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
     return {"platform": platform, "compile_s": round(time.perf_counter() - t0, 2),
             "input_bytes": sum(a.size * a.dtype.itemsize for a in args), "want_output_bytes": out_bytes,
-            "mosaic": compiled.as_text().count('custom_call_target="tpu_custom_call"') >= 1 + (kind == "grouped_bwd"),
+            "mosaic": compiled.as_text().count('custom_call_target="tpu_custom_call"')
+            >= 1 + kind.startswith("grouped_bwd"),
             **{k: getattr(mem, k) for k in fields}}
 
 
@@ -275,3 +336,12 @@ if __name__ == "__main__":  # the libtpu child of test_kernels_compile_for_tpu
     import sys
 
     _child_main(sys.argv[1:])
+
+
+def test_training_case_takes_the_static_grid():
+    """The training-sized compile case runs the static ("parallel": both v5p cores) grid, the others the dynamic one
+    (only the used row tiles)."""
+    from pallas_kernels.mxfp4_matmul import kernel
+
+    assert kernel.static_tpu_grid(-(-M_TRAIN // 256) + G + 1, G)  # TPU bm = 256
+    assert not kernel.static_tpu_grid(-(-M // 256) + G + 1, G)

@@ -165,7 +165,7 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "decode", "--context", "64", "--batch", "8",
       "--muon-layout", "layer"], "--muon-layout layer: --mode decode has no optimizer"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--packed-kernel", "pallas"],
-     "--packed-kernel pallas --target cpu:8: the Pallas kernel compiles for TPU targets"),
+     "--packed-kernel pallas --target cpu:8: the packed-expert Pallas kernel compiles for TPU targets"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--mode", "train", "--remat", "most"], "--remat 'most'"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--remat", "full"], "--mode forward has none"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "4"], "--batch 4: not divisible by the 8 ways"),

@@ -12,7 +12,7 @@ from k3jax.ops.packed_experts import PackedWeight, experts_packed
 from k3jax.quant import pack_experts
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import make_mesh
-from k3jax.testing import TOL, assert_close
+from k3jax.testing import TOL, assert_close, jaxpr_eqns
 
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 M, A, E, Pd, F = 64, 2, 8, 32, 64
@@ -152,3 +152,30 @@ def test_ep_quantizes_each_token_once_before_the_exchange(kernel):
     assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
     assert_close(dz, dz_ref, TOL["fp32_shallow"], name="dz")
     assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
+
+
+
+def test_ep_decode_kernels_charge_the_expected_load():
+    """A small-batch EP decode program (2 tokens replicated over expert = 4: 2 of the 8 experts per device): the
+    kernels' cost estimates — what XLA and ``k3 plan`` read — charge the expected used tiles of
+    ``backends.expected_load(2 tokens, top-2, 8 experts, 2 local)`` (1 row, 0.875 experts: 0.88 of the 4 static
+    tiles of bm = 16 rows), not every tile. Traced only (make_jaxpr): nothing runs."""
+    from k3jax.layers import backends
+    from pallas_kernels.mxfp4_matmul import cost
+
+    z, ids, wts, w1, w3, w2 = (a[:2] if i < 3 else a for i, a in enumerate(_problem(3)))
+    ep = ExpertParallel(make_mesh({"expert": 4}), "ep", packed_kernel="pallas", replicate_tokens=True)
+    jaxpr = jax.make_jaxpr(lambda z, w: ep(z, ids, w, w1, w3, w2, ACT))(z, wts)
+    est = [e.params["cost_estimate"] for e in jaxpr_eqns(jaxpr.jaxpr)
+           if e.primitive.name == "pallas_call" and e.params["name"] == "mxfp4_gmm_tpu_fwd"]
+    load = backends.expected_load(2, A, E, E // 4)
+    assert load == pytest.approx({"rows": 1.0, "groups": 0.875})
+    bm, T = 16, -(-2 * A // 16) + E // 4 + 1  # the kernels' rows: the 2·A slots (others' experts: padding)
+    # w1 / w3 (N = F, K = P, one block each); w2 has the same FLOPs. On this CPU target the TPU interpreter runs
+    # inside shard_map, which cannot run the dynamic grid (kernel.interpreter_needs_static_grid), so the calls take
+    # the static grid and charge its unused tiles' writes; the dynamic grid's charge: test_mxfp4_cost.py
+    want = cost.charged_cost(cost.gmm_cost, "tpu", T, cost.expected_tiles(load["rows"], load["groups"], bm), bm, F,
+                             Pd, F, Pd, 4, static_grid=True)
+    assert len(est) == 3 and all(e.flops == want["flops"] for e in est), (est, want)
+    assert est[0].bytes_accessed == want["bytes_accessed"]
+    assert want["flops"] < cost.gmm_cost("tpu", T, bm, F, Pd, F, Pd, 4)["flops"] / 4  # the static charge: T tiles

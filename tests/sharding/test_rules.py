@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from k3jax.config import get_preset
+from k3jax.errors import InputError
 from k3jax.model import abstract_params, layout, param_axes
 from k3jax.notation import LOGICAL_AXES
 from k3jax.sharding.mesh import MESH_AXES, make_mesh
@@ -159,3 +160,42 @@ def test_make_mesh_and_shardings():
     sh = param_shardings(cfg, "ep", mesh)
     w1 = sh["pre"][1]["moe"]["experts"]["w1"]
     assert w1.spec == PartitionSpec("expert") and w1.mesh is mesh
+
+
+# The serve column (k3 plan's serving layouts): every projection of the non-expert weights over all chips of a
+# tensor x expert mesh (heads / FFN hidden / vocab over tensor, the width over expert), the routed stacks as ep_tp
+SERVE_MESHES = {"kimi-k3": [{"tensor": 4, "expert": 16}, {"tensor": 8, "expert": 8}, {"expert": 64}],
+                "k3-mini": [{"tensor": 2, "expert": 4}, {"expert": 8}]}
+_WIDE = ("heads", "mlp", "vocab")  # the dimensions serve puts on tensor, beside embed on expert
+
+
+@pytest.mark.parametrize("preset", ["kimi-k3", "k3-mini"])
+def test_serve_splits_every_projection_over_all_chips_and_divides(preset):
+    cfg, params = _abstract(preset)
+    axes = param_axes(cfg)
+    for mesh in SERVE_MESHES[preset]:
+        full = {a: mesh.get(a, 1) for a in MESH_AXES}
+        specs = dict((tuple(k.key for k in p), s) for p, s in _flat_specs(param_specs(cfg, "serve", mesh, params)))
+        ep_tp = dict((tuple(k.key for k in p), s) for p, s in _flat_specs(param_specs(cfg, "ep_tp", mesh, params)))
+        n = 0
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+            names = tuple(k.key for k in path)
+            logical, spec = _at(axes, names), specs[names]
+            ways = 1
+            for p in spec:
+                for a in (p,) if isinstance(p, str) else (p or ()):
+                    ways *= full[a]
+            if "experts" in names:  # the routed stacks: as ep_tp places them
+                assert spec == ep_tp[names], (names, spec)
+            elif "embed" in logical and any(a in logical for a in _WIDE):
+                assert ways == full["tensor"] * full["expert"], (mesh, names, spec)  # every chip holds a share
+                n += 1
+            elif "embed" in logical or "latent" in logical:
+                assert ways % full["expert"] == 0, (mesh, names, spec)
+        assert n >= 5, n
+
+
+def test_serve_cannot_place_heads_over_64_tensor_ways_and_says_which_axis():
+    cfg, params = _abstract("kimi-k3")
+    with pytest.raises(InputError, match=r"'heads'.*'tensor'"):
+        param_specs(cfg, "serve", {"tensor": 64}, params)

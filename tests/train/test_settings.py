@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.ablate.spec import LATER_TRAIN_KEYS, TRAIN_KEYS
 from k3jax.cli.main import build_parser
-from k3jax.config import DTYPES, LAYER_STACKS, QAT_MODES, REMAT_POLICIES, get_preset
+from k3jax.config import DTYPES, KERNELS, LAYER_STACKS, QAT_MODES, REMAT_POLICIES, get_preset
 from k3jax.optim import balance, dist_muon, optimizer
 from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.spec import TRAIN_MODES, PlanSpec, run_settings, train_config, with_defaults
@@ -57,7 +57,7 @@ def test_choice_lists_are_their_homes():
     choices = {k: s.choices for k, s in ts.SETTINGS.items() if s.choices}
     assert choices == {"qat": QAT_MODES, "compute_dtype": ("float32", "bfloat16"), "layer_stack": LAYER_STACKS,
                        "remat": REMAT_POLICIES, "optimizer": ts.OPTIMIZERS, "muon_layout": ts.MUON_LAYOUTS,
-                       "balance": ts.BALANCE_MODES}
+                       "balance": ts.BALANCE_MODES, "kernels": KERNELS}
     assert set(ts.TRAIN_DTYPES) < set(DTYPES)
 
 
@@ -92,7 +92,9 @@ def test_plan_train_programs_run_k3_trains_settings(mode):
     spec = with_defaults(PlanSpec(mode=mode, mesh="fsdp=2,expert=2", batch=8, seq_len=64))[0]
     tc = train_config(spec)
     lora = mode == "lora"
-    assert run_settings(cfg, spec) == ts.run_settings(tc, cfg, param_dtype="bfloat16" if lora else "float32")
+    sizes = dict(fsdp=2, expert=2)          # the plan's --kernels on its (TPU) target, over its mesh
+    assert run_settings(cfg, spec) == ts.run_settings(tc, cfg, param_dtype="bfloat16" if lora else "float32",
+                                                      platform=spec.platform, mesh=sizes)
     assert ts.optim_config(tc) == OptimConfig(total_steps=1000, state_dtype=spec.opt_state_dtype,
                                               muon_layout=spec.muon_layout, mode="adamw" if lora else "per_head")
     assert ts.step_spec(tc) == (StepSpec(balance="off", qk_clip=False) if lora else StepSpec())
