@@ -13,9 +13,9 @@ element-wise per head and value channel, applied before ``wo``: that is why W_UV
 
 ``impl`` ("xla" or "pallas", ``RunConfig.mla_impl``): the Pallas latent-attention kernels (pallas_kernels/mla, reached
 through ``layers.backends``) run the whole-sequence attention (flash attention over the latent, keys up-projected per
-key block; under context parallelism per shard over the gathered latent, its queries load-balanced) and the absorbed
-decode of pieces of at most ``MAX_DECODE_QUERIES`` tokens per row; longer cached pieces (a prompt's prefill), pieces
-split over a context axis and the materialized reference form run the XLA path either way.
+key block; under context parallelism per shard over the gathered latent, its queries load-balanced), the cached
+pieces longer than ``MAX_DECODE_QUERIES`` tokens (the same kernel over the cache, with per-row offsets) and the
+absorbed decode of shorter pieces (a decode step, a speculative verify block; under a context axis the XLA path).
 """
 
 from __future__ import annotations

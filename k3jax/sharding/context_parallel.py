@@ -36,8 +36,9 @@ of the whole sequence and attends from its own queries at their global positions
 with a fixed trip count over all T keys, so its compiled FLOPs are the same on every shard (T L per head, 1/n of the
 one-device program's T², which also computes its masked blocks). ``latent_flash``: a flash kernel (the Pallas one
 in pallas_kernels/mla, passed in) runs per shard over the gathered latent, up-projecting each key block itself and
-skipping the blocks above the diagonal; the max logit for QK-Clip is a pmax. The cached path (``latent_attention``)
-reads the gathered latent cache through ``ops.latent_attention`` with the queries' global positions.
+skipping the blocks above the diagonal; the max logit for QK-Clip is a pmax. The cached path reads the gathered
+latent cache with the queries' global positions: through ``ops.latent_attention`` (``latent_attention``) or the
+flash kernel with per-row offsets (``latent_flash_cached``, split like ``latent_flash``).
 
 Load balance (``latent_flash(balance=True)``, the default). With block skipping, a contiguous split is skewed: shard
 p does (p + 1/2) L² (query, key) pairs, the last one 2n - 1 times the first (less at block granularity). KDA's scan
@@ -345,9 +346,10 @@ class ContextParallel:
 
         def local(q, c, r, wk, wv, seg):
             p = self._index()
-            # the cost estimate of each call: its offset's mean over the shards (the work is linear in the offset,
-            # and a shard's two offsets sum to the same on every shard, so each shard is charged its own work)
-            o, m = attend(q[:, :h0], p * L, (n - 1) * L // 2, c, r, wk, wv, seg)
+            # the cost estimate of each call: mirror-split, its offset's mean over the shards (the work is linear in
+            # the offset, and a shard's two offsets sum to the same on every shard: each shard is charged its own
+            # work); contiguous, the last shard's (the step waits for it)
+            o, m = attend(q[:, :h0], p * L, (n - 1) * L // 2 if h0 < L else (n - 1) * L, c, r, wk, wv, seg)
             if h0 < L:                                    # shard p attends for shard n-1-p's second half
                 swap = [(i, n - 1 - i) for i in range(n)]
                 o1, m1 = attend(lax.ppermute(q[:, h0:], self.seq_axes, swap), (n - 1 - p) * L + h0,
@@ -381,8 +383,9 @@ class ContextParallel:
 
         def local(q, c, r, wk, wv, st):
             p = self._index()
-            # cost estimates: each call's offset mean over the shards (as latent_flash), for a piece from position 0
-            o, _ = flash(q[:, :h0], c, r, wk, wv, q_offset=st + p * L, cost_offset=(n - 1) * L // 2)
+            # cost estimates as latent_flash's, for a piece from position 0
+            o, _ = flash(q[:, :h0], c, r, wk, wv, q_offset=st + p * L,
+                         cost_offset=(n - 1) * L // 2 if h0 < L else (n - 1) * L)
             if h0 < L:
                 swap = [(i, n - 1 - i) for i in range(n)]
                 o1, _ = flash(lax.ppermute(q[:, h0:], self.seq_axes, swap), c, r, wk, wv,
