@@ -60,6 +60,31 @@ def assert_close(x, ref, ratio: float, *, atol_floor: float = 0.0, name: str = "
     return err
 
 
+def assert_same_greedy(tokens, logits, ref_tokens, ref_logits, *, margin: float = 1e-3, logits_tol: float = 1e-5,
+                       min_share: float = 0.9) -> int:
+    """Greedy decoding by another route (speculative, pieces) against a reference run: tokens [B, N] identical
+    wherever the reference's top-2 logit margin exceeds ``margin`` — at a near-tie the two may pick differently,
+    and a row's comparison ends where they do — and the logits behind each compared token within ``logits_tol``
+    rel-RMS. Rows that stopped (-1) end there. Returns the tokens compared; at least ``min_share`` of all must be."""
+    tokens, ref_tokens = np.asarray(tokens), np.asarray(ref_tokens)
+    compared = 0
+    for b in range(ref_tokens.shape[0]):
+        for t in range(ref_tokens.shape[1]):
+            if ref_tokens[b, t] < 0:
+                assert tokens[b, t] < 0, f"row {b} step {t}: the reference stopped, this run did not"
+                break
+            err = rel_rms(logits[b, t], ref_logits[b, t])
+            assert err <= logits_tol, f"row {b} step {t}: logits rel-RMS {err:.2e} > {logits_tol:.0e}"
+            top2 = np.sort(np.asarray(ref_logits[b, t], np.float64))[-2:]
+            if tokens[b, t] != ref_tokens[b, t]:
+                assert top2[1] - top2[0] <= margin, (f"row {b} step {t}: token {tokens[b, t]} != {ref_tokens[b, t]} "
+                                                     f"at a top-2 margin of {top2[1] - top2[0]:.2e}")
+                break                                    # a near-tie flipped: the rows part from here
+            compared += 1
+    assert compared >= min_share * ref_tokens.size, f"only {compared} of {ref_tokens.size} tokens compared"
+    return compared
+
+
 def block(cls, key, **kw):
     """``(params dict, apply)`` for an NNX block: tests drive blocks functionally, editing the dict freely.
 

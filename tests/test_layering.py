@@ -24,6 +24,7 @@ LEVELS = (
     {"quant", "sharding", "testing"},  # testing: tiny configs, inputs and tolerances over the model
     {"checkpoint"},
     {"train", "analysis"},  # analysis beside train
+    {"draft"},  # speculative decoding: the draft over the target model; its training and measurement reuse train's
     {"plan", "bench", "ablate"},  # plan compiles train steps; bench times everything below; ablate runs studies
     {"cli"},
 )

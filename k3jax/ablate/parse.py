@@ -7,6 +7,8 @@ yet; ``k3jax.ablate.resolve`` turns it into arms and checks the one-factor guara
 
 Schema (every table is strict: an unknown key is an error that names it):
 
+    kind = "training"                        # optional; "decoding": arms that differ in decoding settings only
+                                             # (a schema of its own: k3jax/ablate/decoding.py)
     name = "attn_res"                        # optional; default: the file's stem
     description = "AttnRes vs plain residual"
     seeds = 5                                # n -> seeds 0..n-1, or a list of distinct non-negative integers
@@ -91,6 +93,7 @@ from k3jax.config import ConfigError, from_hf, get_preset
 from k3jax.train.settings import TrainConfig
 
 MIN_BUDGETS = 4
+KINDS = ("training", "decoding")
 _TRAIN_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
@@ -119,7 +122,7 @@ def parse_level(table, where: str) -> tuple[dict, dict]:
                                                                                       f"{where}.train")
 
 
-def _seeds(v, where: str) -> tuple[int, ...]:
+def parse_seeds(v, where: str) -> tuple[int, ...]:
     if is_int(v):
         return tuple(range(pos_int(v, where)))
     if not isinstance(v, list) or not v or not all(is_int(s) and s >= 0 for s in v):
@@ -285,17 +288,33 @@ def _check_factors(fs: list[FactorDecl], scaling: Scaling | None, path: str) -> 
                                                  "a factor's level or tuned, not both")
 
 
-def parse(path: str) -> SpecFile:
-    """The ablation file at ``path`` as checked, normalized values (no config is resolved yet)."""
+def read_toml(path: str) -> dict:
+    """The TOML document of the ablation file at ``path`` (an AblationSpecError when missing or malformed)."""
     if not os.path.isfile(path):
         raise AblationSpecError(f"ablation file {path!r} does not exist")
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise AblationSpecError(f"{path}: not valid TOML ({e})") from e
+
+
+def file_kind(doc: dict, path: str) -> str:
+    """An ablation file's ``kind``: "training" (the default: arms that train) or "decoding" (arms that differ in
+    decoding settings only, on one trained model: ``k3jax.ablate.decoding``)."""
+    kind = doc.get("kind", "training")
+    if kind not in KINDS:
+        raise err(f"{path}: kind", f"must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    return kind
+
+
+def parse(path: str) -> SpecFile:
+    """The ablation file at ``path`` as checked, normalized values (no config is resolved yet)."""
+    doc = read_toml(path)
+    if file_kind(doc, path) != "training":
+        raise err(f"{path}: kind", "a decoding study: load it with k3jax.ablate.load (k3jax.ablate.decoding)")
     here = os.path.dirname(os.path.abspath(path))
-    strict(doc, ("name", "description", "seeds", "base", "budget", "data", "eval", "aa", "output", "factor",
+    strict(doc, ("kind", "name", "description", "seeds", "base", "budget", "data", "eval", "aa", "output", "factor",
                  "scaling"), path)
     name = doc.get("name", os.path.splitext(os.path.basename(path))[0])
     if "seeds" not in doc:
@@ -332,7 +351,7 @@ def parse(path: str) -> SpecFile:
         raise err(path, "needs at least one [[factor]]")
     fs = [_factor(t, f"{path}: factor #{i + 1}") for i, t in enumerate(factors)]
     _check_factors(fs, scaling, path)
-    seeds = _seeds(doc["seeds"], f"{path}: seeds")
+    seeds = parse_seeds(doc["seeds"], f"{path}: seeds")
     off = aa.get("seed_offset")
     if off is not None:
         pos_int(off, f"{path}: [aa] seed_offset")
@@ -356,4 +375,5 @@ def parse(path: str) -> SpecFile:
         factors=tuple(fs), scaling=scaling)
 
 
-__all__ = ["FIT_FORMS", "MIN_BUDGETS", "parse", "parse_calibration", "parse_level", "parse_scaling", "parse_tune"]
+__all__ = ["FIT_FORMS", "KINDS", "MIN_BUDGETS", "file_kind", "parse", "parse_calibration", "parse_level",
+           "parse_scaling", "parse_seeds", "parse_tune", "read_toml"]

@@ -16,12 +16,15 @@ from __future__ import annotations
 import os
 import time
 
+from k3jax.ablate.decoding import DecodingSpec, describe_decoding, resolved_decoding
+from k3jax.ablate.decoding_run import claim_decoding, decoding_markdown, failed_decoding_repeat, run_decoding
 from k3jax.ablate.resolve import format_diff
 from k3jax.ablate.runner import claim_out, collect, grid, init_plan, read_json, run_grid
 from k3jax.ablate.share import IncompleteError, Share
 from k3jax.ablate.spec import Spec
 from k3jax.ablate.study import Study, claim_study, points, run_flops, run_study, run_study_share
 from k3jax.analysis import ablate_report, scaling_report
+from k3jax.errors import InputError
 
 
 def run_ablation(spec: Spec, out: str, *, progress: bool | None = None, log=None,
@@ -89,7 +92,9 @@ def run(spec: Spec | Study, out: str, *, progress: bool | None = None, log=None,
     """Run (or resume) a loaded ablation file in ``out`` and write its reports (``run_ablation`` / ``run_scaling``);
     the results, or None when SIGTERM stopped it (re-run the same call to continue). ``report_only``: train nothing,
     report the runs in ``out`` (written by workers: ``run_share``), or raise ``IncompleteError`` naming the missing
-    ones."""
+    ones. A decoding study (``k3jax.ablate.decoding_run``) always returns its results."""
+    if isinstance(spec, DecodingSpec):
+        return run_decoding(spec, out, progress=progress, log=log, report_only=report_only)
     return (run_scaling if isinstance(spec, Study) else run_ablation)(spec, out, progress=progress, log=log,
                                                                       report_only=report_only)
 
@@ -98,6 +103,9 @@ def run_share(spec: Spec | Study, out: str, share: Share, *, progress: bool | No
     """Worker ``share``'s runs of a loaded ablation file in ``out`` (``k3jax.ablate.share``; several workers fill one
     ``out`` at once, each its own runs), no report: {"worker": "I/N", "phases": {phase: [its runs' labels]}}, or None
     when SIGTERM stopped it (re-run the same call to continue). Once every worker is done, ``run`` reports."""
+    if isinstance(spec, DecodingSpec):
+        raise InputError("--worker: a decoding study runs in one process on one machine (its arms' tokens/s are "
+                         "compared with each other); run it without --worker")
     if isinstance(spec, Study):
         done = run_study_share(spec, out, share, progress=progress, log=log)
     else:
@@ -112,16 +120,24 @@ def claim(spec: Spec | Study, out: str, *, create: bool = True) -> None:
     """``out`` becomes the file's output directory, or is refused (AblationSpecError) when it holds another file's
     results or anything else (``runner.claim_out`` / ``study.claim_study``; ``create`` False: a report, which
     needs the directory claimed already)."""
+    if isinstance(spec, DecodingSpec):
+        return claim_decoding(spec, out, create=create)
     (claim_study if isinstance(spec, Study) else claim_out)(spec, out, create=create)
 
 
 def markdown(spec: Spec | Study, results: dict) -> str:
     """results.md's text for ``run``'s results."""
+    if isinstance(spec, DecodingSpec):
+        return decoding_markdown(results)
     return (scaling_report if isinstance(spec, Study) else ablate_report).markdown(results)
 
 
 def failed_repeats(spec: Spec | Study, results: dict) -> dict:
-    """{budget ("" for a plain ablation): the A/A determinism repeat} for every repeat whose two runs differ."""
+    """{budget ("" for a plain ablation): the A/A determinism repeat} for every repeat whose two runs differ (a
+    decoding study's: its A/A run when its tokens differ from the base's)."""
+    if isinstance(spec, DecodingSpec):
+        rep = failed_decoding_repeat(results)
+        return {} if rep is None else {"": rep}
     repeats = results["repeat"] if isinstance(spec, Study) else {"": results["aa"]["repeat"]}
     return {b: rep for b, rep in repeats.items() if rep is not None and not rep["identical"]}
 
@@ -160,12 +176,17 @@ def describe_study(st: Study) -> str:
 
 def describe(spec: Spec | Study) -> str:
     """What `k3 ablate --check` prints."""
+    if isinstance(spec, DecodingSpec):
+        return describe_decoding(spec)
     return describe_study(spec) if isinstance(spec, Study) else describe_spec(spec)
 
 
 def resolved(spec: Spec | Study) -> dict:
     """What `k3 ablate --check --json` prints: the fingerprint and every arm's flat settings and derived values (a
-    study's per budget, with its tuning runs)."""
+    study's per budget, with its tuning runs; a decoding study's decoding settings)."""
+    if isinstance(spec, DecodingSpec):
+        return resolved_decoding(spec)
+
     def arms(s):
         return {n: {"run": a.run_id, "flat": a.flat, "derived": a.derived} for n, a in s.arms.items()}
     doc = ({"budgets": {b.name: {"arms": arms(b.spec), "tuning_runs": [j.run_id for j in b.tune_jobs]}

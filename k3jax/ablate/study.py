@@ -33,7 +33,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from k3jax.ablate.parse import parse, parse_level
+from k3jax.ablate.decoding import load_decoding
+from k3jax.ablate.parse import file_kind, parse, parse_level, read_toml
 from k3jax.ablate.resolve import level_tables, make_arm, resolve, violations, with_overrides
 from k3jax.ablate.runner import Job, claim_dir, collect, grid, init_plan, run_grid
 from k3jax.ablate.share import IncompleteError, Share, wait_until
@@ -207,8 +208,10 @@ def load_study(path: str) -> Study:
 
 
 def load(path: str) -> Spec | Study:
-    """An ablation file: a ``Spec``, or a ``Study`` when it has [scaling] (parsed, resolved and checked; no
-    training)."""
+    """An ablation file: a ``Spec``, a ``Study`` when it has [scaling], or a ``DecodingSpec`` (a ``Spec``) when its
+    kind is "decoding" (parsed, resolved and checked; no training, no weight read)."""
+    if file_kind(read_toml(path), path) == "decoding":
+        return load_decoding(path)
     parsed = parse(path)
     return resolve_study(parsed) if parsed.scaling is not None else resolve(parsed)
 

@@ -9,6 +9,9 @@ the one-factor guarantee checked before any compute, paired statistics against t
     k3 ablate experiments/smoke.toml --out /tmp/smoke --worker 0/2 &      # one study over 2 processes (or N
     k3 ablate experiments/smoke.toml --out /tmp/smoke --worker 1/2        # machines) sharing one --out: each
     k3 ablate experiments/smoke.toml --out /tmp/smoke --report-only       # trains its share; then the report
+    k3 ablate experiments/ablations/speculative.toml --out runs/spec      # a decoding study: one model, arms that
+                                                                          # differ in decoding settings (a draft on
+                                                                          # or off, K, rollback, sampler); no --worker
 
 The file format (a scaling study's [scaling], `tune` and `calibration` too) is in k3jax/ablate/parse.py; the work in
 the k3jax/ablate package; the output (results.json's schema) in k3jax/analysis/ablate_report.py (a study's:
@@ -130,8 +133,8 @@ def run_cli(args) -> int:
         print(json.dumps(results, sort_keys=True))
     else:
         print(ablate.markdown(spec, results), end="")
-        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md, "
-              f"{'scaling.png' if scaling else 'curves.png'}")
+        figure = "scaling.png" if scaling else None if isinstance(spec, ablate.DecodingSpec) else "curves.png"
+        print(f"wrote {os.path.join(args.out, 'results.json')}, results.md" + (f", {figure}" if figure else ""))
     bad = ablate.failed_repeats(spec, results)
     for b, rep in bad.items():
         print(f"k3 ablate: the base at seed {rep['seed']} run twice differs{f' at budget {b}' if b else ''}: "

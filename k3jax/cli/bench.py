@@ -7,6 +7,7 @@ missed) exits 1, with the figures printed anyway.
 
     k3 bench --list
     k3 bench kda --json
+    k3 bench spec --json             # speculative decoding: acceptance and tokens/s with the shipped draft vs without
 
 The Pallas kernels' GPU checks are scripts with their own exit codes, not entries here:
 ``python -m k3jax.bench.gpu_kda`` and ``python -m k3jax.bench.gpu_mxfp4`` (one JSON object; 0 ok, 1 failed, 2 no GPU).
@@ -29,6 +30,7 @@ BENCHES = {
     "load": "k3jax.bench.load",
     "train": "k3jax.bench.train",
     "decode": "k3jax.bench.decode",
+    "spec": "k3jax.bench.spec",
     "compile": "k3jax.bench.compile",
     "data": "k3jax.bench.data",
 }

@@ -4,6 +4,7 @@
     k3 generate --ckpt DIR --prompt "Hello" --temperature 0.8 --top-p 0.9 --seed 1
     k3 generate --ckpt DIR --tokens prompts.npy --greedy --out gen.npy --logits-out logits.npy --json
     k3 generate --ckpt DIR --adapter lora/ --prompt "Hello"                   # with a PEFT LoRA adapter
+    k3 generate --ckpt DIR --draft DRAFT/ --prompt "def fib(n):" --greedy     # speculative, the same tokens
 
 ``--tokens`` is an int32 [B, T] array of B independent prompts, ragged ones right-padded with -1 (as in `k3 route` and
 `k3 logits`; a 1-D [T] file is one prompt); an id < -1 or >= vocab, a row of only padding or -1 inside a row exits 2
@@ -14,6 +15,15 @@ B = 1 the text streams to stdout as it decodes (B > 1: each row printed whole at
 instead. Same seed, same samples. A --stop id ends its row and is kept as the row's last token. Bad input exits 2
 before any compute and writes no file; output files appear only once generation has finished. ``--adapter DIR``
 applies a LoRA adapter in PEFT's layout (k3jax/checkpoint/peft.py) to the model; a bad one exits 2 naming its file.
+``--draft DIR`` decodes speculatively with a draft model trained for this checkpoint (``k3 train --draft-for``;
+k3jax/draft/speculative.py): each step the draft proposes ``--draft-tokens`` K tokens (default: its block size),
+the model verifies them in one pass over K + 1 tokens and keeps what the acceptance rules keep — under greedy the
+tokens greedy decoding gives without a draft, under sampling (any --temperature / --top-k / --top-p) exactly the
+sampler's distribution. ``--rollback copy`` keeps the recurrent layers' state after every verified token,
+``replay`` rebuilds it from smaller per-token records (the same values, less memory). A draft made for another model
+(config hash, vocabulary, hidden size, tapped layers) exits 2 naming the field before any weight is read. The
+streaming, --out and --logits-out work as without a draft (the logits are the model's, behind each emitted token);
+--json adds the mean tokens emitted per verify (``acceptance_length``). Not with --mesh.
 Timing goes to stderr (``timing`` in the --json object): the prefill's and the decode's compile seconds apart, and
 the tokens/s of the decode steps after the first (compiled ones: the first step compiles).
 
@@ -41,6 +51,8 @@ from k3jax import distributed
 from k3jax.checkpoint.atomic import staged_file
 from k3jax.checkpoint.source import default_ckpt, load_model, load_token_file, model_config, placed
 from k3jax.cli.args import add_distributed, add_kernels, add_model_source, add_strict_config, kernel_run, parse_mesh_arg
+from k3jax.draft.io import load_draft
+from k3jax.draft.speculative import DSparkDrafter, generate_speculative
 from k3jax.errors import InputError, int_list
 from k3jax.model.generate import Sampling, generate
 from k3jax.sharding.context_parallel import ContextParallel
@@ -79,6 +91,14 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object (tokens, text, stop_reason, timing)")
     p.add_argument("--mesh", default=None, help="e.g. data=8: rows over 8 devices; context=4: each prompt's prefill "
                    "split over 4 devices (both: data=2,context=4)")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--draft", default=None, metavar="DIR", help="a draft model for this checkpoint (k3 train "
+                      "--draft-for): decode speculatively, exactly (see above)")
+    spec.add_argument("--draft-tokens", type=int, default=None, metavar="K",
+                      help="tokens the draft proposes per step, 1..its block size (default: the block size)")
+    spec.add_argument("--rollback", default="copy", choices=("copy", "replay"),
+                      help="how the recurrent state returns to the last accepted token: copy (keep every verified "
+                           "token's state) or replay (rebuild it from per-token records; less memory)")
     add_strict_config(p)
     add_kernels(p)
     add_distributed(p)
@@ -156,6 +176,23 @@ def _on_mesh(mesh, prompts: np.ndarray, longest: int, max_new_tokens: int) -> tu
     return prompts, {"max_len": max_len, "dispatch": dispatch, "place_cache": place_cache}
 
 
+def _load_draft(args, cfg, mesh):
+    """(DraftModel, DraftConfig) of --draft, checked against the model's config first; None without --draft."""
+    if args.draft is None:
+        if args.draft_tokens is not None or args.rollback != "copy":
+            flag = "--draft-tokens" if args.draft_tokens is not None else "--rollback"
+            raise InputError(f"{flag} needs --draft DIR")
+        return None
+    if mesh is not None:
+        raise InputError("--draft with --mesh: speculative decoding runs on one device here (not built for meshes)")
+    if args.draft_tokens is not None and args.draft_tokens < 1:
+        raise InputError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+    model, dcfg = load_draft(args.draft, target_cfg=cfg, dtype=args.dtype)
+    if args.draft_tokens is not None and args.draft_tokens > dcfg.block_size:
+        raise InputError(f"--draft-tokens {args.draft_tokens} exceeds the draft's block size {dcfg.block_size}")
+    return model, dcfg
+
+
 def run(args) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -185,6 +222,7 @@ def run(args) -> int:
                          f"length {limit} (--max-len)")
     stops = _stops(args.stop, cfg.vocab_size)
     mesh = parse_mesh_arg(args.mesh)
+    draft = _load_draft(args, cfg, mesh)                   # its identity is checked before any weight is read
     cfg, run_cfg, params = load_model(ckpt=args.ckpt, preset=args.preset, dtype=args.dtype,
                                       strict_config=args.strict_config, adapter=args.adapter, mesh=mesh)
     run_cfg = kernel_run(args, run_cfg, mesh)
@@ -209,8 +247,14 @@ def run(args) -> int:
         sys.stdout.write(tok.decode(prompts[0, : n[0]].tolist()))
         sys.stdout.flush()
     padded, on_mesh = (prompts, {}) if mesh is None else _on_mesh(mesh, prompts, int(n.max()), args.max_new_tokens)
-    out = generate(params, padded, cfg, run_cfg, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   seed=args.seed, stop=stops, on_token=on_token, **on_mesh)
+    if draft is not None:
+        drafter = DSparkDrafter(*draft, params, cfg, run_cfg, K=args.draft_tokens)
+        out = generate_speculative(params, padded, cfg, run_cfg, drafter=drafter, max_new_tokens=args.max_new_tokens,
+                                   sampling=sampling, seed=args.seed, stop=stops, rollback_mode=args.rollback,
+                                   on_token=on_token)
+    else:
+        out = generate(params, padded, cfg, run_cfg, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                       seed=args.seed, stop=stops, on_token=on_token, **on_mesh)
     out.tokens, out.logits, out.stop_reason = out.tokens[:B], out.logits[:B], out.stop_reason[:B]  # the mesh's extra
     rows = [[int(x) for x in r if x >= 0] for r in out.tokens]
     texts = [text(r) for r in rows]
@@ -234,6 +278,8 @@ def run(args) -> int:
     t = out.timing  # compile times apart: the throughput is that of the compiled steps (model/generate.py)
     rate = (f"{t['decode_tokens_per_s']:.1f} tokens/s after compile" if t["decode_tokens_per_s"]
             else "tokens/s: - (needs 2 decode steps)")
+    if draft is not None:
+        rate += f"; {t['acceptance_length']:.2f} tokens per verify (draft of {t['draft_tokens']})"
     print(f"k3 generate: prefill {t['prefill_tokens']} tokens in {t['prefill_s']:.2f} s (compile "
           f"{t['prefill_compile_s']:.2f} s); {t['decode_steps']} decode steps in {t['decode_s']:.2f} s (compile "
           f"{t['decode_compile_s']:.2f} s, first step {t['first_step_s']:.2f} s); {rate}", file=sys.stderr)

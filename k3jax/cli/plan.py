@@ -11,21 +11,27 @@
     k3 plan --preset kimi-k3 --compile --target tpu:v5p:4x4x4 --mode decode --batch 1 --context 8192 --json
                                         # no --mesh: the best of the candidate serving meshes (k3jax.plan.layouts)
     k3 plan --preset k3-tiny --compile --target cpu:8 --mode decode --context 64 --compare-layouts
+    k3 plan --preset kimi-k3 --compile --target tpu:v5p:4x4x4 --mode verify --draft-tokens 7 --batch 1 \
+            --context 8192 --json       # one speculative step (K3 DSpark draft) beside the decode step it replaces
 
 ``--compile`` lowers and compiles the full-size program of ``--mode`` (forward: BF16 + packed MXFP4 experts;
 train: the QAT fine-tune step; frozen-experts: the step over packed experts) with the rules' shardings and
 ShapeDtypeStruct inputs, for a TPU topology through libtpu's deviceless compiler or for XLA:CPU over N simulated
 devices (the command re-runs itself with that many), and prints the compiler's per-device bytes beside the
 closed-form estimate, the collectives and loop-corrected FLOPs of the compiled program and the roofline step time
-(``k3jax.plan.aot``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
+(``k3jax.plan.aot``); ``--mode verify`` compiles one speculative step — the target verifying K drafted tokens
+with per-token KDA records, the rollback to the accepted prefix (``--rollback copy | replay``) and the draft's next
+proposal — and the decode step on the same mesh (``--no-decode-baseline`` skips it) to set the two side by side
+(``k3jax.plan.verify``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
 (checked before any compile). A plan's defaults are what one deploys at full size: capacity factor 1.25 (dropless
 static buffers hold every token routed to one device), remat ``full`` for the train modes (``group`` for
 frozen-experts: the group's backward without a per-layer checkpoint inside it), and
 ``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
-flags override them. ``--mesh`` is the compile's mesh axes; prefill and decode without it rank a few candidate
-meshes and rules columns by a closed-form step time and compile the best (``--compare-layouts``: every candidate;
-the JSON's ``layout`` lists them, their estimates and why the chosen one won); the formula planner's devices are
-``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning, for one release).
+flags override them. ``--mesh`` is the compile's mesh axes; prefill, decode and verify without it rank a few
+candidate meshes and rules columns (decode's, for verify) by a closed-form step time and compile the best
+(``--compare-layouts``: every candidate; the JSON's ``layout`` lists them, their estimates and why the chosen one
+won); the formula planner's devices are ``--hardware`` (``--mesh 8xB300`` is still read as hardware, with a warning,
+for one release).
 
 The counts and the memory model of the formula planner (``k3jax.plan.formula``):
 """
@@ -45,7 +51,7 @@ from k3jax.errors import InputError
 from k3jax.plan import aot, formula, layouts
 from k3jax.plan.formula import DEFAULT_CONTEXT, build_plan, shard_rows, specs_with_fallback
 from k3jax.plan.hardware import DEFAULT_HARDWARE, GPU_BYTES, parse_target, xla_flags
-from k3jax.plan.spec import PlanSpec, check
+from k3jax.plan.spec import PLAN_DRAFT_TOKENS, PlanSpec, check
 
 
 def add_parser(sub) -> None:
@@ -72,11 +78,19 @@ def add_parser(sub) -> None:
     c.add_argument("--target", default=None, help="tpu:v5p:8x8x8, tpu:v6e:16x16, tpu:v5e:16x16 or cpu:<devices>")
     c.add_argument("--mode", default="forward", help="forward (default), train, frozen-experts, lora (the QLoRA step: "
                    "adapters on every target over a BF16 base with packed MXFP4 experts), prefill (the forward "
-                   "with the cache written) or decode (one step at --context)")
+                   "with the cache written), decode (one step at --context) or verify (one speculative step at "
+                   "--context: K drafted tokens verified, rolled back to the accepted ones, K more drafted)")
+    c.add_argument("--draft-tokens", type=int, default=None, metavar="K", help="--mode verify: tokens the draft "
+                   "proposes per step (default 7, the K3 DSpark draft's block; the piece verified is K + 1)")
+    c.add_argument("--rollback", default=None, help="--mode verify: copy (default: the KDA state after every token "
+                   "of the piece kept) or replay (the per-token updates kept and summed back)")
+    c.add_argument("--no-decode-baseline", action="store_true", help="--mode verify: do not compile the decode "
+                   "step on the same mesh (the JSON's verify.decode_step_s and step_ratio are then null)")
     c.add_argument("--lora-rank", type=int, default=None, help="--mode lora: the adapters' rank (default 16)")
     c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, group, "
                    "dots_saveable, ...; default full, frozen-experts group; serving modes: none)")
-    c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1)")
+    c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1; "
+                   "verify: --draft-tokens + 1)")
     c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
                    "expert axes, otherwise the mesh axes' default)")
     c.add_argument("--compare-layouts", action="store_true", help="--mode decode / prefill without --mesh: compile "
@@ -164,11 +178,13 @@ _CHILD_ENV = "K3_PLAN_CPU_DEVICES"
 def _compile_argv(args) -> list[str]:
     argv = ["plan", "--preset", args.preset, "--compile", "--target", args.target, "--mode", args.mode,
             "--batch", str(args.batch or 1), *(["--mesh", args.mesh[0]] if args.mesh else []),
-            *(["--compare-layouts"] if args.compare_layouts else [])]
+            *(["--compare-layouts"] if args.compare_layouts else []),
+            *(["--no-decode-baseline"] if args.no_decode_baseline else [])]
     for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
                     ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel), ("--kernels", args.kernels),
                     ("--context", args.context), ("--opt-state-dtype", args.opt_state_dtype),
-                    ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank)):
+                    ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank),
+                    ("--draft-tokens", args.draft_tokens), ("--rollback", args.rollback)):
         if v is not None:
             argv += [flag, str(v)]
     if args.hlo_out:
@@ -196,15 +212,19 @@ def _compile(args, cfg) -> int:
         raise InputError("--compare-layouts compares candidate rules columns; drop --strategy")
     if args.hardware:
         raise InputError("--hardware is the formula planner's; --compile takes --target")
+    if args.no_decode_baseline and args.mode != "verify":
+        raise InputError(f"--no-decode-baseline: a verify plan's; --mode {args.mode} compiles no baseline")
     target = parse_target(args.target)
-    seq_len = args.seq_len if args.seq_len is not None else 1 if args.mode == "decode" else 4096
+    K = PLAN_DRAFT_TOKENS if args.draft_tokens is None else args.draft_tokens
+    seq_len = args.seq_len if args.seq_len is not None else {"decode": 1, "verify": K + 1}.get(args.mode, 4096)
     spec = PlanSpec(mode=args.mode, mesh=args.mesh[0] if args.mesh else None, batch=args.batch or 1,
                     seq_len=seq_len, remat=args.remat,
                     capacity_factor=args.capacity_factor, strategy=args.strategy,
                     packed_kernel=args.packed_kernel, kernels=args.kernels, platform=target.platform,
                     context=args.context,
                     opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner",
-                    lora_rank=16 if args.lora_rank is None else args.lora_rank)
+                    lora_rank=16 if args.lora_rank is None else args.lora_rank,
+                    draft_tokens=args.draft_tokens, rollback=args.rollback)
     layout = None
     if spec.mesh is None:  # the serving modes: the best candidate by the closed-form estimate (k3jax.plan.layouts)
         if args.strategy:
@@ -218,7 +238,7 @@ def _compile(args, cfg) -> int:
     log = lambda s: print(f"k3 plan: {s}", file=sys.stderr, flush=True)  # noqa: E731
     if layout:
         log(f"mesh {spec.mesh} ({spec.strategy}): {layout['why']}")
-    out, rc = _compile_one(cfg, target, spec, log, args.hlo_out)
+    out, rc = _compile_one(cfg, target, spec, log, args.hlo_out, decode_baseline=not args.no_decode_baseline)
     if layout and args.compare_layouts:
         for row in layout["candidates"]:
             if row["estimate_s"] is None:
@@ -228,7 +248,8 @@ def _compile(args, cfg) -> int:
                 continue
             log(f"--compare-layouts: {row['mesh']} ({row['strategy']})")
             other = replace(spec, mesh=row["mesh"], strategy=row["strategy"])
-            row["compiled"] = _compiled_summary(_compile_one(cfg, target, other, log, None)[0])
+            row["compiled"] = _compiled_summary(_compile_one(cfg, target, other, log, None,
+                                                             decode_baseline=False)[0])
     if layout:
         out["layout"] = layout
     if args.json:
@@ -241,10 +262,10 @@ def _compile(args, cfg) -> int:
     return rc
 
 
-def _compile_one(cfg, target, spec, log, hlo_out) -> tuple[dict, int]:
+def _compile_one(cfg, target, spec, log, hlo_out, decode_baseline: bool = True) -> tuple[dict, int]:
     """(the plan's figures, exit code: 1 when the compiler ran out of device memory)."""
     try:
-        out = aot.compile_plan(cfg, target, spec, log=log, hlo_out=hlo_out)
+        out = aot.compile_plan(cfg, target, spec, log=log, hlo_out=hlo_out, decode_baseline=decode_baseline)
     except aot.HbmOomError as e:
         return e.plan, 1
     return out, 1 if out.get("fits") is False else 0
@@ -322,9 +343,24 @@ def _print_compiled(p: dict, out) -> None:
             lat = r.get("per_token_latency_s", r.get("time_to_first_token_s"))
             w(f"  {'per-token latency' if 'per_token_latency_s' in r else 'time to first token'} {lat * 1e3:,.2f} ms; "
               f"{r['tokens_per_s']:,.1f} tokens/s, {r['tokens_per_s_per_chip']:,.2f} tokens/s per chip\n")
+    if "verify" in p:
+        _print_verify(p["verify"], w)
     if "compile_s" in p:
         w(f"  lower {p['lower_s']:.1f} s, compile {p['compile_s']:.1f} s, wall {p['wall_s']:.1f} s, "
           f"peak RSS {p['peak_rss_bytes'] / 2**30:.2f} GiB\n")
+
+
+def _print_verify(v: dict, w) -> None:
+    ms = lambda x: "n/a" if x is None else f"{x * 1e3:,.2f} ms"  # noqa: E731
+    w(f"  verify: K={v['draft_tokens']} ({v['rollback']} rollback), step {ms(v['step_s'])} vs decode "
+      f"{ms(v['decode_step_s'])} (closed form {ms(v['estimate_step_s'])} vs {ms(v['decode_estimate_step_s'])})\n")
+    w(f"  implied speedup ({v['basis']}): "
+      + ", ".join(f"{a} tokens/verify {x:.2f}x" for a, x in v["implied_speedup"].items()) + "\n")
+    r = v["rollback_bytes_per_chip"]
+    w(f"  rollback records per chip: copy {r['copy'] / 2**30:,.3f} GiB, replay {r['replay'] / 2**30:,.3f} GiB; draft "
+      f"{v['draft_params'] / 1e9:,.3f} B params, {v['draft_params_bytes_per_chip'] / 1e9:,.2f} GB/chip\n")
+    pub = v["published"]
+    w(f"  published: {pub['copy_rollback_gib_per_rank']} GiB per rank ({pub['measures']}); {pub['how_they_differ']}\n")
 
 
 def _main(args) -> int:
@@ -336,7 +372,9 @@ def _main(args) -> int:
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
                         ("--packed-kernel", args.packed_kernel), ("--opt-state-dtype", args.opt_state_dtype),
                         ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank),
-                        ("--kernels", args.kernels != "auto"), ("--compare-layouts", args.compare_layouts)):
+                        ("--kernels", args.kernels != "auto"), ("--compare-layouts", args.compare_layouts),
+                        ("--draft-tokens", args.draft_tokens), ("--rollback", args.rollback),
+                        ("--no-decode-baseline", args.no_decode_baseline)):
         if given is not None and given is not False:
             raise InputError(f"{flag} applies to --compile")
     out = sys.stdout

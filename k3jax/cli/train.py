@@ -5,12 +5,19 @@ docs/numerics.md §10.7).
     k3 train --init exported/ --qat weights+acts --steps 50 --export runs/qat-export          # QAT fine-tune
     k3 train --preset k3-tiny --steps 5 --batch 4 --seq-len 32 --max-bytes 200000             # seconds-scale CPU
     k3 train --preset k3-mini --mesh data=2,expert=4 --steps 20 --batch 8                     # expert-parallel
+    k3 train --draft-for k3jax/assets/k3-mini-stdlib --steps 600 --batch 16 --seq-len 64 --export drafts/mini
+    k3 train --draft-for CKPT --steps 2 --batch 2 --seq-len 16 --export /tmp/draft          # seconds-scale draft
 
 Re-running the same command with the same --ckpt-dir resumes exactly (bit-identical parameters); re-running a
 finished run says so and exits 0. Changed settings (--steps too: it sets the LR schedule's length) are refused
 unless --fork. SIGTERM saves a checkpoint and exits 0; Ctrl-C saves one and exits 130 (twice: at once, unsaved).
 --export DIR is checked before any compute (an existing non-empty DIR only with --overwrite) and written whole or
 not at all. Bad input exits 2 before any compute; N non-finite steps in a row exit 1.
+
+--draft-for CKPT trains a DSpark draft (k3jax/draft/) for that frozen target instead (k3jax.draft.train): a fresh
+draft shaped by DraftConfig.for_target (--draft-layers, --draft-tokens) or --init DRAFT_DIR, AdamW over --lr's
+warm-up + cosine schedule, on the same --data; --export writes it in the DSpark layout. Flags that set up a model
+run (--preset, --qat, --lora, --mesh, --ckpt-dir, ...) are refused with it (exit 2).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import typing
 
 from k3jax.cli.args import add_distributed, add_strict_config, checkpoint_arg, preset_arg, preset_help
 from k3jax.config import ConfigError, LoRAConfig
+from k3jax.errors import InputError
 from k3jax.train.settings import TrainConfig
 
 # The flags are generated from ``TrainConfig`` (k3jax/train/settings.py): each field's ``Setting`` gives its flag,
@@ -79,6 +87,17 @@ def add_parser(sub) -> None:
             continue
         flags, kw = _argument(f, hints[f.name])
         group.add_argument(*flags, **kw)
+    d = p.add_argument_group("draft")
+    d.add_argument("--draft-for", metavar="CKPT", type=checkpoint_arg,
+                   help="train a DSpark draft for this frozen target checkpoint (--init: a draft to start from)")
+    d.add_argument("--draft-layers", type=int, metavar="N", help="a fresh draft's layers (default: the target's "
+                   "depth x 5/93, at least 1)")
+    d.add_argument("--draft-tokens", type=int, metavar="K", help="tokens a fresh draft proposes per block "
+                   "(default 7)")
+    d.add_argument("--draft-anchors", type=int, metavar="N", help="blocks trained per row and step (default "
+                   "2 x --seq-len / (K + 1))")
+    d.add_argument("--target-dense", action="store_true", help="run the target's MXFP4 experts dequantized (the same "
+                   "values, 7.5x their bytes; on CPU the packed experts' loop about doubles a draft step's time)")
     add_distributed(p)
     p.set_defaults(func=run_cli)
 
@@ -108,8 +127,82 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(**kw)
 
 
+# TrainConfig fields a draft run reads (the rest set up a model run: given with --draft-for they exit 2)
+_DRAFT_READS = {"init", "strict_config", "compute_dtype", "layer_stack", "kernels", "steps", "batch", "seq_len", "lr",
+                "seed", "data", "packing_masks", "max_bytes", "heldout_frac", "eval_every", "eval_at_start",
+                "metrics", "tensorboard", "export", "overwrite", "max_bad_steps", "log_every"}
+_DRAFT_FLAGS = ("draft_layers", "draft_tokens", "draft_anchors", "target_dense")
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def draft_args(args):
+    """(TrainConfig, target, ``train_draft``'s keywords) of `k3 train --draft-for`, None without it; a flag a draft
+    run does not read, or a draft flag without --draft-for, is an InputError naming it."""
+    if args.draft_for is None:
+        given = [n for n in _DRAFT_FLAGS if getattr(args, n) not in (None, False)]
+        if given:
+            raise InputError(f"{_flag(given[0])} needs --draft-for CKPT (the target the draft is trained for)")
+        return None
+    from k3jax.checkpoint.source import model_config  # jax: loaded when a draft run starts
+    from k3jax.draft.config import DraftConfig
+    from k3jax.draft.train import DraftSpec
+
+    for f in _flag_fields():
+        if f.name in _DRAFT_READS:
+            continue
+        value, default = getattr(args, f.name), _ARGPARSE.get(f.name, {}).get("default", f.default)
+        if f.name == "optimizer" and value in (None, "adamw"):
+            continue
+        if (tuple(value) if isinstance(value, list) else value) != default:
+            raise InputError(f"{f.metadata['setting'].flag or _flag(f.name)}: not used by --draft-for (a draft "
+                             "trains with AdamW on one device, a fresh run; see `k3 train --help`)")
+    if args.coordinator is not None or args.num_processes is not None:
+        raise InputError(f"{'--coordinator' if args.coordinator else '--num-processes'}: not used by --draft-for (a "
+                         "draft trains in one process)")
+    for n in ("draft_layers", "draft_tokens", "draft_anchors"):
+        if getattr(args, n) is not None and getattr(args, n) < 1:
+            raise InputError(f"{_flag(n)} must be >= 1, got {getattr(args, n)}")
+    shape = {"num_layers": args.draft_layers, "block_size": args.draft_tokens}
+    if args.init and any(v is not None for v in shape.values()):
+        n = "draft_layers" if args.draft_layers is not None else "draft_tokens"
+        raise InputError(f"{_flag(n)}: the --init draft {args.init} fixes its own shape")
+    kw = {f.name: getattr(args, f.name) for f in _flag_fields() if f.name in _DRAFT_READS}
+    tc = TrainConfig(**kw | {"preset": None, "data": tuple(args.data), "optimizer": "adamw"})
+    draft = None
+    if not args.init:
+        cfg = model_config(ckpt=args.draft_for, preset=None, strict_config=args.strict_config)
+        draft = DraftConfig.for_target(cfg, **{k: v for k, v in shape.items() if v is not None})
+    return tc, args.draft_for, {"draft": draft, "spec": DraftSpec(anchors=args.draft_anchors),
+                                "packed_target": not args.target_dense}
+
+
+def run_draft(tc, target, kw) -> int:
+    """`k3 train --draft-for`: train, print the summary line; exit 1 on N non-finite steps in a row."""
+    from k3jax.draft.train import train_draft
+    from k3jax.train.loop import TrainingStoppedError
+
+    try:
+        s = train_draft(tc, target, **kw)
+    except TrainingStoppedError as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 1
+    ev = s["evals"][-1][1] if s["evals"] else None
+    K = s["dcfg"].block_size
+    print(f"step {s['step']}: draft loss {s['final_loss']:.4f}" + (
+        f", held-out loss {ev['loss']:.4f} (KL {ev['kl']:.4f}), greedy accepted {ev['accept_len']:.3f} of {K} "
+        "drafted tokens per block" if ev else "") + (f"; {s['steps_per_s']:.2f} steps/s" if s["steps_per_s"] else "")
+        + (f"; draft written to {tc.export}" if tc.export else ""))
+    return 0
+
+
 def run_cli(args) -> int:
     # the loop (orbax, the model, the optimizer) loads when a run starts, not when `k3` builds its parsers
+    drafted = draft_args(args)
+    if drafted is not None:
+        return run_draft(*drafted)
     from k3jax.train.loop import TrainingStoppedError, train
 
     tc = train_config(args)

@@ -17,12 +17,20 @@ dt_bias = softplus^-1(dt), dt ~ logU(1e-3, 1e-1). Conv weights: PyTorch Conv1d d
 fan_in = kernel size for a depthwise conv).
 
 Cache (docs/model.md §4.6): ``{"state": [B, N, K, V] K-first fp32, "conv_q"/"conv_k"/"conv_v": [B, Wc-1, N*K]}``, the
-last Wc-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache,
-T == 1 takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The
-returned cache always describes the state after the last token. ``lengths`` [B] (ragged, right-padded pieces):
-row b's tokens at t >= lengths[b] are padding — their gate and write strength are set to g = 0, beta = 0, which
-leaves the state exactly as it was (S = exp(0) S + 0), and the conv tails end at each row's last real token; their
-outputs are not meaningful.
+last Wc-1 pre-conv inputs oldest first. ``cache=None`` runs a full sequence from a zero state; with a cache, T == 1
+takes one ``kda_step`` and T > 1 continues the chosen path from the cached state and conv tails. The returned cache
+describes the state after the last token (but for a recorded verify piece, below). ``lengths`` [B] (ragged,
+right-padded pieces): row b's tokens at t >= lengths[b] are padding — their gate and write strength are set to g = 0,
+beta = 0, which leaves the state exactly as it was (S = exp(0) S + 0), and the conv tails end at each row's last real
+token; their outputs are not meaningful.
+
+Verify records (a speculative-decoding verify piece, ``k3jax.model.rollback``): a cache that also holds ``rec_*``
+leaves (``RECORDS``) runs the piece token by token (``kda_recurrent_recorded``, the same outputs as the other paths
+to fp rounding) and fills them: ``rec_x`` [B, T, 3 N K] the pre-conv q|k|v projections; copy mode ``rec_state``
+[B, T, N, K, V] the state after each token; replay mode ``rec_k`` [B, T, N, K] (post-conv, l2-normed keys),
+``rec_u`` [B, T, N, V] (update vectors) and ``rec_g`` [B, T, N, K] (cumulative log-decays from the piece's start).
+The state and conv tails are then NOT advanced: they stay those of the piece's start, which is what a rollback
+rebuilds from (so the records need no copy of them), and the cache is pending until ``rollback`` commits a prefix.
 """
 
 from __future__ import annotations
@@ -38,10 +46,14 @@ from k3jax.config import KDA_IMPLS
 from k3jax.layers import backends, lora
 from k3jax.layers.common import HFLeaf, normal, param, vec
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.kda.recurrent import kda_recurrent_recorded
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.segments import runs
 
 IMPLS = KDA_IMPLS
+
+# The verify records a cache may carry per mode (module docstring; ``k3jax.model.rollback`` allocates them).
+RECORDS = {"copy": ("rec_state", "rec_x"), "replay": ("rec_g", "rec_k", "rec_u", "rec_x")}
 
 _QKV = ("embed", "heads", "head_dim")
 
@@ -88,6 +100,30 @@ def _aligned(impl, q, k, v, g, beta, start, *, chunk_size, **kw):
     o, S = _core(impl, shift(q), shift(k), shift(v), shift(g), shift(beta), chunk_size=C, **kw)
     back = jnp.arange(T, dtype=jnp.int32)[None, :] + off[:, None]
     return jnp.take_along_axis(o, back.reshape(back.shape + (1,) * (o.ndim - 2)), axis=1), S
+
+
+def _recorded(us, ws, g, beta, cache, *, heads, scale):
+    """The piece token by token from the cache's state and tails, filling the cache's record leaves (module
+    docstring) → (o [B, T, N, V], the records). us: the pre-conv projections [B, T, N K] x 3; ws: the conv weights;
+    g, beta: padding already made a no-op."""
+    B, T = g.shape[:2]
+    names = {n for n in cache if n.startswith("rec_")}
+    if not names <= {*RECORDS["copy"], *RECORDS["replay"]}:
+        raise ValueError(f"unknown verify record(s) {sorted(names - {*RECORDS['copy'], *RECORDS['replay']})}")
+    for n in sorted(names):
+        if cache[n].shape[1] != T:
+            raise ValueError(f"verify record {n} {tuple(cache[n].shape)} was made for a piece of "
+                             f"{cache[n].shape[1]} tokens; this piece has {T}")
+    tails = [cache[n] for n in ("conv_q", "conv_k", "conv_v")]
+    (q, _), (k, _), (v, _) = (kda_ops.causal_conv_silu(u, w, tail) for u, w, tail in zip(us, ws, tails, strict=True))
+    q = kda_ops.l2norm(q.reshape(B, T, heads, -1))
+    k = kda_ops.l2norm(k.reshape(B, T, heads, -1))
+    v = v.reshape(B, T, heads, -1)
+    o, _, u, states = kda_recurrent_recorded(q, k, v, g, beta, initial_state=cache["state"], scale=scale,
+                                             keep_states="rec_state" in names)
+    got = {"rec_x": jnp.concatenate(us, axis=-1), "rec_state": states, "rec_k": k, "rec_u": u,
+           "rec_g": jnp.cumsum(g.astype(u.dtype), axis=1)}
+    return o, {n: got[n].astype(cache[n].dtype) for n in names}
 
 
 class KDA(nnx.Module):
@@ -151,12 +187,13 @@ class KDA(nnx.Module):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
-        (interpret mode off-GPU); cache: None or a cache dict (module docstring); lengths: None (every token is
-        real) or [B] int, the real tokens of each right-padded row. segment_ids: None, or [B, T] document ids of
-        packed rows (``k3jax.ops.segments``): the state and the conv windows restart at every document boundary
-        (training and scoring; not with a cache). context: None, or a ``ContextParallel`` (T split over devices:
-        the convs and the core run per shard and combine their states, k3jax/sharding/context_parallel.py; a
-        cached piece then continues the cache from any ``start`` on the shards' own chunk grids)."""
+        (interpret mode off-GPU); cache: None or a cache dict (module docstring; with ``rec_*`` leaves: a recorded
+        verify piece); lengths: None (every token is real) or [B] int, the real tokens of each right-padded row.
+        segment_ids: None, or [B, T] document ids of packed rows (``k3jax.ops.segments``): the state and the conv
+        windows restart at every document boundary (training and scoring; not with a cache). context: None, or a
+        ``ContextParallel`` (T split over devices: the convs and the core run per shard and combine their states,
+        k3jax/sharding/context_parallel.py; a cached piece then continues the cache from any ``start`` on the
+        shards' own chunk grids)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if segment_ids is not None and (cache or lengths is not None or start is not None):
@@ -188,7 +225,13 @@ class KDA(nnx.Module):
             beta = jnp.where(real[:, :, None], beta, 0.0)
         scale = K ** -0.5
         state = cache.get("state")
-        if context is not None and not (state is not None and T == 1):
+        records = {}
+        if any(n.startswith("rec_") for n in cache):                       # a verify piece (module docstring)
+            if context is not None or state is None:
+                raise ValueError("verify records need a cache's state and one device (no context split)")
+            o, records = _recorded(us, ws, g, beta, cache, heads=N, scale=scale)
+            S, (tq, tk, tv) = state, tails                                  # committed later by rollback
+        elif context is not None and not (state is not None and T == 1):
             core = functools.partial(_core, impl, scale=scale, chunk_size=chunk_size,
                                      gate_lower_bound=self.gate_lower_bound)
             o, S, (tq, tk, tv) = context.kda(core, us, ws, g, beta, heads=N, tails=None if not cache else tails,
@@ -217,7 +260,7 @@ class KDA(nnx.Module):
                               preferred_element_type=ct)
         o = o * jax.nn.sigmoid(gate)
         y = lora.proj(self, "wo", "btnk,nkd->btd", o, self.wo[...], ct)
-        return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv}
+        return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv, **records}
 
 
-__all__ = ["IMPLS", "KDA"]
+__all__ = ["IMPLS", "KDA", "RECORDS"]

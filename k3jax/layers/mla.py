@@ -85,7 +85,7 @@ class MLA(nnx.Module):
             self.w_gate = param(normal(rngs, (d, N, V), dtype), _QKV)
         self.wo = param(normal(rngs, (N, V, d), dtype), ("heads", "head_dim", "embed"))
 
-    def _project(self, x, norm_eps: float):
+    def project(self, x, norm_eps: float):
         """x [B, T, D] → q [B, T, N, Hn+Hr], c_kv [B, T, R] (normed latent, x.dtype), k_rope [B, T, Hr] (acc)."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
@@ -100,7 +100,7 @@ class MLA(nnx.Module):
         c_kv = rms_norm(ckv[..., :rkv], self.kv_a_norm[...], norm_eps, out_dtype=cdt)
         return q, c_kv, ckv[..., rkv:]  # k_rope: ONE slice shared by all heads, not rotated (NoPE)
 
-    def _output(self, x, o):
+    def output(self, x, o):
         """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
@@ -121,7 +121,7 @@ class MLA(nnx.Module):
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         N, Hn, Hr, V = self.dims
-        q, c_kv, k_rope = self._project(x, norm_eps)
+        q, c_kv, k_rope = self.project(x, norm_eps)
         if impl == "pallas":
             kv_b = lora.merged(self, "kv_b").astype(cdt)         # the kernel up-projects each key block itself
             flash = functools.partial(backends.mla_flash, scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
@@ -130,7 +130,7 @@ class MLA(nnx.Module):
                 o, max_logit = flash(*args, segment_ids=segment_ids)
             else:   # per shard over the gathered latent, queries mirror-balanced (k3jax/sharding/context_parallel.py)
                 o, max_logit = context.latent_flash(flash, *args, segment_ids=segment_ids)
-            return self._output(x, o), max_logit
+            return self.output(x, o), max_logit
         if context is not None:                     # the latent (R + Hr per token) is what crosses the shards
             c_kv, k_rope = context.gather_seq(c_kv), context.gather_seq(k_rope)
         kv = lora.proj(self, "kv_b", "btr,rnh->btnh", c_kv, self.kv_b[...].astype(cdt), acc)
@@ -140,7 +140,7 @@ class MLA(nnx.Module):
         attend = causal_attention if context is None else context.attention
         o, max_logit = attend(q.astype(acc), k.astype(acc), v.astype(acc), scale=1.0 / math.sqrt(Hn + Hr),
                               block_size=block_size, segment_ids=segment_ids)
-        return self._output(x, o), max_logit
+        return self.output(x, o), max_logit
 
     def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
                layer=None, context=None, impl: str = "xla"):
@@ -168,7 +168,7 @@ class MLA(nnx.Module):
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
-        q, c_kv, k_rope = self._project(x, norm_eps)
+        q, c_kv, k_rope = self.project(x, norm_eps)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         S = cache["c_kv"].shape[-2]
@@ -205,7 +205,7 @@ class MLA(nnx.Module):
         else:
             o = attend(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
                        q_pos=pos, kv_len=start + lengths, layer=layer)
-        return self._output(x, o), new
+        return self.output(x, o), new
 
 
 __all__ = ["MAX_DECODE_QUERIES", "MLA", "MLADims", "big_key_block"]

@@ -32,6 +32,13 @@ token (docs/model.md §3.1), so it carries nothing across tokens. Rows are indep
 may give each row a different number of real tokens (right padding is a no-op for the KDA state and is written
 nowhere in the latent cache), and a row given 0 tokens is left exactly as it was.
 
+A speculative verify piece may carry records (``k3jax.model.rollback``: ``with_records``, then ``extend``, then
+``rollback`` to the accepted prefix): ``rec_*`` leaves in every KDA layer cache and ``"rec_pos"`` [B, T] (the
+piece's positions, -1 before it runs) at the top.
+
+``taps``: ``extend`` / ``advance`` can also return the residual stream after chosen layers (a draft model's context
+features): (logits, cache, hidden [B, T, len(taps), D]).
+
 A prefill may record ``marks`` (one position per row, anywhere, not only at chunk ends): the piece is then run
 as two pieces split at the mark, and the KDA states after the mark are kept in ``cache["marks"]`` for
 ``k3jax.model.snapshot``. Running a piece in two parts is the same sum as running it whole (what chunked prefill
@@ -66,6 +73,13 @@ CACHE_AXES = {
     "c_kv": ("batch", "seq", "kv_lora"),
     "k_rope": ("batch", "seq", "head_dim"),
     "lengths": ("batch",),
+    # Verify records (k3jax.model.rollback): the piece's axis is a handful of positions, like the conv taps: never
+    # split. rec_x runs over q|k|v's channels, each head-major like the conv tails.
+    "rec_state": ("batch", "conv_tap", "heads", "head_dim", "head_dim"),
+    "rec_k": ("batch", "conv_tap", "heads", "head_dim"), "rec_u": ("batch", "conv_tap", "heads", "head_dim"),
+    "rec_g": ("batch", "conv_tap", "heads", "head_dim"),
+    "rec_x": ("batch", "conv_tap", "heads"),
+    "rec_pos": ("batch", "conv_tap"),
 }
 
 
@@ -160,23 +174,37 @@ def max_len_of(cache) -> int | None:
 
 
 def advance(params, tokens, lengths, cache, *, cfg: K3Config, run: RunConfig, absorbed: bool, last_only: bool,
-            dispatch=None):
+            dispatch=None, taps: tuple = ()):
     """The pure step under ``extend`` (no checks, not jitted): tokens [B, T] int32 with every padding id already
-    0, lengths [B] int32 → (logits, the new cache), in either layout (a stacked cache runs the scanned group).
-    ``k3 plan --mode prefill | decode`` compiles it with the cache's shardings (``CACHE_AXES``) and an
-    expert-parallel ``dispatch``."""
+    0, lengths [B] int32 → (logits, the new cache), in either layout (a stacked cache runs the scanned group);
+    with ``taps`` (layer indices) → (logits, cache, hidden [B, T, len(taps), D]). A cache with verify records gets
+    the piece's positions in ``rec_pos``. ``k3 plan --mode prefill | decode`` compiles it with the cache's
+    shardings (``CACHE_AXES``) and an expert-parallel ``dispatch``."""
     start = cache["lengths"]
     model = merge(params, cfg, run)
     kw = dict(start=start, lengths=lengths, absorbed=absorbed, last_only=last_only, dispatch=dispatch)
+    if taps:
+        kw["taps"] = tuple(taps)
+    top = {"lengths": start + lengths}
+    if "rec_pos" in cache:
+        T = tokens.shape[1]
+        if cache["rec_pos"].shape[1] != T:
+            raise ValueError(f"the verify records were made for a piece of {cache['rec_pos'].shape[1]} tokens; "
+                             f"this piece has {T}")
+        top["rec_pos"] = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     if "groups" in cache:
-        logits, new, groups = model.extend(tokens, dict(cache["layers"]), group_caches=cache["groups"], **kw)
-        return logits, {**cache, "layers": new, "groups": list(groups), "lengths": start + lengths}
-    view = [cache["layers"][l] for l in range(cfg.num_layers)]
-    logits, new = model.extend(tokens, view, **kw)
-    return logits, {**cache, "layers": dict(enumerate(new)), "lengths": start + lengths}
+        out = model.extend(tokens, dict(cache["layers"]), group_caches=cache["groups"], **kw)
+        logits, new, groups = out[:3]
+        new_cache = {**cache, "layers": new, "groups": list(groups), **top}
+    else:
+        view = [cache["layers"][l] for l in range(cfg.num_layers)]
+        out = model.extend(tokens, view, **kw)
+        logits, new = out[:2]
+        new_cache = {**cache, "layers": dict(enumerate(new)), **top}
+    return (logits, new_cache, out[-1]) if taps else (logits, new_cache)
 
 
-_STATIC = ("cfg", "run", "absorbed", "last_only", "dispatch")
+_STATIC = ("cfg", "run", "absorbed", "last_only", "dispatch", "taps")
 _extend = jax.jit(advance, static_argnames=_STATIC)
 extend_donated = jax.jit(advance, static_argnames=_STATIC, donate_argnames=("cache",))  # bench/decode.py compiles it
 
@@ -200,6 +228,14 @@ def _check_piece(tokens, lengths, cache, cfg: K3Config):
     if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab_size):
         bad = ids[(ids < 0) | (ids >= cfg.vocab_size)][0]
         raise CacheError(f"token id {int(bad)} is outside the vocabulary [0, {cfg.vocab_size})")
+    if "rec_pos" in cache:
+        width = cache["rec_pos"].shape[1]
+        if T != width:
+            raise CacheError(f"the cache's verify records were made for a piece of {width} tokens; this piece has "
+                             f"{T} (with_records(cache, cfg, {T}, mode))")
+        if (host_value(cache["rec_pos"]) >= 0).any():
+            raise CacheError("the cache already holds a recorded verify piece: roll it back (rollback) before "
+                             "extending it again")
     cap = max_len_of(cache)
     have = host_value(cache["lengths"])  # rows split over processes: gathered from their holders
     if cap is not None and (have + lengths).max(initial=0) > cap:
@@ -210,18 +246,24 @@ def _check_piece(tokens, lengths, cache, cfg: K3Config):
 
 
 def extend(params, tokens, lengths, cache, cfg: K3Config, run: RunConfig | None = None, *, absorbed: bool = False,
-           last_only: bool = False, donate: bool = False, dispatch=None):
+           last_only: bool = False, donate: bool = False, dispatch=None, taps=()):
     """Advance every row by its own number of tokens: tokens [B, T] right-padded, lengths [B] (default all T).
 
-    Returns (logits [B, T, W] — or [B, W] at each row's last real token with ``last_only`` — and the new cache).
+    Returns (logits [B, T, W] — or [B, W] at each row's last real token with ``last_only`` — and the new cache);
+    with ``taps`` (0-based layer indices) also hidden [B, T, len(taps), D] float32, the residual stream after each
+    tapped layer at every position (also with ``last_only``).
     ``absorbed`` picks the MLA attention form (``ops.latent_attention``); ``donate`` lets XLA update the cache in
     place (the old cache must not be used afterwards); ``dispatch``: an ``ExpertParallel`` and / or a
     ``ContextParallel`` (k3jax.sharding.placement.expert_dispatch): the piece split over a mesh's context axis
     (a context-parallel prefill, whose cache decode then continues with any dispatch)."""
+    taps = tuple(int(t) for t in taps)
+    bad = [t for t in taps if not 0 <= t < cfg.num_layers]
+    if bad:
+        raise CacheError(f"taps {bad} are outside the model's layers [0, {cfg.num_layers})")
     tokens, lengths = _check_piece(tokens, lengths, cache, cfg)
     fn = extend_donated if donate else _extend
     return fn(params, tokens, lengths, cache, cfg=cfg, run=_run(cfg, run), absorbed=absorbed, last_only=last_only,
-              dispatch=dispatch)
+              dispatch=dispatch, taps=taps)
 
 
 def _kda_only(layers: dict) -> dict:

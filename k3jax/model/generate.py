@@ -49,11 +49,10 @@ class Sampling:
             raise InputError(f"top-k must be >= 0 (0: off), got {self.top_k}")
 
 
-@functools.partial(jax.jit, static_argnames=("s",))
-def sample(logits, key, s: Sampling):
-    """logits [B, W] → token ids [B] int32 (module docstring)."""
-    if s.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def filtered_logits(logits, s: Sampling):
+    """The logits a draw is made from, [..., W] float32: logits / temperature, then the top-k and top-p cuts
+    (module docstring) as the float32 minimum, so softmax of them is the sampler's distribution exactly (what
+    speculative sampling compares against, k3jax/draft/speculative.py)."""
     z = logits.astype(jnp.float32) / s.temperature
     neg = jnp.finfo(z.dtype).min
     if s.top_k:
@@ -65,9 +64,17 @@ def sample(logits, key, s: Sampling):
         ps = jax.nn.softmax(zs, axis=-1)
         before = jnp.cumsum(ps, axis=-1) - ps                          # mass of the more likely tokens
         keep_sorted = before < s.top_p                                 # always keeps the first
-        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
         z = jnp.where(keep, z, neg)
-    return jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    return z
+
+
+@functools.partial(jax.jit, static_argnames=("s",))
+def sample(logits, key, s: Sampling):
+    """logits [B, W] → token ids [B] int32 (module docstring)."""
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filtered_logits(logits, s), axis=-1).astype(jnp.int32)
 
 
 # JAX's compile events (jax._src.dispatch): a jit's trace, its lowering to MLIR and the backend compile.
@@ -197,4 +204,4 @@ def generate(params, prompts, cfg: K3Config, run: RunConfig | None = None, *, ma
     return Generation(tokens, out_logits, reason, timing)
 
 
-__all__ = ["CompileClock", "Generation", "Sampling", "generate", "prompt_lengths", "sample"]
+__all__ = ["CompileClock", "Generation", "Sampling", "filtered_logits", "generate", "prompt_lengths", "sample"]

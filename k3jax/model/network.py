@@ -59,6 +59,17 @@ def _collect(aux: dict, *per_layer: dict) -> None:
             aux[k].append(v)
 
 
+def stream_value(carry):
+    """The residual-stream value a carry stands for [B, T, D]: what a plain residual would hold after the layers run
+    so far (the embedding plus every sublayer output). ``Stream``: h; AttnRes: the committed block sums plus the
+    running part (a ``Buffer``'s unfilled slots are zeros). What ``K3Model.extend(taps=...)`` reads after a layer."""
+    if isinstance(carry, Stream):
+        return carry.h
+    if isinstance(carry, Buffer):
+        return jnp.sum(carry.buf, axis=0) + carry.part
+    return sum(carry.blocks, carry.part)
+
+
 def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin):
     """``step(layer, carry, l)``: ``DecoderLayer.__call__`` with ``mixer(l, layer, x)`` bound to l, the unit that
     ``K3Model._checkpointed`` wraps."""
@@ -128,10 +139,11 @@ class K3Model(nnx.Module):
                 out += [(lay.start + g * lay.period + j, layer) for j, layer in enumerate(grp.layers)]
         return out + list(zip(lay.post, self.post, strict=True))
 
-    def hidden_states(self, tokens, *, dispatch=None, segment_ids=None):
+    def hidden_states(self, tokens, *, dispatch=None, segment_ids=None, taps: tuple = ()):
         """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict. ``segment_ids``
         [B, T]: the documents of packed rows (``k3jax.ops.segments``): KDA's state and conv windows restart and MLA
-        attends within each; AttnRes and the FFNs act per token, so nothing else changes."""
+        attends within each; AttnRes and the FFNs act per token, so nothing else changes. ``taps``: layer indices
+        whose stream values go to ``aux["taps"]`` [B, T, len(taps), D] (``_walk``)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
         if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
@@ -144,9 +156,11 @@ class K3Model(nnx.Module):
         def mixer(l, layer, x):
             return layer.mixer(x, self.cfg, self.run, segment_ids, context)
 
-        return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat)
+        return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat,
+                          taps=tuple(taps))
 
-    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None):
+    def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None,
+              taps: tuple = ()):
         """The layer stack on tokens [B, T]: each layer is ``DecoderLayer.__call__`` on the residual carry
         (k3jax/model/residual.py) with ``mixer(l, layer, normed x) → (y, aux)`` bound to its index (with ``scan``, l
         is traced inside the repeating group: the mixer must not index by it).
@@ -170,6 +184,10 @@ class K3Model(nnx.Module):
 
         A ``dispatch`` object with a ``constrain_tokens(x, batch_dim)`` method (``ExpertParallel``) pins the
         residual stream [B, T, D] and the AttnRes block sums to its token sharding at every layer boundary.
+
+        ``taps`` (layer indices): the stream's value after each of these layers (``stream_value``) is put in
+        ``aux["taps"]`` [B, T, len(taps), D], in the order given (in the scanned group a tap is a select into a
+        buffer carried through the scan, written in the iteration of its group).
         Without it XLA's sharding propagation may follow the weights instead: with D split over fsdp × expert
         (``zero3_ep_tp``) it replicated the batch, and the full model asked the TPU compiler for terabytes of
         temporaries per chip (experiments/LOG.md, 2026-12-02 session 10)."""
@@ -183,19 +201,25 @@ class K3Model(nnx.Module):
 
         step = _layer_step(mixer, cfg, run, dispatch, pin)
 
+        tapped = {}
+
         def unrolled(pairs, carry):
             for l, layer in pairs:                        # l static: bound, not a checkpoint input
                 carry, (ax, fx) = self._checkpointed(partial(step, l=l), remat)(layer, carry)
                 _collect(aux, ax, fx)
+                if l in taps:
+                    tapped[l] = stream_value(carry)
             return carry
 
         if not (scan and lay.groups > 0):
             carry = unrolled(self.layers(), carry)
         else:
             carry = unrolled(zip(lay.pre, self.pre, strict=True), carry)
-            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side)
+            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side, taps, tapped)
             _collect(aux, *per_layer)
             carry = unrolled(zip(lay.post, self.post, strict=True), carry)
+        if taps:
+            aux["taps"] = jnp.stack([tapped[l] for l in taps], axis=2)
         if isinstance(carry, Stream):
             return carry.h, aux
         return self.out_res([*carry.blocks, carry.part], cfg.rms_norm_eps), aux
@@ -234,10 +258,12 @@ class K3Model(nnx.Module):
 
         return wrapped
 
-    def _scan_groups(self, carry, mixer, dispatch, remat: str = "none", pin=unpinned, side: dict | None = None):
+    def _scan_groups(self, carry, mixer, dispatch, remat: str = "none", pin=unpinned, side: dict | None = None,
+                     taps: tuple = (), tapped: dict | None = None):
         """The repeating group as one lax.scan (see ``_walk``) on the carry of the layers before it → (the carry
         after it, in the same form, and the per-layer aux dicts in layer order); with ``side``, the scan carries
-        ``side["groups"]`` and leaves its final value there."""
+        ``side["groups"]`` and leaves its final value there. ``taps`` inside the group are carried in a buffer
+        [n, B, T, D] and put in ``tapped`` {layer: value} afterwards."""
         cfg = self.cfg
         lay = layout(cfg)
         gdef, gparams, grest = nnx.split(self.groups, STACKED, ...)
@@ -245,14 +271,21 @@ class K3Model(nnx.Module):
         S = cfg.attn_res_block_size
         commits = [l for l in range(cfg.num_layers) if attn_res and l % S == 0]
         carry0 = tuple(carry.buffered(len(commits), pin) if attn_res else carry)
+        inner = [l for l in taps if lay.start <= l < lay.start + lay.groups * lay.period]
         if side is not None:
             carry0 = (*carry0, tuple(side["groups"]))
+        if inner:
+            first = carry0[0]                                 # the stream h, or the running part: [B, T, D]
+            carry0 = (*carry0, jnp.zeros((len(inner), *first.shape), first.dtype))
         form = Buffer if attn_res else Stream
+        n_core = len(Buffer._fields if attn_res else Stream._fields)
 
         def group(p, carry, g, per_layer: bool = False):
             """One scan iteration: group g's layers on the scan carry → (the new carry, per position its aux)."""
             grp = nnx.merge(gdef, p, grest)
-            core, sides = (form(*carry[:-1]), list(carry[-1])) if side is not None else (form(*carry), None)
+            core = form(*carry[:n_core])
+            sides = list(carry[n_core]) if side is not None else None
+            buf = carry[-1] if inner else None
             outs = []
             for j, layer in enumerate(grp.layers):
                 step = _layer_step(mixer if sides is None else _on_slot(mixer, sides, j, g), cfg, self.run,
@@ -260,7 +293,12 @@ class K3Model(nnx.Module):
                 step = self._checkpointed(step, "full") if per_layer else step
                 core, ax_fx = step(layer, core, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
-            return ((*core, tuple(sides)) if sides is not None else tuple(core)), outs
+                for i, l in enumerate(inner):                 # this position's taps: written in their group only
+                    if (l - lay.start) % lay.period == j:
+                        buf = buf.at[i].set(jnp.where(g == (l - lay.start) // lay.period, stream_value(core),
+                                                      buf[i]))
+            out = tuple(core) + ((tuple(sides),) if sides is not None else ()) + ((buf,) if inner else ())
+            return out, outs
 
         # The remat unit of the scanned stack is one scan iteration (a group of ``period`` layers), not one layer:
         # the carry holds the AttnRes block sums [NB, B, T, D], which a per-layer checkpoint saves at every layer
@@ -268,7 +306,7 @@ class K3Model(nnx.Module):
         # group; under "full" not even that (``block_scan``: the buffer is rebuilt from its final value). Same math
         # (tests/model: scan == loop under every policy).
         # "group" differentiates the recomputed group whole; "full" checkpoints each layer inside it as well
-        if attn_res and remat in ("full", "group") and side is None and not jax.tree.leaves(grest):
+        if attn_res and remat in ("full", "group") and side is None and not inner and not jax.tree.leaves(grest):
             carry, ys = scan_saving_parts(group, gparams, carry0, lay.groups,
                                           lambda g: (lay.start + g * lay.period + S - 1) // S,
                                           recompute=lambda p, c, g: group(p, c, g, per_layer=remat == "full"))
@@ -281,6 +319,9 @@ class K3Model(nnx.Module):
                 return group(p, carry, g)
 
             carry, ys = jax.lax.scan(body, carry0, (gparams, jnp.arange(lay.groups)))
+        if inner:
+            carry, buf = carry[:-1], carry[-1]
+            tapped.update({l: buf[i] for i, l in enumerate(inner)})
         if side is not None:
             side["groups"], carry = carry[-1], carry[:-1]
         per_layer = [jax.tree.map(lambda x, g=g: x[g], a) for g in range(lay.groups) for ax_fx in ys for a in ax_fx]
@@ -296,7 +337,7 @@ class K3Model(nnx.Module):
         return jnp.einsum("...d,dw->...w", hn, head.astype(cdt), preferred_element_type=h.dtype)
 
     def extend(self, tokens, layer_caches, *, start, lengths, absorbed: bool = True, last_only: bool = False,
-               dispatch=None, group_caches=None):
+               dispatch=None, group_caches=None, taps: tuple = ()):
         """Run a right-padded piece of tokens [B, T] on top of per-layer caches (``k3jax.model.cache``).
 
         layer_caches: one cache dict per layer (layer order: a list, or a {layer: cache} dict); start [B]: tokens
@@ -307,7 +348,11 @@ class K3Model(nnx.Module):
         ``group_caches`` (the scanned layout): the caches of the stacked layers, per position j of the period a
         dict stacked over the groups [G, ...]; ``layer_caches`` then holds the unstacked layers only, and the
         repeating group runs as one ``lax.scan`` carrying them (MLA writes and reads its latent in the stack in
-        place). Returns (logits, per-layer caches, group caches)."""
+        place). Returns (logits, per-layer caches, group caches).
+
+        ``taps`` (layer indices, e.g. a draft model's): one more value at the end, the residual-stream value after
+        each tapped layer at every position of the piece, [B, T, len(taps), D] in the stream's dtype
+        (``stream_value``; all T positions also with ``last_only``)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
         T = tokens.shape[1]
@@ -325,17 +370,17 @@ class K3Model(nnx.Module):
             return y, {}
 
         side = None if group_caches is None else {"groups": tuple(group_caches)}
-        h, _ = self._walk(tokens, mixer, dispatch, scan=side is not None, side=side)
+        h, aux = self._walk(tokens, mixer, dispatch, scan=side is not None, side=side, taps=tuple(taps))
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-        if side is None:
-            return self._logits(h), new
-        return self._logits(h), new, side["groups"]
+        out = (self._logits(h), new) if side is None else (self._logits(h), new, side["groups"])
+        return (*out, aux["taps"]) if taps else out
 
-    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None, segment_ids=None):
+    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None, segment_ids=None, taps: tuple = ()):
         """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``);
-        ``segment_ids`` [B, T]: packed documents (``hidden_states``)."""
-        h, aux = self.hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids)
+        ``segment_ids`` [B, T]: packed documents; ``taps``: layers whose stream values go to ``aux["taps"]``
+        (``hidden_states``)."""
+        h, aux = self.hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids, taps=taps)
         logits = self._logits(h)
         return (logits, aux) if return_aux else logits
 

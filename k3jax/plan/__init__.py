@@ -5,6 +5,7 @@
     spec.py      what a compiled plan is asked for (mode, mesh, batch, sequence), its defaults and input checks
     estimate.py  closed-form argument bytes, Newton–Schulz and step FLOPs of a plan
     aot.py       `k3 plan --compile`: the full-size program lowered and compiled for a TPU topology or cpu:N
+    verify.py    `--mode verify`: one speculative step (target verify + rollback + the draft's next proposal)
     hlo.py       the compiled program's HLO text as computations, and how often each runs (loop trip counts)
     hlo_cost.py  what it costs: FLOPs, HBM bytes (weights / activations / kernels / collectives), collectives and
                  custom calls (a kernel charged its declared cost estimate), named scopes' FLOPs and collectives

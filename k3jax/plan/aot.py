@@ -23,7 +23,9 @@ slice's torus, ``k3jax.plan.floor.collective_latency``; the compute share) and t
 weights the step's tokens reach, optimizer state, cache and io each touched once, per device, ``k3jax.plan.floor``;
 ``roofline.over_bytes_floor`` = memory_s / bytes_floor_s). Under expert
 parallelism the packed experts run the Pallas kernel on a TPU target (``--packed-kernel``, default auto). A compile
-that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures.
+that exceeds HBM raises ``HbmOomError`` carrying the compiler's message and figures. A verify plan (one speculative
+step, ``k3jax.plan.verify``) also compiles the decode step on the same mesh and reports the two side by side
+(``verify``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,18 @@ from k3jax.plan.estimate import cache_bytes, estimate_arguments, model_flops
 from k3jax.plan.floor import bytes_floor, collective_latency
 from k3jax.plan.hardware import Target, roofline, topology_dims
 from k3jax.plan.hlo_cost import largest_values, program_stats
-from k3jax.plan.spec import SERVING, PlanSpec, check, plan_params, run_settings, train_config, with_defaults
+from k3jax.plan.spec import (
+    CACHED,
+    SERVING,
+    STEP_MODES,
+    PlanSpec,
+    check,
+    plan_params,
+    run_settings,
+    train_config,
+    with_defaults,
+)
+from k3jax.plan.verify import decode_baseline_spec, verify_program, verify_report
 from k3jax.sharding import placement as place
 from k3jax.sharding.mesh import MESH_AXES, make_mesh
 from k3jax.sharding.rules import param_shardings
@@ -88,11 +101,13 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     (``spec.train_config``)."""
     spec = with_defaults(spec)[0]
     run = run_settings(cfg, spec)
-    small = spec.mode == "decode" and place.small_batch(strategy, mesh, spec.batch)
+    small = spec.mode in STEP_MODES and place.small_batch(strategy, mesh, spec.batch)
     dispatch = place.expert_dispatch(strategy, mesh, batch=spec.batch, capacity_factor=spec.capacity_factor,
                                      packed_kernel=run.packed_kernel, replicate_tokens=small)
     context = getattr(dispatch, "context", None)               # the sequence split (k3jax/sharding/context_parallel)
     abstract = plan_params(cfg, spec)
+    if spec.mode == "verify":
+        return verify_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small)
     if spec.mode in ("prefill", "decode"):
         return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small,
                                context=context)
@@ -136,14 +151,15 @@ def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, 
 
 
 def loop_hints(cfg: K3Config, spec: PlanSpec) -> dict[str, int]:
-    """Trip counts of the data-dependent loops of a prefill / decode plan (``hlo.hinted_trip_count``): the MLA key
-    blocks of a cache filled to what the plan asks — decode: --context keys, read in large blocks; prefill: T keys
-    from an empty cache. Other modes: none."""
-    if spec.mode not in ("prefill", "decode"):
+    """Trip counts of the data-dependent loops of a prefill / decode / verify plan (``hlo.hinted_trip_count``): the
+    MLA key blocks of a cache filled to what the plan asks — decode: --context keys, read in large blocks; verify:
+    --context keys (the piece's last token's), in key blocks; prefill: T keys from an empty cache. Other modes:
+    none."""
+    if spec.mode not in CACHED:
         return {}
     spec = with_defaults(spec)[0]
     block = run_settings(cfg, spec).mla_block_size
-    keys = spec.context if spec.mode == "decode" else spec.seq_len
+    keys = spec.context if spec.mode in STEP_MODES else spec.seq_len
     return key_loop_trips(keys, block, big_key_block(spec.seq_len, block), capacity(cfg, spec.context,
                                                                                    run_settings(cfg, spec)))
 
@@ -197,10 +213,12 @@ def compile_program(fn, args, log=None) -> tuple[object, dict]:
     return compiled, {"lower_s": t1 - t0, "compile_s": t2 - t1}
 
 
-def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_out: str | None = None) -> dict:
+def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_out: str | None = None, *,
+                 decode_baseline: bool = True) -> dict:
     """Compile ``spec``'s program for ``target`` and report (see the module docstring). Raises HbmOomError (with
     ``.plan`` holding everything known before the compile) when the program does not fit. ``hlo_out``: a path
-    to write the compiled HLO text to."""
+    to write the compiled HLO text to. A verify plan adds ``verify`` (``k3jax.plan.verify.verify_report``), with
+    the decode plan on the same mesh compiled in the same run unless ``decode_baseline`` is False."""
     log = log or (lambda s: None)
     t_start = time.perf_counter()
     sizes, strategy = check(cfg, target, spec)
@@ -215,10 +233,12 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
            "capacity_factor": spec.capacity_factor, "packed_kernel": run.packed_kernel, "defaults": defaults,
            "opt_state_dtype": spec.opt_state_dtype, "muon_layout": spec.muon_layout,
            "estimated_argument_bytes_per_device": est["total"], "estimate": est}
-    if spec.mode in ("prefill", "decode"):
+    if spec.mode in CACHED:
         out["context"] = spec.context
-        out["small_batch"] = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+        out["small_batch"] = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
         out["cache"] = cache_bytes(cfg, spec, sizes, strategy)
+    if spec.mode == "verify":
+        out.update(draft_tokens=spec.draft_tokens, rollback=spec.rollback)
     cap = target.chip.hbm_bytes if target.chip else None
     out["capacity_bytes_per_device"] = cap
     out["bytes_floor"] = bytes_floor(cfg, spec, sizes, strategy, est=est)
@@ -303,6 +323,15 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
         r["per_token_latency_s" if spec.mode == "decode" else "time_to_first_token_s"] = r["step_s"]
         r["tokens_per_s"] = new / r["step_s"]
         r["tokens_per_s_per_chip"] = new / r["step_s"] / target.devices
+    if spec.mode == "verify":  # the tokens it emits depend on the acceptance: out["verify"]
+        decode = None
+        if decode_baseline:
+            log("the decode step on the same mesh (the verify step's baseline; --no-decode-baseline skips it)")
+            try:
+                decode = compile_plan(cfg, target, decode_baseline_spec(spec), log=log)
+            except HbmOomError as e:
+                decode = e.plan
+        out["verify"] = verify_report(cfg, target, spec, sizes, strategy, out, decode)
     out["wall_s"] = time.perf_counter() - t_start
     out["peak_rss_bytes"] = peak_rss_bytes()
     return out

@@ -2,6 +2,12 @@
 bytes per device (``estimate_arguments``), Muon's Newton–Schulz FLOPs (``newton_schulz_flops``) and the FLOPs of one
 step (``model_flops``: 6 · N_active · tokens and the mode's terms; N_active is ``k3jax.model.active_params``, the
 one count ``k3 plan`` reports too). The AOT planner (``k3jax.plan.aot``) prints them beside the compiler's.
+
+A verify plan also runs a DSpark draft (``plan_draft``: ``DraftConfig.for_target``, for kimi-k3 the published
+draft's shape) whose weights are split like the target's non-expert weights (the same rules column over the logical
+axes its parameters carry; a dimension the mesh does not divide stays whole) and whose context cache rows follow the
+target cache's rows: ``draft_bytes``; its KDA verify records (``k3jax.model.rollback``) are temporaries of the step:
+``record_bytes``; its draft's FLOPs: ``draft_flops``.
 """
 
 from __future__ import annotations
@@ -10,15 +16,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from k3jax.config import K3Config
+from k3jax.draft.config import DraftConfig
+from k3jax.draft.network import DraftModel, draft_cache
 from k3jax.layers.experts import parse_packed_name, split_packed
 from k3jax.layers.lora import is_adapter
 from k3jax.model import active_params
-from k3jax.model.cache import cache_leaf_axes, cache_shapes
+from k3jax.model.cache import cache_leaf_axes, cache_shapes, capacity
+from k3jax.model.rollback import with_records
 from k3jax.optim.dist_muon import loops, one_group, pool_plan, route, view_spec
 from k3jax.optim.optimizer import OptimConfig, leaf_rule, whole_leaf_rule
-from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
+from k3jax.plan.spec import CACHED, SERVING, STEP_MODES, PlanSpec, plan_params, run_settings, with_defaults
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding import placement as place
 from k3jax.sharding.context_parallel import ContextParallel
@@ -76,12 +86,25 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
             out["weights"] += 4 * n
             out["optimizer"] += state_per_label[label] * n
             out["gradient_bytes"] += 0 if label == "frozen" else 4 * n
-    small = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    small = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
     ways = 1 if small else place.token_parallel(strategy, sizes)
     out["tokens"] = 4 * spec.batch * (spec.seq_len + (spec.mode not in SERVING)) / ways
-    out["cache"] = cache_bytes(cfg, spec, sizes, strategy)["per_device"] if spec.mode in ("prefill", "decode") else 0.0
-    out["total"] = out["weights"] + out["optimizer"] + out["packed_experts"] + out["tokens"] + out["cache"]
+    out["cache"] = cache_bytes(cfg, spec, sizes, strategy)["per_device"] if spec.mode in CACHED else 0.0
+    out["draft"] = 0.0
+    if spec.mode == "verify":  # the draft's weights and its context cache are arguments too
+        d = draft_bytes(cfg, spec, sizes, strategy)
+        out["draft"] = d["params_per_device"] + d["cache_per_device"]
+    out["total"] = (out["weights"] + out["optimizer"] + out["packed_experts"] + out["tokens"] + out["cache"]
+                    + out["draft"])
     return out
+
+
+def _leaf_bytes(x, logical: tuple, rules, sizes: dict, small: bool, name: str, lenient: bool = False) -> float:
+    """Bytes per device of one cache / draft leaf with logical axes ``logical`` under ``rules`` (``small``: the
+    small-batch rule, rows on every device)."""
+    logical = tuple(None if small and a == "batch" else a for a in logical)
+    return _per_device(x.shape, logical_to_spec(logical, x.shape, rules, sizes, name=name, lenient=lenient),
+                       sizes) * x.dtype.itemsize
 
 
 def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
@@ -96,19 +119,125 @@ def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> di
 
         context = ContextParallel(sizes, strategy, batch=spec.batch)
     rules = place.cache_rules(strategy, context)
-    small = context is None and spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    small = context is None and spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
     shapes = cache_shapes(cfg, spec.batch, spec.context, run_settings(cfg, spec), stacked=True)
     out = {"global": 0.0, "per_device": 0.0, "kda_per_device": 0.0, "mla_per_device": 0.0}
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = key_names(path)[-1]
-        logical = tuple(None if small and a == "batch" else a for a in cache_leaf_axes(key_names(path), x.ndim))
-        n = _per_device(x.shape, logical_to_spec(logical, x.shape, rules, sizes), sizes) * x.dtype.itemsize
+        n = _leaf_bytes(x, cache_leaf_axes(key_names(path), x.ndim), rules, sizes, small, path_str(path))
         out["global"] += math.prod(x.shape) * x.dtype.itemsize
         out["per_device"] += n
         if name in ("c_kv", "k_rope"):
             out["mla_per_device"] += n
         elif name != "lengths":
             out["kda_per_device"] += n
+    return out
+
+
+def plan_draft(cfg: K3Config, spec: PlanSpec) -> DraftConfig:
+    """The draft a verify plan runs: ``DraftConfig.for_target(cfg)`` drafting ``--draft-tokens`` per block (for
+    kimi-k3: the published K3 DSpark draft's dimensions — 5 dense MLA layers of width 7168, 64 heads, MLP 14336,
+    taps 2, 23, 47, 71, 89, Markov rank 256)."""
+    return DraftConfig.for_target(cfg, block_size=with_defaults(spec)[0].draft_tokens)
+
+
+def abstract_draft(dcfg: DraftConfig, dtype="bfloat16") -> tuple:
+    """(graphdef, parameters as ShapeDtypeStructs, their logical axes) of a ``dtype`` draft (weights and compute in
+    BF16 as the target's serving weights); ``nnx.merge(graphdef, parameters)`` rebuilds the module."""
+    model = nnx.eval_shape(lambda: DraftModel(dcfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    gdef, state = nnx.split(model)
+    flat = nnx.to_flat_state(state)
+    axes = nnx.State.from_flat_path({p: tuple(v.get_metadata()["axes"]) for p, v in flat}).to_pure_dict()
+    return gdef, state.to_pure_dict(), axes
+
+
+def draft_specs(params, axes, strategy: str, sizes: dict):
+    """PartitionSpec per draft parameter: the target's rules column over the draft's logical axes (its MLA, MLP and
+    context projection carry the target's names), a dimension the mesh does not divide left whole."""
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, tuple))
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    return jax.tree.unflatten(tree, [logical_to_spec(a, x.shape, strategy, sizes, name=path_str(p), lenient=True)
+                                     for (p, x), a in zip(leaves, flat_axes, strict=True)])
+
+
+DRAFT_CACHE_AXES = ("batch", None, None)  # c_kv [B, S, R], k_rope [B, S, Hr]: rows like the target cache's rows
+
+
+def draft_cache_shapes(cfg: K3Config, spec: PlanSpec, dcfg: DraftConfig) -> dict:
+    """The draft's context cache for --batch rows, as many positions as the target cache holds."""
+    run = run_settings(cfg, spec)
+    return jax.eval_shape(lambda: draft_cache(dcfg, spec.batch, capacity(cfg, spec.context, run),
+                                              jnp.dtype(run.compute_dtype)))
+
+
+def draft_cache_logical(names: tuple, ndim: int) -> tuple:
+    return ("batch",) if names[-1] == "lengths" else DRAFT_CACHE_AXES[:ndim]
+
+
+def draft_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
+    """Bytes of a verify plan's draft: ``params_global`` / ``params_per_device`` (BF16, ``draft_specs``) and
+    ``cache_global`` / ``cache_per_device`` (rows over the token axes, or on every device under the small-batch
+    rule)."""
+    spec = with_defaults(spec)[0]
+    dcfg = plan_draft(cfg, spec)
+    _, params, axes = abstract_draft(dcfg)
+    specs = jax.tree.leaves(draft_specs(params, axes, strategy, sizes),
+                            is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))
+    leaves = jax.tree.leaves(params)
+    out = {"params_global": float(sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)),
+           "params_per_device": float(sum(_per_device(x.shape, ps, sizes) * x.dtype.itemsize
+                                          for x, ps in zip(leaves, specs, strict=True))),
+           "params": float(sum(math.prod(x.shape) for x in leaves)), "cache_global": 0.0, "cache_per_device": 0.0}
+    small = place.small_batch(strategy, sizes, spec.batch)
+    for path, x in jax.tree_util.tree_flatten_with_path(draft_cache_shapes(cfg, spec, dcfg))[0]:
+        out["cache_global"] += math.prod(x.shape) * x.dtype.itemsize
+        out["cache_per_device"] += _leaf_bytes(x, draft_cache_logical(key_names(path), x.ndim), strategy, sizes,
+                                               small, path_str(path))
+    return out
+
+
+def record_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, mode: str | None = None) -> dict:
+    """Bytes of the verify records (``rollback.with_records`` for a piece of K + 1 tokens, ``mode`` "copy" |
+    "replay", default the plan's) on a verify plan's cache: ``global``, ``per_device`` under the cache's shardings
+    (``CACHE_AXES``: rows over the token axes — every row on each device under the small-batch rule —, KDA heads
+    over the heads' axes), and ``per_device_by_leaf``."""
+    spec = with_defaults(spec)[0]
+    mode = mode or spec.rollback
+    base = cache_shapes(cfg, spec.batch, spec.context, run_settings(cfg, spec), stacked=True)
+    rec = jax.eval_shape(lambda c: with_records(c, cfg, spec.draft_tokens + 1, mode), base)
+    small = place.small_batch(strategy, sizes, spec.batch)
+    out = {"mode": mode, "global": 0.0, "per_device": 0.0, "per_device_by_leaf": {}}
+    for path, x in jax.tree_util.tree_flatten_with_path(rec)[0]:
+        names = key_names(path)
+        if not str(names[-1]).startswith("rec_"):
+            continue
+        n = _leaf_bytes(x, cache_leaf_axes(names, x.ndim), strategy, sizes, small, path_str(path))
+        out["global"] += math.prod(x.shape) * x.dtype.itemsize
+        out["per_device"] += n
+        by = out["per_device_by_leaf"]
+        by[names[-1]] = by.get(names[-1], 0.0) + n
+    return out
+
+
+def draft_flops(dcfg: DraftConfig, keys: int) -> dict:
+    """Per row, the FLOPs of the draft's part of one verify step as ``k3jax.draft.network`` computes it (2 per
+    multiply-add): ``append`` — the K + 1 verified positions' context features (context_proj over the n taps) and
+    every layer's kv_a of them (an upper bound: a row appends only what it keeps); ``block`` — the K + 1 block tokens
+    through every layer's projections and MLP; ``attention`` — every layer's dense attention over ``keys`` context
+    positions + the block: the keys and values materialised from all of them through kv_b (2·(S + Q)·R·N·(Hn + V)),
+    scores and weighted sums; ``head`` — the target's lm_head for K slots and the Markov bias (rank r)."""
+    D, Q, K = dcfg.hidden_size, dcfg.block_size + 1, dcfg.block_size
+    N, R, Hn, Hr, V = (dcfg.num_attention_heads, dcfg.kv_lora_rank, dcfg.qk_nope_head_dim, dcfg.qk_rope_head_dim,
+                       dcfg.v_head_dim)
+    L, W = dcfg.num_hidden_layers, dcfg.vocab_size
+    proj = (D * dcfg.q_lora_rank + dcfg.q_lora_rank * N * (Hn + Hr) + D * (R + Hr) + N * V * D
+            + 3 * D * dcfg.intermediate_size)
+    S = keys + Q
+    out = {"append": 2.0 * Q * (dcfg.num_target_layers * dcfg.target_hidden_size * D + L * D * (R + Hr)),
+           "block": 2.0 * Q * L * proj,
+           "attention": 2.0 * L * (S * R * N * (Hn + V) + Q * N * S * (Hn + Hr + V)),
+           "head": 2.0 * K * W * (D + dcfg.markov_rank)}
+    out["total"] = sum(out.values())
     return out
 
 
@@ -168,8 +297,8 @@ def attention_flops(cfg: K3Config, spec: PlanSpec) -> float:
     T(T+1)/2 pairs. The up-projections of the latent are ``kv_b`` products, counted in N_active."""
     spec = with_defaults(spec)[0]
     T, N = spec.seq_len, cfg.mla_num_heads
-    if spec.mode == "decode":
-        mla = 2.0 * N * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * spec.context
+    if spec.mode in STEP_MODES:  # verify: each of the piece's T queries over (at most) --context keys
+        mla = 2.0 * N * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim) * spec.context * T
     else:
         mla = 2.0 * N * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * T * (T + 1) / 2
     kda = 4.0 * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * T
@@ -204,7 +333,7 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     six = 6.0 * n_active * tokens
     if spec.mode == "forward":
         expected = 2.0 * n_active * tokens
-    elif spec.mode in ("prefill", "decode"):
+    elif spec.mode in CACHED:
         expected = 2.0 * n_active * tokens + spec.batch * attention_flops(cfg, spec)
     elif spec.mode == "frozen-experts":
         expected = (6.0 * (n_active - n_exp) + 4.0 * n_exp) * tokens
@@ -216,6 +345,12 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     if spec.mode != "forward" and spec.remat in ("full", "group", "nothing_saveable"):
         expected += 2.0 * n_active * tokens
     out = {"active_params": n_active, "tokens": tokens, "six_n_tokens": six, "model": expected}
+    if spec.mode == "verify":  # + the draft's append and proposal, per row (over the target cache's positions)
+        out["draft"] = spec.batch * draft_flops(plan_draft(cfg, spec),
+                                                capacity(cfg, spec.context, run_settings(cfg, spec)))["total"]
+        expected += out["draft"]
+        useful += out["draft"]
+        out["model"] = expected
     if sizes is not None and spec.mode != "lora":  # lora: AdamW, no Newton–Schulz
         ns = newton_schulz_flops(cfg, spec, sizes, strategy, OptimConfig().ns_steps)
         out["newton_schulz"] = ns["global"]
@@ -230,5 +365,6 @@ def model_flops(cfg: K3Config, spec: PlanSpec, sizes: dict | None = None, strate
     return out
 
 
-__all__ = ["F32_STORED", "attention_flops", "cache_bytes", "estimate_arguments", "model_flops",
-           "newton_schulz_flops"]
+__all__ = ["DRAFT_CACHE_AXES", "F32_STORED", "abstract_draft", "attention_flops", "cache_bytes", "draft_bytes",
+           "draft_cache_logical", "draft_cache_shapes", "draft_flops", "draft_specs", "estimate_arguments",
+           "model_flops", "newton_schulz_flops", "plan_draft", "record_bytes"]

@@ -26,6 +26,11 @@ and ``estimate.cache_bytes``; a replicated tensor counts on every device):
               position written; prefill: the KDA state written, T positions of the latent written
     io        the tokens in; the logits out (forward: [B, T, V] f32 split like the batch; prefill / decode: the last
               token's [B, V] f32 on every device)
+A verify step (K drafted tokens, a piece of T = K + 1): weights as decode's for the piece's tokens; cache — the KDA
+state and conv tails read and written, the latent's --context keys read and T positions written; records — the
+verify records written once and what the rollback reads of them (copy: one state of T per row, and the conv inputs;
+replay: all of them); draft — its weights once, its context cache's filled positions read and T written; io — the
+piece in and the step's outputs (accepted counts, next anchors, drafted ids: the logits never leave the step).
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ import numpy as np
 from k3jax.config import K3Config
 from k3jax.model.cache import capacity
 from k3jax.model.counts import is_routed_expert
-from k3jax.plan.estimate import cache_bytes, estimate_arguments
+from k3jax.plan.estimate import cache_bytes, draft_bytes, estimate_arguments, record_bytes
 from k3jax.plan.hardware import Chip, axis_links, collective_hops, collective_latency_s, permute_hops
 from k3jax.plan.hlo import multiplicities, parse
 from k3jax.plan.hlo_cost import COLLECTIVES
-from k3jax.plan.spec import SERVING, PlanSpec, plan_params, run_settings, with_defaults
+from k3jax.plan.spec import CACHED, SERVING, STEP_MODES, PlanSpec, plan_params, run_settings, with_defaults
 from k3jax.pytree import key_names
 from k3jax.sharding import placement as place
 from k3jax.sharding.mesh import axis_sizes
@@ -159,7 +164,7 @@ def expert_tokens(spec: PlanSpec, sizes: dict, strategy: str) -> float:
     axis), at most B·T."""
     spec = with_defaults(spec)[0]
     tokens = spec.batch * spec.seq_len
-    if spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch):
+    if spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch):
         return float(tokens)
     s = axis_sizes(sizes)
     seq = s["context"] if place.uses_context(strategy, sizes) else 1
@@ -196,21 +201,37 @@ def bytes_floor(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, est: 
     out = {"expert_tokens": n, "experts_reached": reach, "weights": other + reach * experts,
            # gradient written + read, trainable masters read + written (4 bytes each, as the gradient), state both
            "optimizer": 4 * est["gradient_bytes"] + 2 * est["optimizer"], "cache": 0.0, "io": est["tokens"]}
-    if spec.mode in ("prefill", "decode"):
+    if spec.mode in CACHED:
         cache = cache_bytes(cfg, spec, sizes, strategy)
         slots = capacity(cfg, spec.context, run_settings(cfg, spec))
-        if spec.mode == "decode":
-            out["cache"] = 2 * cache["kda_per_device"] + cache["mla_per_device"] * (spec.context + 1) / slots
+        if spec.mode in STEP_MODES:  # --context keys read, the piece's positions written (decode: 1)
+            out["cache"] = 2 * cache["kda_per_device"] + cache["mla_per_device"] * (spec.context + spec.seq_len) / slots
         else:
             out["cache"] = cache["kda_per_device"] + cache["mla_per_device"] * spec.seq_len / slots
-        out["io"] += 4 * spec.batch * cfg.vocab_size  # the last token's logits, f32, on every device
+        if spec.mode == "verify":
+            parts = _verify_parts(cfg, spec, sizes, strategy, slots)
+            out["io"] += parts.pop("outputs")
+            out.update(parts)
+        else:
+            out["io"] += 4 * spec.batch * cfg.vocab_size  # the last token's logits, f32, on every device
     elif spec.mode in SERVING:  # forward: [B, T, V] f32, split like the batch (and the sequence)
         s = axis_sizes(sizes)
         seq = s["context"] if place.uses_context(strategy, sizes) else 1
         out["io"] += 4 * spec.batch * spec.seq_len * cfg.vocab_size / (place.token_parallel(strategy, sizes) * seq)
-    out["total"] = out["weights"] + out["optimizer"] + out["cache"] + out["io"]
+    out["total"] = out["weights"] + out["optimizer"] + out["cache"] + out["io"] + out.get("records", 0.0) + out.get(
+        "draft", 0.0)
     return out
 
+
+def _verify_parts(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str, slots: int) -> dict:
+    """A verify step's records, draft and outputs (module docstring), bytes per device."""
+    T, K = spec.seq_len, spec.draft_tokens
+    rec = record_bytes(cfg, spec, sizes, strategy)["per_device_by_leaf"]
+    read = {"rec_state": 1 / T, "rec_x": 1.0} if spec.rollback == "copy" else dict.fromkeys(rec, 1.0)
+    d = draft_bytes(cfg, spec, sizes, strategy)
+    return {"records": sum(v * (1 + read.get(k, 0.0)) for k, v in rec.items()),
+            "draft": d["params_per_device"] + d["cache_per_device"] * (spec.context + T) / slots,
+            "outputs": 4 * spec.batch * (K + 2)}  # n, the next anchor and the K drafted ids, on every device
 
 __all__ = ["bytes_floor", "collective_kind", "collective_latency", "expert_tokens", "experts_reached",
            "first_group", "group_axes", "instr_hops", "routed_expert_elements"]

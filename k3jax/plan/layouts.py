@@ -1,6 +1,8 @@
-"""The serving mesh a decode / prefill plan compiles when ``--mesh`` is not given: a short documented list of
+"""The serving mesh a decode / prefill / verify plan compiles when ``--mesh`` is not given: a short documented list of
 candidate (mesh, rules column) pairs for the target's chips, ranked by a closed-form step time; the best one is
-compiled (``k3 plan --compile --mode decode | prefill`` without ``--mesh``; ``--compare-layouts`` compiles all).
+compiled (``k3 plan --compile --mode decode | prefill | verify`` without ``--mesh``; ``--compare-layouts`` compiles
+all). Verify ranks decode's candidates with its own step (the piece's tokens, records and draft in the bytes; the
+target's collectives only).
 
     rows = rank_layouts(cfg, target, spec)          # [{mesh, strategy, estimate_s, reason, ...}], best first
     choice = choose_layout(cfg, target, spec)       # {"candidates": rows, "chosen": rows[0], "why": ...}
@@ -35,7 +37,7 @@ from k3jax.errors import InputError
 from k3jax.plan.estimate import estimate_arguments
 from k3jax.plan.floor import bytes_floor
 from k3jax.plan.hardware import CHIPS, Target, axis_links, collective_hops, collective_latency_s, topology_dims
-from k3jax.plan.spec import PlanSpec, check, with_defaults
+from k3jax.plan.spec import STEP_MODES, PlanSpec, check, with_defaults
 from k3jax.sharding import placement as place
 from k3jax.sharding.rules import mesh_axes_of
 
@@ -46,7 +48,7 @@ CANDIDATES = (
     (4, "serve", "non-expert weights over all chips: heads over tensor = 4, the width over expert"),
     (1, "serve", "every weight over the expert axis alone: the width split over all chips"),
 )
-LAYOUT_MODES = ("prefill", "decode")  # the serving modes with a cache; forward and the train modes take --mesh
+LAYOUT_MODES = ("prefill", "decode", "verify")  # the serving modes with a cache; the other modes take --mesh
 ACTIVATION_BYTES = 2  # the serving modes compute in BF16
 
 
@@ -76,7 +78,7 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
     spec = with_defaults(spec)[0]
     ax = lambda name: mesh_axes_of(name, strategy, sizes)  # noqa: E731
     emb, heads, mlp, experts, emlp = ax("embed"), ax("heads"), ax("mlp"), ax("experts"), ax("expert_mlp")
-    small = spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)
+    small = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
     rows = spec.batch if small else spec.batch / place.token_parallel(strategy, sizes)
     tokens = rows * spec.seq_len
     act = tokens * cfg.hidden_size * ACTIVATION_BYTES
@@ -126,7 +128,7 @@ def estimate_layout(cfg: K3Config, target: Target, spec: PlanSpec) -> dict:
     # over as well: XLA then moves activations and weights around every projection (kimi-k3, B = 64 at 128K on
     # v5p-64, expert=64 serve: 221.6 ms per step compiled, 218 GB of collectives per chip, against 20.2 ms
     # estimated; experiments/LOG.md 2026-12-06 session 25). It is the small-batch column.
-    if strategy == "serve" and not (spec.mode == "decode" and place.small_batch(strategy, sizes, spec.batch)):
+    if strategy == "serve" and not (spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)):
         raise InputError(f"--strategy serve: a column for decode batches small enough to sit whole on every chip; "
                          f"--batch {spec.batch} splits its rows over the axis serve splits the width over")
     chip = target.chip or CHIPS["v5p"]

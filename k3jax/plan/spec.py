@@ -22,14 +22,21 @@ rules shard the experts; the layer stack scanned; the train modes are `k3 train`
     decode          serving, one decode step of B sequences at context C (``--context``): the cache holds C - 1
                     tokens, the step appends one per row and attends over C keys (absorbed MLA, reading only filled
                     key blocks) → logits [B, V] and the cache, donated
+    verify          serving, one speculative step of B sequences at context C with K drafted tokens
+                    (``--draft-tokens``, ``k3jax.plan.verify``): the target extends a piece of K + 1 tokens with
+                    verify records, keeps a greedy-accepted prefix (``rollback``, ``--rollback copy | replay``), and
+                    a DSpark draft of the published shape appends the kept positions' taps and drafts K more; the
+                    cache holds C - K - 1 tokens, so the piece's last token attends over C keys as a decode step's
+                    does; caches donated
 
-The serving modes (forward, prefill, decode) hold BF16 weights and the routed experts as packed MXFP4 bytes, run
-through the Pallas kernel under expert parallelism on a TPU target. Prefill and decode without a mesh take the best
-of a few candidate meshes and rules columns (``serve`` among them) by a closed-form step time
-(``k3jax.plan.layouts``); every other mode needs its mesh. Prefill and decode place the cache by the
+The serving modes (forward, prefill, decode, verify) hold BF16 weights and the routed experts as packed MXFP4
+bytes, run through the Pallas kernel under expert parallelism on a TPU target. Prefill, decode and verify without a
+mesh take the best of a few candidate meshes and rules columns (``serve`` among them) by a closed-form step time
+(``k3jax.plan.layouts``); every other mode needs its mesh. Prefill, decode and verify place the cache by the
 rules (``model.cache.CACHE_AXES``: rows over the token axes, KDA heads over the heads' axes); a batch smaller than
 the token axes' ways takes the small-batch rule (``sharding.placement.small_batch``: rows and cache replicated, each
-device runs its local experts on every row, one psum), in decode only.
+device runs its local experts on every row, one psum), in decode and verify only (``STEP_MODES``). Verify takes
+decode's defaults and serving candidates.
 """
 
 from __future__ import annotations
@@ -57,9 +64,12 @@ from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.train.settings import TrainConfig
 from k3jax.train.settings import run_settings as train_run_settings
 
-MODES = ("forward", "train", "frozen-experts", "lora", "prefill", "decode")
+MODES = ("forward", "train", "frozen-experts", "lora", "prefill", "decode", "verify")
 TRAIN_MODES = ("train", "frozen-experts", "lora")  # a backward and an optimizer
-SERVING = ("forward", "prefill", "decode")  # BF16 weights + packed MXFP4 experts, no backward
+SERVING = ("forward", "prefill", "decode", "verify")  # BF16 weights + packed MXFP4 experts, no backward
+CACHED = ("prefill", "decode", "verify")  # the serving modes with a hybrid cache
+STEP_MODES = ("decode", "verify")  # a few tokens per row on a filled cache: the small-batch rule applies
+ROLLBACKS = ("copy", "replay")  # verify: how the KDA state is rebuilt after a rejection (k3jax.model.rollback)
 
 
 @dataclass(frozen=True)
@@ -72,12 +82,14 @@ class PlanSpec:
     capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
     packed_kernel: str | None = None  # --packed-kernel: auto, pallas, tiles; None: as --kernels picks (RunConfig)
-    context: int | None = None  # decode: keys attended (the cache holds context - 1); prefill: cache length (None: T)
+    context: int | None = None  # decode / verify: keys the (last) token attends; prefill: cache length (None: T)
     opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
     muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; owner-compute)
     lora_rank: int = 16  # lora: the adapters' rank (alpha = 2 rank, every target)
     kernels: str = "auto"  # --kernels (config.with_kernels) for the target's platform
     platform: str = "tpu"  # the platform the plan compiles for (its --target's)
+    draft_tokens: int | None = None  # verify: K drafted tokens per step (the piece is K + 1; None: PLAN_DRAFT_TOKENS)
+    rollback: str | None = None  # verify: "copy" | "replay" (None: PLAN_ROLLBACK)
 
 
 # A plan's defaults are the program one would deploy at full size, not the small-model defaults of ``k3 train``:
@@ -101,6 +113,10 @@ PLAN_REMAT_DEFAULT = "full"
 # Decode runs dropless (-1): its worst-case buffer is small (B = 64 over expert = 16: 4 rows per chip, a 1,024-row
 # receive buffer per MoE layer), and a dropped assignment changes the token a server emits.
 PLAN_DECODE_CAPACITY = -1.0
+# Verify: the published K3 draft's block (7 drafted tokens, a piece of 8), and the rollback that keeps every state of
+# the piece (one pick, no arithmetic; replay stores ~20x less and sums it back, k3jax/model/rollback.py).
+PLAN_DRAFT_TOKENS = 7
+PLAN_ROLLBACK = "copy"
 
 
 def plan_strategy(sizes: dict) -> str:
@@ -116,7 +132,11 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
     if spec.remat is None:
         d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT.get(spec.mode, PLAN_REMAT_DEFAULT)
     if spec.capacity_factor is None:
-        d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode == "decode" else PLAN_CAPACITY
+        d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode in STEP_MODES else PLAN_CAPACITY
+    if spec.mode == "verify" and spec.draft_tokens is None:
+        d["draft_tokens"] = PLAN_DRAFT_TOKENS
+    if spec.mode == "verify" and spec.rollback is None:
+        d["rollback"] = PLAN_ROLLBACK
     if spec.context is None and spec.mode == "prefill":
         d["context"] = spec.seq_len
     if spec.strategy is None and spec.mesh is not None:
@@ -180,14 +200,15 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
         raise InputError(f"--seq-len {spec.seq_len}: above {cfg.name}'s max_position_embeddings {limit}")
     if spec.mode == "decode" and spec.context is None:
         raise InputError("--mode decode needs --context (the keys each row attends to: the cache holds context - 1)")
+    _check_verify(spec)
     if spec.context is not None:
-        if spec.mode not in ("prefill", "decode"):
+        if spec.mode not in CACHED:
             raise InputError(f"--context {spec.context}: the cache's length; --mode {spec.mode} has no cache")
-        low = spec.seq_len if spec.mode == "prefill" else 1
+        low = spec.seq_len if spec.mode in ("prefill", "verify") else 1
         if not low <= spec.context <= limit:
+            least = {"prefill": "at least --seq-len, ", "verify": "at least the piece's K + 1 tokens, "}
             raise InputError(f"--context {spec.context}: must lie in [{low}, {limit}] (--mode {spec.mode}: "
-                             f"{'at least --seq-len, ' if spec.mode == 'prefill' else ''}at most {cfg.name}'s "
-                             "max_position_embeddings)")
+                             f"{least.get(spec.mode, '')}at most {cfg.name}'s max_position_embeddings)")
     if spec.mode == "decode" and spec.seq_len != 1:
         raise InputError(f"--seq-len {spec.seq_len}: a decode step is one token per row (its context is --context)")
     if spec.opt_state_dtype != "float32":
@@ -214,11 +235,12 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
         raise InputError(f"{flag} pallas --target {target.spec}: the packed-expert Pallas kernel compiles for TPU "
                          "targets (Mosaic); a cpu target plans the XLA tile loop (--packed-kernel auto or tiles)")
     if place.uses_context(strategy, sizes):                   # the batch takes the token axes it divides
-        if spec.mode == "decode":
-            raise InputError(f"--mesh {spec.mesh} --mode decode: a context axis splits sequences, and a decode step "
-                             "is one token per row (plan the prefill with it: --mode prefill)")
+        if spec.mode in STEP_MODES:
+            step = "a decode step is one token" if spec.mode == "decode" else "a verify step is K + 1 tokens"
+            raise InputError(f"--mesh {spec.mesh} --mode {spec.mode}: a context axis splits sequences, and {step} "
+                             "per row (plan the prefill with it: --mode prefill)")
         ContextParallel(sizes, strategy, batch=spec.batch).check(spec.seq_len, "--seq-len")
-    elif spec.mode == "decode":
+    elif spec.mode in STEP_MODES:
         place.small_batch(strategy, sizes, spec.batch)       # divides, or the small-batch rule, or InputError
     else:
         ways = place.token_parallel(strategy, sizes)
@@ -228,6 +250,28 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     if target.platform == "tpu" and not libtpu_installed():
         raise InputError(f"--target {target.spec}: libtpu is not installed; {LIBTPU_HINT}")
     return sizes, strategy
+
+
+def _check_verify(spec: PlanSpec) -> None:
+    """The verify flags: --draft-tokens / --rollback only with --mode verify; K >= 1; the piece is K + 1 tokens;
+    --context."""
+    if spec.mode != "verify":
+        for flag, v in (("--draft-tokens", spec.draft_tokens), ("--rollback", spec.rollback)):
+            if v is not None:
+                raise InputError(f"{flag} {v}: a speculative verify step's; --mode {spec.mode} has none "
+                                 "(--mode verify)")
+        return
+    K = spec.draft_tokens
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise InputError(f"--draft-tokens {K}: must be an integer >= 1 (tokens drafted per verify step)")
+    if spec.rollback not in ROLLBACKS:
+        raise InputError(f"--rollback {spec.rollback!r}: unknown; known: {', '.join(ROLLBACKS)}")
+    if spec.seq_len != K + 1:
+        raise InputError(f"--seq-len {spec.seq_len}: a verify step's piece is the anchor and the K drafted tokens, "
+                         f"--draft-tokens {K} + 1 = {K + 1}")
+    if spec.context is None:
+        raise InputError("--mode verify needs --context (the keys the piece's last token attends to: the cache "
+                         "holds context - K - 1)")
 
 
 def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
@@ -241,6 +285,6 @@ def plan_lora(spec: PlanSpec):
     return LoRAConfig(rank=spec.lora_rank, alpha=2.0 * spec.lora_rank, targets=LORA_TARGETS)
 
 
-__all__ = ["MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_OPT_STATE", "PLAN_REMAT", "SERVING", "TRAIN_MODES",
-           "PlanSpec", "check", "plan_lora", "plan_params", "plan_strategy", "run_settings", "train_config",
-           "with_defaults"]
+__all__ = ["CACHED", "MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_DRAFT_TOKENS", "PLAN_OPT_STATE",
+           "PLAN_REMAT", "PLAN_ROLLBACK", "ROLLBACKS", "SERVING", "STEP_MODES", "TRAIN_MODES", "PlanSpec", "check",
+           "plan_lora", "plan_params", "plan_strategy", "run_settings", "train_config", "with_defaults"]

@@ -7,6 +7,8 @@ is tested against it. Nothing here is fast; everything here is a line-by-line tr
 - ``short_conv``: causal depthwise conv, tap ``conv_size - 1`` multiplies the current token, then SiLU (§4.1).
 - ``l2norm``: z / sqrt(sum z^2 + 1e-6) (§2.3).
 - ``kda_recurrent``: the token-by-token recurrence of §4.3, K-first state [K, V].
+- ``kda_recurrent_records``: the same recurrence, returning the state after every token and every update vector u.
+- ``kda_replay``: the state after n tokens of a piece from S_0 and the records, as one sum (a rollback's replay).
 - ``gated_rmsnorm``: per-head RMSNorm over K (eps inside the rsqrt, on the mean), times o_norm, times sigmoid(gate).
 - ``kda_layer``: the full token mixer of §4.1 on the k3jax parameter dict (``k3jax.model.params.init_kda``).
 
@@ -101,6 +103,45 @@ def kda_recurrent(q, k, v, g, beta, *, scale=None, initial_state=None):
                 o[b, t, h] = St.T @ (s * q[b, t, h])             # read after the write
             S[b, h] = St
     return o, S
+
+
+def kda_recurrent_records(k, v, g, beta, *, initial_state):
+    """The §4.3 recurrence's states, written with the update vector u_t = beta_t (v_t - (Diag(exp g_t) S_{t-1})^T k_t),
+    S_t = Diag(exp g_t) S_{t-1} + k_t u_t^T (the same update as ``kda_recurrent``, regrouped).
+
+    k, g: [B, T, N, K]; v: [B, T, N, V]; beta: [B, T, N]; initial_state [B, N, K, V].
+    Returns states [B, T, N, K, V] (after each token) and u [B, T, N, V]."""
+    k, v, g, beta = map(_f64, (k, v, g, beta))
+    B, T, N, K = k.shape
+    states = np.zeros((B, T, N, K, v.shape[-1]))
+    u = np.zeros(v.shape)
+    for b in range(B):
+        for h in range(N):
+            St = _f64(initial_state)[b, h].copy()
+            for t in range(T):
+                St = np.exp(g[b, t, h])[:, None] * St
+                u[b, t, h] = beta[b, t, h] * (v[b, t, h] - St.T @ k[b, t, h])
+                St = St + np.outer(k[b, t, h], u[b, t, h])
+                states[b, t, h] = St
+    return states, u
+
+
+def kda_replay(state, k, u, G, n):
+    """S_n = Diag(exp G_n) S_0 + sum_{j=1..n} Diag(exp(G_n - G_j)) k_j u_j^T, G_j = g_1 + ... + g_j (G_0 = 0), per row.
+
+    state [B, N, K, V] (S_0); k, G [B, T, N, K]; u [B, T, N, V]; n [B] ints in [0, T]. Returns [B, N, K, V]."""
+    state, k, u, G = map(_f64, (state, k, u, G))
+    B, T, N, K = k.shape
+    out = np.zeros(state.shape)
+    for b in range(B):
+        m = int(n[b])
+        for h in range(N):
+            Gn = G[b, m - 1, h] if m > 0 else np.zeros(K)
+            S = np.exp(Gn)[:, None] * state[b, h]
+            for j in range(m):
+                S = S + np.exp(Gn - G[b, j, h])[:, None] * np.outer(k[b, j, h], u[b, j, h])
+            out[b, h] = S
+    return out
 
 
 def gated_rmsnorm(o, w, gate, eps: float):

@@ -185,7 +185,8 @@ def test_cli_needs_out_and_names_a_missing_file(tmp_path, capsys):
 
 
 SHIPPED = sorted(p for p in glob.glob(os.path.join(REPO, "experiments", "ablations", "*.toml"))
-                 if "[scaling]" not in open(p).read())  # the scaling studies: tests/ablate/test_ablate_scaling.py
+                 if "[scaling]" not in open(p).read()            # scaling studies: tests/ablate/test_ablate_scaling.py
+                 and 'kind = "decoding"' not in open(p).read())  # decoding studies: tests/ablate/test_decoding_study.py
 
 
 def test_every_builtin_factor_has_a_shipped_spec():

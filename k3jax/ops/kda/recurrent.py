@@ -2,6 +2,9 @@
 
 The rung just above the float64 oracle ``k3jax.reference.kda.kda_recurrent``: the same update, vectorised over
 (B, N) and scanned over T. Shapes and the state layout: see ``k3jax.ops.kda.common``.
+
+For a speculative verify piece, ``kda_recurrent_recorded`` also returns each token's update vector (and optionally
+each state), and ``kda_replay`` rebuilds the state after any prefix of the piece from them (``k3jax.model.rollback``).
 """
 
 from __future__ import annotations
@@ -79,3 +82,59 @@ def kda_step(q, k, v, g, beta, state, *, scale=None):
     S, o = _step(state.astype(ct), *(a.astype(ct) for a in (q, k, v, g, beta)), scale)
     o = o.astype(q.dtype)
     return (o[:, None] if has_time else o), S
+
+
+def step_recorded(S, q, k, v, g, beta, scale):
+    """``_step`` that also returns the delta rule's update vector u = beta (v - (Diag(exp g) S)^T k), so that the
+    new state is Diag(exp g) S + k u^T. Shapes as ``_step``'s; u [B, N, V]. Returns (S, o, u)."""
+    S = S * jnp.exp(g)[..., :, None]
+    u = beta[..., None] * (v - jnp.einsum("bnkv,bnk->bnv", S, k))
+    S = S + k[..., :, None] * u[..., None, :]
+    o = jnp.einsum("bnkv,bnk->bnv", S, q * scale)
+    return S, o, u
+
+
+def kda_recurrent_recorded(q, k, v, g, beta, *, initial_state, scale=None, keep_states: bool = False):
+    """``kda_recurrent`` over a short piece (a speculative verify, T <= ~16) that also returns what undoing the piece's
+    tail needs (``kda_replay``, ``k3jax.model.rollback``).
+
+    Args: as ``kda_recurrent`` (no documents); initial_state [B, N, K, V] K-first.
+    Returns: o [B, T, N, V] in q.dtype; the final state [B, N, K, V]; u [B, T, N, V], the update vector of every
+      token (``step_recorded``); states [B, T, N, K, V], the state after every token (None unless ``keep_states``:
+      T states are T times the state's memory). All but o in ``acc_dtype(q.dtype)``.
+    """
+    validate_inputs(q, k, v, g, beta, initial_state)
+    K = q.shape[-1]
+    ct = acc_dtype(q.dtype)
+    scale = K ** -0.5 if scale is None else scale
+    xs = tuple(jnp.moveaxis(a.astype(ct), 1, 0) for a in (q, k, v, g, beta))
+
+    def body(S, x):
+        S, o, u = step_recorded(S, *x, scale)
+        return S, (o, u, S) if keep_states else (o, u)
+
+    S, ys = jax.lax.scan(body, initial_state.astype(ct), xs)
+    o, u = (jnp.moveaxis(a, 0, 1) for a in ys[:2])
+    states = jnp.moveaxis(ys[2], 0, 1) if keep_states else None
+    return o.astype(q.dtype), S, u, states
+
+
+def kda_replay(state, k, u, G, n):
+    """The state after the first n[b] tokens of a piece, rebuilt from the state before it and the piece's keys, update
+    vectors and cumulative log-decays, in one sum instead of n steps (the recurrence unrolled):
+
+        S_n = Diag(exp G_n) S_0 + sum_{j <= n} Diag(exp(G_n - G_j)) k_j u_j^T,   G_j = g_1 + ... + g_j, G_0 = 0.
+
+    Args: state [B, N, K, V] (S_0, K-first); k, G [B, T, N, K]; u [B, T, N, V] (``kda_recurrent_recorded``);
+      n [B] int in [0, T]. Returns S_n [B, N, K, V] in ``acc_dtype(state.dtype)``.
+    The weights of tokens j > n are masked before the exp: G_n - G_j >= 0 there and its exp may overflow.
+    Float64 twin: ``k3jax.reference.kda.kda_replay``."""
+    ct = acc_dtype(state.dtype)
+    k, u, G = (a.astype(ct) for a in (k, u, G))
+    B, T = k.shape[:2]
+    n = jnp.asarray(n, jnp.int32)
+    G0 = jnp.concatenate([jnp.zeros_like(G[:, :1]), G], axis=1)                    # [B, T + 1, N, K]: G_0 = 0
+    Gn = jnp.take_along_axis(G0, n[:, None, None, None], axis=1)[:, 0]            # [B, N, K]
+    live = (jnp.arange(T)[None, :] < n[:, None])[:, :, None, None]                # token j (0-based) is kept
+    w = jnp.exp(jnp.where(live, Gn[:, None] - G, -jnp.inf))                        # [B, T, N, K]
+    return jnp.exp(Gn)[..., None] * state.astype(ct) + jnp.einsum("btnk,btnv->bnkv", w * k, u)
