@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Train the DSpark draft for the shipped k3-mini (k3jax/assets/k3-mini-stdlib) on the data that model was trained on:
 # the default `k3 train` corpus, the first 4 MiB of the sorted Python stdlib sources with the last 5% held out, in
-# windows of 64 bytes (its training context). The target is frozen; only the draft (1 layer, width 384, K = 7,
-# taps at layers 0, 2, 4, 6, 8: DraftConfig.for_target's defaults, 2.0M parameters) trains.
+# windows of 64 bytes (its training context). The target is frozen; only the draft (2 layers, width 384, K = 7, taps
+# at layers 0, 2, 4, 6, 8: DraftConfig.for_target's defaults but the depth, 3.26M parameters) trains. The shipped
+# draft (k3jax/assets/k3-mini-stdlib/draft) is this script's default run.
 #
 #   bash experiments/draft/train_k3mini_draft.sh [OUT_DIR] [STEPS] [LAYERS]   # default /work/runs/k3mini-draft,
 #                                                                            # 1500 steps, 2 draft layers
 #   bash experiments/draft/train_k3mini_draft.sh /tmp/d 3              # a seconds-scale check of the command
 #
-# Sizing: 0.74 steps/s (1.34 s/step, batch 16 x 64 tokens, 16 blocks per row) on the 2-core CPU with the target's
-# MXFP4 experts dequantized (--target-dense; packed they ran an XLA loop that doubled the step), so 1800 steps are
-# ~41 min. A line every 10 steps on stderr (loss, tokens/s, eta, the batch's greedy acceptance); every 100 steps the
-# held-out draft loss, KL to the target, greedy accepted tokens per block and slot-1 agreement (also in
-# OUT_DIR/metrics.jsonl). The draft lands in OUT_DIR/export (config.json + model.safetensors, DSpark layout).
+# Sizing: ~0.75 steps/s (batch 16 x 64 tokens, 16 blocks per row) on the 2-core CPU alone, with the target's MXFP4
+# experts dequantized (--target-dense; packed they ran an XLA loop that doubled the step): 1500 steps ~35 min alone.
+# A line every 10 steps on stderr (loss, tokens/s, eta, the batch's greedy acceptance); every 100 steps the held-out
+# draft loss, KL to the target, greedy accepted tokens per block and slot-1 agreement (also in OUT_DIR/metrics.jsonl).
+# The draft lands in OUT_DIR/export (config.json + model.safetensors, DSpark layout).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${1:-/work/runs/k3mini-draft}"
