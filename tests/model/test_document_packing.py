@@ -46,7 +46,8 @@ def _packed_vs_alone(params, run):
     return np.concatenate(got), np.concatenate(want)
 
 
-@pytest.mark.parametrize("kw", [{}, {"layer_stack": "scan", "remat": "full"}, {"kda_impl": "recurrent"},
+@pytest.mark.parametrize("kw", [{}, {"layer_stack": "scan", "remat": "full"},
+                                pytest.param({"kda_impl": "recurrent"}, marks=pytest.mark.slow),
                                 pytest.param({"kda_impl": "pallas"}, marks=pytest.mark.slow)],  # CI's budget
                          ids=["chunked", "scan-remat", "recurrent", "pallas"])
 def test_packed_row_losses_equal_each_document_alone(kw):

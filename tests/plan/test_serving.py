@@ -104,7 +104,7 @@ def test_small_batch_rule_decode_equals_one_device(params, packed_kernel):
     _decode_both(params, "data=2,expert=4", cache, cache, last, 2, small=True, packed_kernel=packed_kernel)
 
 
-@pytest.mark.parametrize("mode,batch", [("decode", 8), ("decode", 1),
+@pytest.mark.parametrize("mode,batch", [("decode", 8), pytest.param("decode", 1, marks=pytest.mark.slow),
                                         pytest.param("prefill", 8, marks=pytest.mark.slow)])  # CI's budget
 def test_plan_counts_the_cache_and_the_key_loops(mode, batch):
     """`k3 plan --compile --mode prefill | decode` on cpu:8: the compiled arguments are the closed form's
