@@ -3,7 +3,7 @@
 # the default `k3 train` corpus, the first 4 MiB of the sorted Python stdlib sources with the last 5% held out, in
 # windows of 64 bytes (its training context). The target is frozen; only the draft (2 layers, width 384, K = 7, taps
 # at layers 0, 2, 4, 6, 8: DraftConfig.for_target's defaults but the depth, 3.26M parameters) trains. The shipped
-# draft (k3jax/assets/k3-mini-stdlib/draft) is this script's default run.
+# draft's stage 1 (stage 2, train_k3mini_draft_greedy.sh, starts from it) is this script's default run.
 #
 #   bash experiments/draft/train_k3mini_draft.sh [OUT_DIR] [STEPS] [LAYERS]   # default /work/runs/k3mini-draft,
 #                                                                            # 1500 steps, 2 draft layers
