@@ -10,10 +10,12 @@ per routed expert) is one HF ``nn.Linear``; its module is the tensor's name less
 renamed where transformers' own module tree names it otherwise (``MODULE_RENAMES``, per name-map layout): its
 KimiLinear (transformers ≥ 5) holds the MoE block as ``mlp``, so on the "kimi-linear" layout the shared experts are
 ``model.layers.{l}.mlp.shared_experts.{gate,up,down}_proj`` (checkpoint: ``block_sparse_moe.shared_experts``).
-Routed experts keep the checkpoint's names (``block_sparse_moe.experts.{e}.w{1,2,3}``, the release's own modelling
-code): transformers fuses them into 3-D parameters, with no per-expert module. Loading accepts either spelling of a
-module (not both). With W's adapter A [*in, r], B [r, *out] (that layer's row of a stack, that expert's slice of an
-expert stack):
+Routed experts come in two layouts (``experts_layout``; ``LoRAConfig.peft_experts``): per-expert modules with the
+checkpoint's names (``block_sparse_moe.experts.{e}.w{1,2,3}``, the release's own modelling code), or fused —
+transformers 5 holds them as 3-D parameters with no per-expert module, which PEFT reaches through
+``target_parameters`` (k3jax/checkpoint/peft_experts.py). Loading recognises either (never both) and accepts
+either spelling of a module (not both). With W's adapter A [*in, r], B [r, *out] (that layer's row of a stack,
+that expert's slice of an expert stack):
 
     base_model.model.<module>.lora_A.weight   [r, prod(in)]    A.reshape(prod(in), r).T
     base_model.model.<module>.lora_B.weight   [prod(out), r]   B.reshape(r, prod(out)).T
@@ -29,6 +31,12 @@ would apply differently from PEFT is refused, naming the file and the field or t
 rsLoRA, ``fan_in_fan_out``, DoRA, bias or ``modules_to_save`` entries, per-module rank/alpha patterns,
 unknown keys, modules the base lacks, wrong shapes. ``k3jax_adapter.json`` (written beside PEFT's files, optional
 on load) keeps the base's architecture, so an adapter for another base is refused with the fields that differ.
+
+Shared-A experts (``LoRAConfig.experts_shared_a``: one A [in, r] per routed stack, B per expert) have no PEFT form:
+the export writes that A as every expert's lora_A (in either layout) and the sidecar records
+``"experts_shared_a": true``; loading with that sidecar checks every expert's A equals expert 0's (else an error
+naming the tensor) and returns the factorised leaves. Without the sidecar (an adapter PEFT wrote, or one whose
+sidecar was removed) the same files load per expert.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.checkpoint import name_map as nm
+from k3jax.checkpoint import peft_experts as px
 from k3jax.checkpoint.atomic import check_out_dir, staged_dir
 from k3jax.checkpoint.container import PICKLE_SUFFIXES, read_header
 from k3jax.checkpoint.errors import CheckpointError
@@ -128,7 +137,8 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     """Write the adapter leaves of ``params`` (keys ending ``_lora_a`` / ``_lora_b``; base leaves are ignored) for
     ``run.lora`` as a PEFT LoRA adapter directory, atomically (temp dir + rename; an existing non-empty
     ``out_dir`` is replaced only with ``overwrite``). Factors are stored in their own dtype (BF16, else F32).
-    Returns {"dir", "modules", "tensors"}."""
+    The routed experts' layout: ``experts_layout`` (module doc; peft_experts.py for the fused one). Returns {"dir",
+    "modules", "tensors", "experts"}."""
     lora = run.lora
     if lora is None:
         raise CheckpointError("run.lora is None: no adapter to save")
@@ -140,6 +150,9 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
         extra = "/".join(map(str, sorted(held - expected, key=str)[0]))
         raise CheckpointError(f"params hold adapter leaves run.lora.targets {lora.targets} does not cover "
                               f"(first: {extra})")
+    fused = px.fused_params([m for m in mods if m.expert is not None], MODULE_RENAMES[nm.default_layout(cfg)]) \
+        if experts_layout(lora, cfg) == "fused" else []
+    per_expert: dict[tuple, np.ndarray] = {}  # (module, factor) -> leaf factor, for the fused tensors
     hosts: dict[tuple, np.ndarray] = {}
     values: dict[nm.TensorSpec, np.ndarray] = {}
     for m in mods:
@@ -151,20 +164,31 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
                                           f"{lora.targets} includes {m.target!r})")
                 hosts[loc] = host_value(get_path(params, loc))  # every process gathers (a collective)
             x = hosts[loc] if g is None else hosts[loc][g]
-            x = x if m.expert is None else x[m.expert]
+            shared = factor == "A" and lora.experts_shared_a  # one A [in, r] for the stack: every expert's copy
+            x = x if m.expert is None or shared else x[m.expert]
             if tuple(x.shape) != shape:
                 raise CheckpointError(f"adapter leaf {'/'.join(map(str, loc))} has shape {list(x.shape)}; rank "
                                       f"{lora.rank} needs {list(shape)} per layer")
+            if fused and m.expert is not None:
+                per_expert[m, factor] = x
+                continue
             spec = factor_spec(m, factor, "BF16" if x.dtype == nm.np_dtype("BF16") else "F32")
             values[spec] = nm.leaf_to_hf(x, spec)
+    names = px.tensor_names(fused, PREFIX)
+    for key, x in px.fused_tensors(fused, lambda m, f: per_expert[m, f], lora.rank).items():
+        values[px.spec(names[key], x)] = x
     conf = {"alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base or "", "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "layers_pattern": None,
             "layers_to_transform": None, "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer()
             else lora.alpha, "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA", "r": lora.rank,
-            "rank_pattern": {}, "revision": None, "target_modules": sorted(m.name for m in mods),
-            "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False}
+            "rank_pattern": {}, "revision": None, "target_modules": sorted(m.name for m in mods if not (
+                fused and m.expert is not None)), "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False}
+    if fused:
+        conf.update(px.config_fields(fused, lora.rank, conf["lora_alpha"]))
     side = {"format": 1, "lora": {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets),
                                   "dropout": lora.dropout}, "architecture": architecture(cfg)}
+    if lora.experts_shared_a:  # absent otherwise: the sidecars written before it stay byte for byte
+        side["lora"]["experts_shared_a"] = True
     out_dir = os.path.abspath(os.fspath(out_dir))
     failed = True
     try:
@@ -178,7 +202,16 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     finally:
         if any_process(failed) and not failed:  # a collective: every process learns whether the write failed
             raise CheckpointError("process 0 failed to write the adapter", file=out_dir)
-    return {"dir": out_dir, "modules": len(mods), "tensors": len(values)}
+    return {"dir": out_dir, "modules": len(mods), "tensors": len(values), "experts": "fused" if fused else
+            "per-expert"}
+
+
+def experts_layout(lora: LoRAConfig, cfg: K3Config) -> str:
+    """"per-expert" or "fused": the routed experts' layout a PEFT export writes (``LoRAConfig.peft_experts``;
+    "auto": fused on the Kimi-Linear layout, whose transformers 5 model has only the fused 3-D parameters)."""
+    if lora.peft_experts != "auto":
+        return lora.peft_experts
+    return "fused" if nm.default_layout(cfg) == "kimi-linear" else "per-expert"
 
 
 # ------------------------------------------------------------------------------------------------------- load
@@ -194,8 +227,18 @@ def _json(file: str) -> dict:
     return obj
 
 
-def read_config(path: str) -> tuple[int, float]:
-    """(r, lora_alpha) of ``adapter_config.json``, every field k3jax would apply differently from PEFT refused."""
+class AdapterConfig(NamedTuple):
+    """``adapter_config.json`` once checked: its file, r, lora_alpha, and the whole object."""
+
+    file: str
+    r: int
+    alpha: float
+    raw: dict
+
+
+def read_config(path: str) -> AdapterConfig:
+    """``adapter_config.json`` with every field k3jax would apply differently from PEFT refused (rank / alpha
+    patterns and ``target_parameters`` are checked against the base by ``peft_experts``)."""
     file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(file):
         raise CheckpointError(f"no {ADAPTER_CONFIG}: not a PEFT adapter directory", file=path)
@@ -219,9 +262,10 @@ def read_config(path: str) -> tuple[int, float]:
     need(c.get("bias", "none") == "none", "bias", "bias adapters are not supported; only 'none'")
     need(not c.get("use_dora", False), "use_dora", "DoRA is not supported")
     need(not c.get("modules_to_save"), "modules_to_save", "full module copies are not supported")
-    for fld in ("rank_pattern", "alpha_pattern"):
-        need(not c.get(fld), fld, "per-module ranks / alphas are not supported (one r and lora_alpha)")
-    return r, float(alpha)
+    for fld in ("rank_pattern", "alpha_pattern"):  # with target_parameters: peft_experts.check_patterns
+        need(not c.get(fld) or c.get("target_parameters"), fld, "per-module ranks / alphas are not supported (one r "
+             "and lora_alpha)")
+    return AdapterConfig(file, r, float(alpha), c)
 
 
 def _sidecar(path: str, cfg: K3Config) -> tuple[str, dict] | None:
@@ -276,12 +320,33 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError("not an adapter directory", file=path)
-    r, alpha = read_config(path)
+    conf = read_config(path)
+    r, alpha = conf.r, conf.alpha
     side = _sidecar(path, cfg)
     file, ck, found = _factors(path)
     if not found:
         raise CheckpointError("holds no LoRA factors", file=file)
     mods = {m.name: m for m in modules(cfg, run_base, r)}
+    experts = [m for m in mods.values() if m.expert is not None]
+    try:
+        fused = px.read_fused(conf.raw, conf.file, file, found, px.fused_params(
+            experts, MODULE_RENAMES[nm.default_layout(cfg)]), [n for n in found if n not in mods or
+                                                               mods[n].expert is None], r, alpha, ck.read_entry,
+            PREFIX)
+    except BaseException:
+        ck.close()
+        raise
+    if fused:
+        clash = next((n for n in found if n in mods and mods[n].expert is not None), None)
+        if clash:
+            raise CheckpointError("the routed experts are given twice: as target_parameters (fused) and as "
+                                  f"per-expert module {clash!r}", file=file,
+                                  tensor=next(iter(found[clash].values())).name)
+        gap = next((m for m in experts if (m, "A") not in fused), None)
+        if gap is not None:
+            raise CheckpointError("target group 'experts' is only partly covered: target_parameters leaves out "
+                                  f"the fused parameter holding {gap.name!r} (k3jax adapts gate_up_proj and "
+                                  "down_proj of every MoE layer)", file=conf.file)
     alias = {m.alias: m.name for m in mods.values() if m.alias}
     spelled: dict[str, str] = {}  # module name -> the file's spelling of it, where that is the alias
     for name in list(found):
@@ -297,12 +362,14 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
         if len(fac) < 2:
             missing = ({"A", "B"} - set(fac)).pop()
             raise CheckpointError(f"module {spelled.get(name, name)!r} has no lora_{missing}", file=file)
-    present = {mods[n].target for n in found}
+    present = {mods[n].target for n in found} | ({"experts"} if fused else set())
     for m in mods.values():
-        if m.target in present and m.name not in found:
+        if m.target in present and m.name not in found and not (fused and m.expert is not None):
             raise CheckpointError(f"target group {m.target!r} is only partly covered: module {m.name!r} has no "
                                   "factors (k3jax adapters are all-or-nothing per group)", file=file)
-    lora = LoRAConfig(rank=r, alpha=alpha, targets=tuple(t for t in LORA_TARGETS if t in present))
+    lora = LoRAConfig(rank=r, alpha=alpha, targets=tuple(t for t in LORA_TARGETS if t in present),
+                      peft_experts="fused" if fused else "per-expert" if "experts" in present else "auto")
+    shared_a = False
     if side is not None:
         for fld, want in (("rank", lora.rank), ("alpha", lora.alpha), ("targets", sorted(lora.targets))):
             got = side[1].get(fld)
@@ -310,8 +377,22 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
             if got != want:
                 raise CheckpointError(f"field 'lora.{fld}' is {got!r}, but {ADAPTER_CONFIG} and the tensors give "
                                       f"{want!r}", file=side[0])
+        shared_a = side[1].get("experts_shared_a", False)
+        if not isinstance(shared_a, bool) or (shared_a and "experts" not in lora.targets):
+            raise CheckpointError(f"field 'lora.experts_shared_a' is {shared_a!r}: true or false, and true only with "
+                                  "routed-expert factors", file=side[0])
     abstract = abstract_params(cfg, run_base.replace(lora=lora))
     out: dict[tuple, np.ndarray] = {}
+    a_names: dict[tuple, str] = {}  # (leaf, layer, expert) -> the tensor a routed expert's A came from
+
+    def put(m: Module, path: tuple, x: np.ndarray, tensor: str) -> None:  # one layer's (expert's) factor into its leaf
+        loc, g = leaf_location(path, cfg)
+        if loc not in out:
+            s = get_path(abstract, loc)
+            out[loc] = np.zeros(s.shape, s.dtype)
+        out[loc][(() if g is None else (g,)) + (() if m.expert is None else (m.expert,))] = x
+        if m.expert is not None and path == m.a_path:
+            a_names[loc, g, m.expert] = tensor
     try:
         for name, fac in found.items():
             m = mods[name]
@@ -323,19 +404,45 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
                 if e.dtype not in FLOAT_DTYPES:
                     raise CheckpointError(f"dtype {e.dtype}: LoRA factors must be floating point", file=file,
                                           tensor=e.name)
-                loc, g = leaf_location(spec.path, cfg)
-                if loc not in out:
-                    s = get_path(abstract, loc)
-                    out[loc] = np.zeros(s.shape, s.dtype)
-                idx = (() if g is None else (g,)) + (() if m.expert is None else (m.expert,))
-                out[loc][idx] = nm.leaf_from_hf(ck.read_entry(e), spec, m.a_shape if factor == "A" else m.b_shape)
+                put(m, spec.path, nm.leaf_from_hf(ck.read_entry(e), spec, m.a_shape if factor == "A" else
+                                                  m.b_shape), e.name)
+        fused_a = _fused_a_names(experts, cfg) if fused else {}
+        for (m, factor), x in fused.items():
+            put(m, m.a_path if factor == "A" else m.b_path, x, fused_a.get(m.name, ""))
     finally:
         ck.close()
+    if shared_a:
+        lora = lora.replace(experts_shared_a=True)
+        _share_a(out, a_names, file)
     tree: dict = {}
     for loc, value in out.items():
         tree = set_path(tree, loc, jnp.asarray(value))
     return lora, tree
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MODULE_RENAMES", "SIDECAR", "Module", "factor_spec", "load_adapter",
-           "modules", "read_config", "save_adapter"]
+def _fused_a_names(experts: list[Module], cfg: K3Config) -> dict[str, str]:
+    """{per-expert module name: the fused lora_A tensor holding its A}."""
+    fp = px.fused_params(experts, MODULE_RENAMES[nm.default_layout(cfg)])
+    names = px.tensor_names(fp, PREFIX)
+    return {m.name: names[f.key, "A"] for f in fp for ms in f.parts.values() for m in ms}
+
+
+def _share_a(out: dict, a_names: dict, file: str) -> None:
+    """The routed stacks' per-expert A leaves of ``out`` ([..., E, in, r]) → their one shared A [..., in, r]
+    (``LoRAConfig.experts_shared_a``, recorded by the sidecar), once every expert's copy is checked equal to expert
+    0's; a copy that differs is refused, naming its tensor."""
+    for loc in {loc for loc, _, _ in a_names}:
+        x = out[loc]
+        axis = x.ndim - 3  # the expert axis of [*layers, E, in, r]
+        same = np.all(x == np.take(x, [0], axis=axis), axis=(-2, -1))  # [*layers, E]
+        if not np.all(same):
+            bad = tuple(int(i) for i in np.argwhere(~same)[0])
+            g, e = (None, bad[0]) if axis == 0 else bad
+            raise CheckpointError(f"k3jax's sidecar ({SIDECAR}) says the routed experts share one lora_A "
+                                  f"(experts_shared_a), but expert {e}'s differs from expert 0's", file=file,
+                                  tensor=a_names.get((loc, g, e)))
+        out[loc] = np.take(x, 0, axis=axis)
+
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "MODULE_RENAMES", "SIDECAR", "AdapterConfig", "Module",
+           "experts_layout", "factor_spec", "load_adapter", "modules", "read_config", "save_adapter"]

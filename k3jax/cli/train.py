@@ -29,6 +29,7 @@ import typing
 
 from k3jax.cli.args import add_distributed, add_strict_config, checkpoint_arg, preset_arg, preset_help
 from k3jax.config import ConfigError, LoRAConfig
+from k3jax.config.lora import PEFT_EXPERTS
 from k3jax.errors import InputError
 from k3jax.train.settings import TrainConfig
 
@@ -86,7 +87,17 @@ def add_parser(sub) -> None:
             add_strict_config(group, "--init")
             continue
         flags, kw = _argument(f, hints[f.name])
+        if f.name == "lora":
+            kw["help"] += _LORA_HELP
         group.add_argument(*flags, **kw)
+    groups["output"].add_argument(
+        "--adapter-experts", choices=PEFT_EXPERTS, default=None,
+        help="with --lora --export: the routed experts' layout in the PEFT adapter. fused: PEFT target_parameters "
+        "over transformers 5's 3-D mlp.experts.gate_up_proj / down_proj (w1 and w3 as one rank-2r block-diagonal "
+        "adapter, rank_pattern / alpha_pattern), the only form transformers 5's KimiLinear has (there PEFT silently "
+        "drops per-expert factors); per-expert: nn.Linear modules block_sparse_moe.experts.{e}.w1|w2|w3, the "
+        "release's own modelling code; auto (default): fused on the Kimi-Linear layout, per-expert on K3's. "
+        "--adapter loads either layout")
     d = p.add_argument_group("draft")
     d.add_argument("--draft-for", metavar="CKPT", type=checkpoint_arg,
                    help="train a DSpark draft for this frozen target checkpoint (--init: a draft to start from)")
@@ -102,14 +113,27 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_cli)
 
 
+_LORA_KEYS = ("rank", "alpha", "targets", "dropout", "experts_shared_a")
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+# what `k3 train --help` adds to --lora's own help (k3jax/train/settings.py)
+_LORA_HELP = ("; experts_shared_a=true: one A [in, r] per routed-expert stack shared by its experts, B per expert "
+              "(needs targets with experts). PEFT has no shared-A form, so --export expands A per expert (k3jax's "
+              "k3jax_adapter.json records it: --adapter reloads it shared)")
+
+
 def parse_lora(text: str):
-    """``--lora "rank=16,alpha=32,targets=attn+shared+experts"`` → LoRAConfig (any subset of the keys; a bad key or
-    value is a ConfigError naming it: exit 2)."""
+    """``--lora "rank=16,alpha=32,targets=attn+shared+experts,experts_shared_a=true"`` → LoRAConfig (any subset of
+    the keys; a bad key or value is a ConfigError naming it: exit 2)."""
     kw: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, val = part.partition("=")
-        if not eq or key not in ("rank", "alpha", "targets", "dropout"):
-            raise ConfigError(f"--lora {part!r}: expected rank=, alpha=, targets= or dropout=")
+        if not eq or key not in _LORA_KEYS:
+            raise ConfigError(f"--lora {part!r}: expected rank=, alpha=, targets=, dropout= or experts_shared_a=")
+        if key == "experts_shared_a":
+            if val.lower() not in _BOOLS:
+                raise ConfigError(f"--lora experts_shared_a: expected true or false, got {val!r}")
+            kw[key] = _BOOLS[val.lower()]
+            continue
         try:
             kw[key] = (tuple(v for v in val.split("+") if v) if key == "targets" else
                        int(val) if key == "rank" else float(val))
@@ -122,6 +146,10 @@ def train_config(args) -> TrainConfig:
     """The run's settings from `k3 train`'s parsed flags."""
     kw = {f.name: getattr(args, f.name) for f in _flag_fields()}
     lora = None if args.lora is None else parse_lora(args.lora)
+    if args.adapter_experts is not None:
+        if lora is None or not args.export:
+            raise InputError("--adapter-experts: only with --lora and --export (it picks the adapter's layout on disk)")
+        lora = lora.replace(peft_experts=args.adapter_experts)
     kw.update(preset=args.preset or (None if args.init else TrainConfig.preset), data=tuple(args.data), lora=lora,
               optimizer=args.optimizer or ("adamw" if lora else TrainConfig.optimizer))
     return TrainConfig(**kw)
@@ -141,6 +169,8 @@ def _flag(name: str) -> str:
 def draft_args(args):
     """(TrainConfig, target, ``train_draft``'s keywords) of `k3 train --draft-for`, None without it; a flag a draft
     run does not read, or a draft flag without --draft-for, is an InputError naming it."""
+    if args.draft_for is not None and args.adapter_experts is not None:
+        raise InputError("--adapter-experts: not used by --draft-for (a draft has no LoRA adapter)")
     if args.draft_for is None:
         given = [n for n in _DRAFT_FLAGS if getattr(args, n) not in (None, False)]
         if given:

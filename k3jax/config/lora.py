@@ -4,23 +4,37 @@ this package; the adapters themselves live in k3jax/layers/lora.py, their file l
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from k3jax.config.checks import need, positive_int
 
 LORA_TARGETS = ("attn", "shared", "dense", "experts")
+# how a PEFT export writes the routed experts' factors (k3jax/checkpoint/peft.py): "per-expert" nn.Linear modules
+# (the release's modelling code, ``block_sparse_moe.experts.{e}.w1``), "fused" PEFT ``target_parameters`` over
+# transformers 5's 3-D ``mlp.experts.gate_up_proj`` / ``down_proj``, or "auto": fused on the Kimi-Linear name-map
+# layout (transformers 5's KimiLinear has no per-expert module: PEFT silently drops per-expert factors there),
+# per-expert on the K3 layout
+PEFT_EXPERTS = ("auto", "per-expert", "fused")
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters (k3jax/layers/lora.py): W x + (alpha / rank) B A x on the projections of ``targets`` —
     "attn" (KDA, MLA), "shared" / "dense" (those FFNs), "experts" (per-expert factors over each routed stack).
+    ``experts_shared_a``: each routed stack's A is one [in, r] matrix shared by the layer's experts, B stays per
+    expert [E, r, out] (needs "experts" in ``targets``); PEFT has no shared-A form, so an export copies A to every
+    expert and k3jax's sidecar records the flag (k3jax/checkpoint/peft.py).
+    ``peft_experts`` only picks the routed experts' layout of a PEFT export (``PEFT_EXPERTS``): it changes no
+    computation, so it takes no part in equality (a run's compiled steps and an adapter's identity ignore it).
     A bad value is a ``ConfigError`` naming the field."""
 
     rank: int = 16
     alpha: float = 32.0
     targets: tuple[str, ...] = ("attn", "shared", "experts")
     dropout: float = 0.0
+    experts_shared_a: bool = False
+    peft_experts: str = dataclasses.field(default="auto", compare=False)
 
     def __post_init__(self):
         need(self, positive_int(self.rank), "rank", "must be a positive integer")
@@ -28,10 +42,31 @@ class LoRAConfig:
         need(self, bool(self.targets) and all(t in LORA_TARGETS for t in self.targets), "targets",
              f"must be a non-empty subset of {LORA_TARGETS}")
         need(self, self.dropout == 0.0, "dropout", "not implemented (the model takes no dropout key): only 0")
+        need(self, isinstance(self.experts_shared_a, bool), "experts_shared_a", "must be true or false")
+        need(self, not self.experts_shared_a or "experts" in self.targets, "experts_shared_a",
+             f"shares the routed experts' A: needs 'experts' in targets (targets are {self.targets})")
+        need(self, self.peft_experts in PEFT_EXPERTS, "peft_experts", f"must be one of {PEFT_EXPERTS}")
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def replace(self, **kw) -> LoRAConfig:
+        return dataclasses.replace(self, **kw)
 
-__all__ = ["LORA_TARGETS", "LoRAConfig"]
+    def record(self) -> dict:
+        """The settings a training run records (its resume key): the fields that change the computation
+        (``compare``; an export's file layout does not); a field added after ``RECORDED`` only away from its
+        default, so a run recorded before the field existed resumes unchanged."""
+        d = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.compare and (f.name in RECORDED or v != f.default):
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+
+RECORDED = ("rank", "alpha", "targets", "dropout")  # the fields every recorded run has
+
+
+__all__ = ["LORA_TARGETS", "PEFT_EXPERTS", "LoRAConfig"]

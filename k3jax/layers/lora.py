@@ -11,7 +11,8 @@ blocks by ``LoRAConfig.targets`` (k3jax/model/decoder.py). An adapted leaf ``W``
     W_lora_a  [*in, r]     logical axes: W's input axes + "lora_rank"    PEFT lora_A [r, prod(in)]
     W_lora_b  [r, *out]    "lora_rank" + W's output axes, zeros at init  PEFT lora_B [prod(out), r]
 
-(experts: [E, in, r] and [E, r, out]), in at least fp32 over any base dtype. A follows PEFT's init (kaiming-uniform
+(experts: [E, in, r] and [E, r, out]; with ``shared_a`` one A [in, r] for all the stack's experts, logical axes
+without "experts"), in at least fp32 over any base dtype. A follows PEFT's init (kaiming-uniform
 with a = sqrt(5): U(±1/sqrt(fan_in))) and B = 0, so a fresh adapter gives the base outputs bit for bit (x A 0 = 0
 exactly). They are Params: they stack into the scanned group, take their base's sharding (rules.py: lora_rank is
 never split) and train; what stays frozen is the train loop's choice (``split_adapters``: with LoRA the whole base;
@@ -55,9 +56,10 @@ def _lead_and_in(block, name: str, axes: tuple) -> tuple[int, int]:
     return lead, block.HF[name].in_axes
 
 
-def add_adapters(block, *, rank: int, scale: float, rngs: nnx.Rngs, names=None) -> None:
+def add_adapters(block, *, rank: int, scale: float, rngs: nnx.Rngs, names=None, shared_a: bool = False) -> None:
     """Adapters on every leaf of ``block.LORA`` the block has (or on ``names``); the block may sit in a stacked
-    group (leaves with a leading "layers" axis: each layer gets its own factors)."""
+    group (leaves with a leading "layers" axis: each layer gets its own factors). ``shared_a``: a routed-expert
+    stack's A is one [in, r] for all its experts (drawn as one expert's A would be: same bound), B per expert."""
     block.lora_scale = float(scale)
     for name in names or block.LORA:
         if not hasattr(block, name):
@@ -69,12 +71,13 @@ def add_adapters(block, *, rank: int, scale: float, rngs: nnx.Rngs, names=None) 
         ins, outs = slice(lead, lead + n_in), slice(lead + n_in, None)
         fan_in = math.prod(shape[ins])
         bound = 1.0 / math.sqrt(fan_in)
-        a_shape = (*shape[:lead], *shape[ins], rank)
+        a_lead = lead - 1 if shared_a and block.HF[name].transform == "expert" else lead  # drop the expert axis
+        a_shape = (*shape[:a_lead], *shape[ins], rank)
         b_shape = (*shape[:lead], rank, *shape[outs])
         dtype = acc_dtype(var[...].dtype)          # adapters train: at least fp32, whatever their (frozen) base
         a = jax.random.uniform(rngs.params(), a_shape, jnp.float32, -bound, bound).astype(dtype)
         na, nb = adapter_names(name)
-        setattr(block, na, param(a, (*axes[:lead], *axes[ins], "lora_rank")))
+        setattr(block, na, param(a, (*axes[:a_lead], *axes[ins], "lora_rank")))
         setattr(block, nb, param(jnp.zeros(b_shape, dtype), (*axes[:lead], "lora_rank", *axes[outs])))
 
 

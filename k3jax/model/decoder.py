@@ -86,7 +86,8 @@ class DecoderLayer(nnx.Module):
 
     def add_lora(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:
         """LoRA adapters on the blocks ``lora.targets`` name (k3jax/layers/lora.py); works on a stacked group's
-        layer too (each layer of the stack gets its own factors)."""
+        layer too (each layer of the stack gets its own factors); ``lora.experts_shared_a``: one A per routed stack,
+        shared by its experts."""
         kw = dict(rank=lora.rank, scale=lora.scale, rngs=rngs)
         blocks = [("attn", getattr(self, "kda", None)), ("attn", getattr(self, "mla", None)),
                   ("dense", getattr(self, "mlp", None))]
@@ -94,7 +95,7 @@ class DecoderLayer(nnx.Module):
             blocks += [("shared", getattr(self.moe, "shared", None)), ("experts", self.moe.experts)]
         for target, block in blocks:
             if block is not None and target in lora.targets:
-                add_adapters(block, **kw)
+                add_adapters(block, **kw, shared_a=target == "experts" and lora.experts_shared_a)
 
     def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None, context=None):
         """Token mixer on the normed input h → (y, aux). ``segment_ids`` [B, T]: packed documents, each mixed on

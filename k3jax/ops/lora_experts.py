@@ -1,7 +1,8 @@
 """Routed experts with per-expert LoRA adapters (QLoRA when the stacks are the checkpoint's MXFP4 bytes).
 
 Each adapted stack is a ``k3jax.ops.lora.LoraWeight`` (base [E, in, out] — an array or a ``PackedWeight`` —,
-A [E, in, r], B [E, r, out] with the scale folded in); an unadapted one is its plain stack. On the expert-sorted rows
+A [E, in, r] or one [in, r] shared by every expert, B [E, r, out] with the scale folded in); an unadapted one is its
+plain stack. On the expert-sorted rows
 (``grouped_matmul.experts_grouped``: replicate, sort, FFN, un-sort, weighted sum) the FFN is
 
     a = x W1_e + (x A1_e) B1_e       b = x W3_e + (x A3_e) B3_e       h = act(a, b)       y = h W2_e + (h A2_e) B2_e
@@ -78,10 +79,13 @@ def _out(w) -> int:
 
 def _adapter(tiled, a, b, acc):
     """``tile_rows`` of xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e, each tile's factors gathered
-    (r columns)."""
+    (r columns); an A [in, r] without the expert axis is shared by every expert (one product, no gather)."""
     xt, te, back = tiled
     cdt = xt.dtype
-    xa = jnp.einsum("vti,vir->vtr", xt, a.astype(cdt)[te], preferred_element_type=acc)
+    if a.ndim == 2:  # shared A: x A is the same map for every expert
+        xa = jnp.einsum("vti,ir->vtr", xt, a.astype(cdt), preferred_element_type=acc)
+    else:
+        xa = jnp.einsum("vti,vir->vtr", xt, a.astype(cdt)[te], preferred_element_type=acc)
     d = jnp.einsum("vtr,vro->vto", xa.astype(cdt), b.astype(cdt)[te], preferred_element_type=acc)
     return d.reshape(-1, d.shape[-1])[back]
 

@@ -307,13 +307,17 @@ def attention_flops(cfg: K3Config, spec: PlanSpec) -> float:
 
 def lora_active_params(cfg: K3Config, spec: PlanSpec) -> float:
     """Adapter parameters one token runs through in a lora plan: every dense adapter, and the routed experts'
-    adapters times top-k / E."""
-
+    adapters times top-k / E — a shared A (``LoRAConfig.experts_shared_a``: [..., in, r], one axis short of its
+    B [..., E, r, out]) times top-k: each of a token's top-k rows runs it."""
+    leaves = {key_names(p): x for p, x in jax.tree_util.tree_flatten_with_path(plan_params(cfg, spec))[0]}
     total = 0.0
-    for path, x in jax.tree_util.tree_flatten_with_path(plan_params(cfg, spec))[0]:
-        names = key_names(path)
+    for names, x in leaves.items():
         if is_adapter(names[-1]):
-            share = cfg.num_experts_per_token / cfg.num_experts if "experts" in names else 1.0
+            share = 1.0
+            if "experts" in names:
+                b = leaves.get((*names[:-1], names[-1][:-1] + "b"))
+                shared = names[-1].endswith("_lora_a") and b is not None and len(x.shape) == len(b.shape) - 1
+                share = cfg.num_experts_per_token / (1 if shared else cfg.num_experts)
             total += math.prod(x.shape) * share
     return total
 

@@ -319,7 +319,8 @@ class ExpertParallel:
     def dispatch(self, z, ids, weights, w1, w3, w2, act: Callable, *, act_quant: Callable | None = None):
         """z [M, P], ids/weights [M, A], w1/w3 [E, P, F], w2 [E, F, P] (or each a ``PackedWeight``: w1/w3 uint8
         [E, F, P/2] + [E, F, P/32], w2 [E, P, F/2] + [E, P, F/32]; or each of them a ``LoraWeight`` over such a
-        base: A1/A3 [E, P, r], B1/B3 [E, r, F], A2 [E, F, r], B2 [E, r, P]) → (y [M, P] acc dtype, dropped int32)."""
+        base: A1/A3 [E, P, r], B1/B3 [E, r, F], A2 [E, F, r], B2 [E, r, P], each A possibly one [P, r] / [F, r]
+        shared by the experts) → (y [M, P] acc dtype, dropped int32)."""
         M, A = ids.shape
         E = num_experts(w1)
         X, T = self.n_shards, self.n_token_shards
@@ -373,7 +374,10 @@ class ExpertParallel:
         gather's transpose hands their gradients back reduce-scattered) and never over the tensor axes; B1/B3
         [E, r, F] and A2 [E, F, r] split F over the tensor axes as the base does. Each tensor shard then computes
         a_t = x W1_t + (x A1) B1_t, its own F slice of the gate, and y_t = h_t W2_t + (h_t A2_t) B2, a partial sum
-        that the psum over the tensor axes completes: Σ_t (h_t A2_t) B2 = (h A2) B2."""
+        that the psum over the tensor axes completes: Σ_t (h_t A2_t) B2 = (h A2) B2. A shared A ([P, r] or [F, r],
+        no expert axis: ``LoRAConfig.experts_shared_a``) is split the same way but never over the expert axis: every
+        expert shard holds it whole, and its gradient — each shard's partial sum over its own experts' rows — is
+        summed over the expert axis by the transpose of its implicit cast to varying (as for the token axes)."""
         t = self.tensor_axes or None
         p = self.width_axes or None
         e = self.expert_axis if self.n_shards > 1 else None     # a size-1 axis in a spec would mark them varying
@@ -381,10 +385,12 @@ class ExpertParallel:
             base_in, base_out = P(e, t, None), P(e, None, t)
         else:
             base_in, base_out = P(e, p, t), P(e, t, p)
-        lora_in = LoraWeight(base_in, P(e, p, None), P(e, None, t))    # w1/w3: A [E, P, r], B [E, r, F]
-        lora_out = LoraWeight(base_out, P(e, t, None), P(e, None, p))  # w2: A [E, F, r], B [E, r, P]
-        return tuple(lora if isinstance(w, LoraWeight) else base
-                     for w, base, lora in ((w1, base_in, lora_in), (w3, base_in, lora_in), (w2, base_out, lora_out)))
+        def lora(w, base, a_in, b_out):  # a_in: A's input dim split, b_out: B's output dim split
+            a = P(a_in, None) if w.a.ndim == 2 else P(e, a_in, None)  # a shared A [in, r]: whole on every expert shard
+            return LoraWeight(base, a, P(e, None, b_out))
+
+        return tuple(lora(w, base, a_in, b_out) if isinstance(w, LoraWeight) else base
+                     for w, base, a_in, b_out in ((w1, base_in, p, t), (w3, base_in, p, t), (w2, base_out, t, p)))
 
     def _gather_width(self, w1, w3, w2):
         """Inside the shard_map: a float stack's width P all-gathered over ``width_axes`` (w1/w3 dim 1, w2 dim 2).
@@ -392,8 +398,8 @@ class ExpertParallel:
         each expert gradient leaves the shard_map already in its parameter's sharding. Gathered outside (an
         in_spec without those axes) the cotangent was psum'd whole over them and sliced afterwards: the v5p-512
         QAT step's all-reduce buffers inside the scan (experiments/LOG.md). Packed stacks (frozen, no gradient)
-        enter whole along P. LoRA factors along P (A1/A3 dim 1, B2 dim 2) are gathered the same way over a float
-        or a packed base."""
+        enter whole along P. LoRA factors along P (A1/A3 dim 1 — dim 0 of a shared A —, B2 dim 2) are gathered the
+        same way over a float or a packed base."""
         if not self.width_axes:
             return w1, w3, w2
         ax = self.width_axes if len(self.width_axes) > 1 else self.width_axes[0]
@@ -406,7 +412,10 @@ class ExpertParallel:
                 return LoraWeight(gather(w.base, dim), a, b)
             return w if isinstance(w, PackedWeight) else g(w, axis=dim)
 
-        return gather(w1, 1, a_dim=1), gather(w3, 1, a_dim=1), gather(w2, 2, b_dim=2)
+        def a_in(w):  # A1/A3's P dim: 1 of [E, P, r], 0 of a shared [P, r]
+            return w.a.ndim - 2 if isinstance(w, LoraWeight) else None
+
+        return gather(w1, 1, a_dim=a_in(w1)), gather(w3, 1, a_dim=a_in(w3)), gather(w2, 2, b_dim=2)
 
     def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
         def local(z, ids, wts, w1, w3, w2):

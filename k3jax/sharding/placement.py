@@ -29,11 +29,11 @@ from k3jax.errors import InputError
 from k3jax.layers.lora import has_adapters, is_adapter
 from k3jax.model import param_axes
 from k3jax.model.cache import cache_leaf_axes
-from k3jax.pytree import get_path, key_names, path_str
+from k3jax.pytree import key_names, path_str
 from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
-from k3jax.sharding.rules import STRATEGIES, get_rules, logical_to_spec, mesh_axes_of, param_specs
+from k3jax.sharding.rules import STRATEGIES, get_rules, leaf_axes, logical_to_spec, mesh_axes_of, param_specs
 
 
 def parse_mesh(s: str) -> dict[str, int]:
@@ -216,7 +216,7 @@ def _slice_table(cfg, params) -> dict:
     table = {}
     for path, x in jax.tree_util.tree_leaves_with_path(params):
         names = key_names(path)
-        logical, shape = tuple(get_path(axes, names)), tuple(x.shape)
+        logical, shape = leaf_axes(axes, names, x.ndim), tuple(x.shape)
         table[names] = (logical, shape)
     return table
 

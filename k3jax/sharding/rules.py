@@ -171,7 +171,7 @@ def param_specs(cfg: K3Config, rules, mesh, params=None):
     axes = param_axes(cfg, adapters=has_adapters(params))
 
     def one(path, x):
-        logical = leaf_axes(axes, key_names(path))
+        logical = leaf_axes(axes, key_names(path), len(x.shape))
         if len(logical) != len(x.shape):
             raise ValueError(f"{path_str(path)}: logical axes {logical} do not match shape {tuple(x.shape)}")
         return logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path),
@@ -180,14 +180,20 @@ def param_specs(cfg: K3Config, rules, mesh, params=None):
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def leaf_axes(axes, names: tuple) -> tuple:
+def leaf_axes(axes, names: tuple, ndim: int | None = None) -> tuple:
     """Logical axes of the leaf at ``names`` in ``axes`` (``param_axes(cfg)``). A routed-expert stack held packed
     (``w1_packed`` / ``w1_scale`` [..., out, in/2 or in/32], k3jax.layers.moe.Experts.to_packed) has its float
-    stack's axes with the last two swapped: the packed bytes run along ``in``."""
-    packed = parse_packed_name(names[-1]) if len(names) >= 2 and names[-2] == "experts" else None
+    stack's axes with the last two swapped: the packed bytes run along ``in``. A routed stack's shared LoRA A
+    (``LoRAConfig.experts_shared_a``: [..., in, r], one dimension short of the per-expert A ``param_axes`` lists;
+    ``ndim``: the leaf's) has those axes less "experts": it is never split over the expert axis."""
+    routed = len(names) >= 2 and names[-2] == "experts"
+    packed = parse_packed_name(names[-1]) if routed else None
     if packed:
         return packed_axes(tuple(_axes_at(axes, (*names[:-1], packed[0]))))
-    return tuple(_axes_at(axes, names))
+    logical = tuple(_axes_at(axes, names))
+    if routed and ndim == len(logical) - 1 and isinstance(names[-1], str) and names[-1].endswith("_lora_a"):
+        return tuple(a for i, a in enumerate(logical) if i != logical.index("experts"))
+    return logical
 
 
 def _axes_at(axes, names: tuple):

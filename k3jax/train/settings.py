@@ -216,7 +216,7 @@ class TrainConfig:
         d = {k: getattr(self, k) for k in RESUME_KEYS}
         d["data"] = list(d["data"])
         d["total_steps"] = self.total_steps or self.steps
-        d["lora"] = None if self.lora is None else dataclasses.asdict(self.lora) | {"targets": list(self.lora.targets)}
+        d["lora"] = None if self.lora is None else self.lora.record()
         return d
 
 

@@ -233,10 +233,12 @@ def test_training_dropout_does_not_block_loading(tmp_path, saved):
 def test_kimi_linear_names_transformers_modules_and_reads_both_spellings(tmp_path):
     """On the Kimi-Linear layout a shared expert is transformers' ``mlp.shared_experts.*`` (KimiLinear's conversion
     mapping renames the checkpoint's ``block_sparse_moe.``; PEFT over it loads these names: test_peft_oracle.py);
-    routed experts keep the checkpoint's ``block_sparse_moe.experts.{e}.w*``. The checkpoint spelling loads to the
-    same leaves; both spellings of one module are refused."""
+    routed experts in the per-expert layout keep the checkpoint's ``block_sparse_moe.experts.{e}.w*`` (the default
+    "auto" writes them fused on this layout: test_peft_experts.py). The checkpoint spelling loads to the same leaves;
+    both spellings of one module are refused."""
     cfg = get_preset("kimi-linear-tiny")
     run = _run(cfg)
+    run = run.replace(lora=run.lora.replace(peft_experts="per-expert"))
     leaves = _adapter(cfg, run)
     save_adapter(leaves, cfg, run, tmp_path / "a")
     t = load_file(tmp_path / "a" / ADAPTER_WEIGHTS)

@@ -129,3 +129,39 @@ def test_ep_lora_float_base_width_split_gathers_inside(problem):
     _, (_, da, db) = got
     for g, s in zip((*da, *db), (*a_specs, *b_specs), strict=True):
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), g.ndim), (g.sharding, s)
+
+
+@pytest.fixture(scope="module")
+def shared_a(problem):
+    """One A [in, r] per stack shared by the experts (``LoRAConfig.experts_shared_a``: expert 0's), and the
+    one-device ``experts_lora`` over the packed bytes with it."""
+    a = tuple(x[0] for x in problem["a"])
+    return a, _run(partial(experts_lora, impl="tiles"), problem, problem["packed"], a=a)
+
+
+@pytest.mark.parametrize("case", ["data2-expert4-bucketed", "data2-expert4-replicated", "expert4-tensor2"])
+def test_ep_shared_a_equals_one_device(problem, shared_a, case):
+    """A shared A enters every expert shard whole (never split over the expert axis; ep_tp splits A2's F over the
+    tensor axis as the base's); its gradient, each shard's partial sum over its own experts' rows, comes back summed
+    over the expert axis: equal to the one-device shared-A LoRA's, forward and every gradient (fp32_shallow)."""
+    a, ref = shared_a
+    axes, rules, kw = CASES[case]
+    ep = ExpertParallel(make_mesh(axes), rules, **kw)
+    got = _run(ep, problem, problem["packed"], a=a)
+    assert all(g.shape == x.shape for g, x in zip(got[1][1], a, strict=True))   # dA [in, r]
+    _compare(got, ref, TOL["fp32_shallow"], f"{case} shared A")
+
+
+def test_ep_shared_a_width_split_gathers_inside(problem, shared_a):
+    """``fsdp_ep_tp``: a shared A1/A3 [P, r] stored split over fsdp (its dim 0) is gathered inside the shard_map and
+    its gradient leaves in that sharding; values and gradients equal the one-device shared-A LoRA's."""
+    a, ref = shared_a
+    mesh = make_mesh({"fsdp": 2, "expert": 4})
+    ep = ExpertParallel(mesh, "fsdp_ep_tp")
+    put = lambda x, *s: jax.device_put(x, NamedSharding(mesh, P(*s)))  # noqa: E731
+    a_specs = (("fsdp",), ("fsdp",), ())
+    a_put = tuple(put(x, *s) for x, s in zip(a, a_specs, strict=True))
+    got = _run(ep, problem, problem["packed"], a=a_put)
+    _compare(got, ref, TOL["fp32_shallow"], "fsdp width split, shared A")
+    for g, s in zip(got[1][1], a_specs, strict=True):
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), g.ndim), (g.sharding, s)

@@ -78,7 +78,9 @@ def test_qlora_trains_adapters_only_and_leaves_the_base_untouched(base, tmp_path
     (["--lora", "rank=0"], "rank"),
     (["--lora", "targets=attn+mlp"], "targets"),
     (["--lora", "rank=4,beta=1"], "beta"),
-], ids=["rank", "target", "key"])
+    (["--lora", "targets=attn,experts_shared_a=true"], "experts_shared_a"),
+    (["--lora", "experts_shared_a=maybe"], "experts_shared_a"),
+], ids=["rank", "target", "key", "shared-a-without-experts", "shared-a-not-a-bool"])
 def test_bad_lora_exits_2_before_compute(argv, msg, capsys, monkeypatch):
     import k3jax.train.loop as loop_mod
 
@@ -88,3 +90,75 @@ def test_bad_lora_exits_2_before_compute(argv, msg, capsys, monkeypatch):
     monkeypatch.setattr(loop_mod, "initial_params", boom)
     assert main(["train", "--preset", "k3-tiny", *argv, "--no-progress"]) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--adapter-experts", "fused", "--export", "x"], "--adapter-experts: only with --lora and --export"),
+    (["--lora", "rank=4", "--adapter-experts", "fused"], "--adapter-experts: only with --lora and --export"),
+    (["--lora", "rank=4", "--adapter-experts", "stacked", "--export", "x"], "invalid choice: 'stacked'"),
+], ids=["no-lora", "no-export", "bad-layout"])
+def test_bad_adapter_flags_exit_2_before_compute(argv, msg, capsys, monkeypatch, tmp_path):
+    import k3jax.train.loop as loop_mod
+
+    monkeypatch.setattr(loop_mod, "initial_params", lambda *a, **k: pytest.fail("initialised despite bad input"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--preset", "k3-tiny", *argv, "--no-progress"]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_adapter_flags_reach_the_lora_config():
+    from k3jax.cli.main import build_parser
+    from k3jax.cli.train import train_config
+
+    args = build_parser().parse_args(["train", "--preset", "k3-tiny", "--lora", "rank=4",
+                                      "--adapter-experts", "fused", "--export", "x"])
+    lora = train_config(args).lora
+    assert (lora.rank, lora.peft_experts) == (4, "fused")
+    args = build_parser().parse_args(["train", "--preset", "k3-tiny", "--lora", "rank=4"])
+    assert train_config(args).lora.peft_experts == "auto"
+
+
+@pytest.mark.slow  # ~55 s on the 2-core CPU (the train step's compile ~30 s, k3 logits' ~10 s)
+def test_shared_a_lora_trains_exports_and_k3_logits_applies_it(base, tmp_path, monkeypatch):
+    """`k3 train --init CKPT --lora ...,experts_shared_a=true --export DIR` trains one A per routed stack (B per
+    expert) over the packed base, exports it per expert (A copied to every expert, the sidecar's flag), and
+    `k3 logits --adapter DIR` gives the trained model's logits."""
+    import k3jax.train.loop as loop_mod
+
+    real, got = loop_mod.train, {}
+
+    def keep_params(tc, **kw):  # the run `k3 train` starts, keeping its parameters (and skipping the MFU probe)
+        got.update(real(tc.replace(peak_flops=1e9), **{**kw, "need_params": True}))
+        return got
+
+    monkeypatch.setattr(loop_mod, "train", keep_params)
+    out = tmp_path / "adapter"
+    assert main(["train", "--init", base, "--lora", "rank=4,alpha=8,targets=attn+experts,experts_shared_a=true",
+                 "--steps", "2", "--batch", "2", "--seq-len", "32", "--data", CHAT, "--max-bytes", "60000",
+                 "--devices", "1", "--eval-every", "100", "--no-progress", "--export", str(out)]) == 0
+    ex = got["params"]["pre"][2]["moe"]["experts"]
+    assert np.any(np.asarray(ex["w1_lora_b"]) != 0)                                      # trained off B = 0
+    assert ex["w1_lora_a"].ndim == 2 and ex["w1_lora_b"].shape[:2] == (TINY.num_experts, 4)   # A [in, r] shared
+    lora, leaves = load_adapter(str(out), TINY, default_run(TINY))
+    assert lora == LoRAConfig(rank=4, alpha=8.0, targets=("attn", "experts"), experts_shared_a=True)
+    for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(leaves), jax.tree.leaves(
+            split_adapters(got["params"])[0]), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(p)
+    tokens = np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "t.npy", tokens)
+    assert main(["logits", "--ckpt", base, "--tokens", str(tmp_path / "t.npy"), "--out", str(tmp_path / "y.npy"),
+                 "--adapter", str(out)]) == 0
+    want = forward(got["params"], tokens, TINY, default_run(TINY).replace(lora=lora))
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), want, rtol=0, atol=1e-5)
+
+
+def test_shared_a_lora_flag_spellings_and_help(capsys):
+    from k3jax.cli.main import build_parser
+    from k3jax.cli.train import parse_lora
+
+    assert parse_lora("targets=experts,experts_shared_a=true").experts_shared_a
+    assert parse_lora("experts_shared_a=1").experts_shared_a
+    assert not parse_lora("experts_shared_a=False").experts_shared_a
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    assert "PEFT has no shared-A form, so --export expands A per expert" in " ".join(capsys.readouterr().out.split())

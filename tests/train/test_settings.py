@@ -9,7 +9,7 @@ import pytest
 
 from k3jax.ablate.spec import LATER_TRAIN_KEYS, TRAIN_KEYS
 from k3jax.cli.main import build_parser
-from k3jax.config import DTYPES, KERNELS, LAYER_STACKS, QAT_MODES, REMAT_POLICIES, get_preset
+from k3jax.config import DTYPES, KERNELS, LAYER_STACKS, QAT_MODES, REMAT_POLICIES, LoRAConfig, get_preset
 from k3jax.optim import balance, dist_muon, optimizer
 from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.spec import TRAIN_MODES, PlanSpec, run_settings, train_config, with_defaults
@@ -49,6 +49,14 @@ def test_resume_keys_and_their_flags():
     assert ts.resume_diff({}, TrainConfig().resume_key()) == ["muon_layout", "packing_masks"]
 
 
+def test_lora_resume_key_ignores_the_export_layout_and_reads_older_records():
+    lora = LoRAConfig(rank=4, alpha=8.0, targets=("attn", "experts"))
+    key = TrainConfig(lora=lora).resume_key()["lora"]
+    # what a run recorded before any later LoRA field existed
+    assert key == {"rank": 4, "alpha": 8.0, "targets": ["attn", "experts"], "dropout": 0.0}
+    assert TrainConfig(lora=lora.replace(peft_experts="fused")).resume_key()["lora"] == key  # file layout only
+
+
 def test_choice_lists_are_their_homes():
     assert ts.OPTIMIZERS == optimizer.MODES
     assert ts.BALANCE_MODES == balance.MODES
@@ -66,6 +74,7 @@ def test_every_flag_is_a_setting_with_its_default():
     job = {"coordinator", "num_processes", "process_id", "distributed_timeout"}  # the process group's, not the run's
     # --draft-for's own flags: the draft it trains (k3jax/draft/train.py), not a model run's settings
     job |= {"draft_for", "draft_layers", "draft_tokens", "draft_anchors", "target_dense"}
+    job |= {"adapter_experts"}  # folded into --lora's setting (LoRAConfig.peft_experts: the export's file layout)
     actions = [a for a in _train_parser()._actions if not isinstance(a, argparse._HelpAction) and a.dest not in job]
     flagged = {k for k, s in ts.SETTINGS.items() if s.group}
     assert {a.dest for a in actions} == flagged
