@@ -1,9 +1,10 @@
 """Speculative greedy decoding on the shipped k3-mini, its routed experts held as their stored MXFP4 bytes: 8
 held-out prompts (ragged: 24 to 64 tokens) x 200 new tokens emit the tokens of plain greedy decoding wherever its
 top-2 margin exceeds 1e-3, with the target's logits behind each token within 1e-5 — for K in {1, 4, 7}, both
-rollbacks, and three drafters: the shipped draft (a freshly initialised one where the install has none), the target
-drafting for itself (every block accepted) and one that alternates a whole accepted block with a block rejected at
-its first token. Manual: ~10 minutes on a 2-core CPU (figures: experiments/LOG.md)."""
+rollbacks, and four drafters: the shipped draft (a freshly initialised one where the install has none), a freshly
+initialised (useless) draft, the target drafting for itself (every block accepted) and one that alternates a whole
+accepted block with a block rejected at its first token. Manual: about an hour on a 2-core CPU (the packed experts'
+XLA loop; figures: experiments/LOG.md)."""
 
 import numpy as np
 import pytest
@@ -47,11 +48,12 @@ def _paths(tree, prefix=()):
 
 @pytest.mark.parametrize("rollback", ["copy", "replay"])
 @pytest.mark.parametrize("K", [1, 4, 7])
-@pytest.mark.parametrize("which", ["draft", "self", "alternating"])
+@pytest.mark.parametrize("which", ["draft", "random", "self", "alternating"])
 def test_speculative_greedy_equals_greedy_on_k3_mini(mini, which, K, rollback):
     ckpt, cfg, run, params, prompts, plain = mini
-    if which == "draft":
-        drafter = make_drafter("shipped" if shipped_draft(ckpt) else "random", params, cfg, run, K=K, ckpt=ckpt)
+    if which in ("draft", "random"):
+        source = "shipped" if which == "draft" and shipped_draft(ckpt) else "random"
+        drafter = make_drafter(source, params, cfg, run, K=K, ckpt=ckpt)
     else:
         drafter = (TargetDrafter if which == "self" else _Alternating)(params, cfg, run, K=K)
     spec = generate_speculative(params, prompts, cfg, run, drafter=drafter, max_new_tokens=N_NEW,
