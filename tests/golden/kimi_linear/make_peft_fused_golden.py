@@ -35,14 +35,13 @@ import peft
 import safetensors
 import torch
 import transformers
+from make_peft_golden import base, logits, rel_rms  # the per-module script beside this one: same base, same forward
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import ParamWrapper
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import KimiLinearForCausalLM
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CKPT = os.path.join(HERE, "ckpt")
 K3JAX_ADAPTER = os.path.join(HERE, "adapter_k3jax_fused")
 PEFT_ADAPTER = os.path.join(HERE, "adapter_peft_fused")
 SEED = 0
@@ -51,25 +50,6 @@ RANK, ALPHA, B_STD = 4, 8, 0.01
 # k3jax's "attn" target (KDA q/k/v/o; MLA q, kv_a_proj_with_mqa, kv_b, o) as module-name suffixes
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj"]
 TARGET_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def base() -> KimiLinearForCausalLM:
-    model = KimiLinearForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
-    model.name_or_path = "tests/golden/kimi_linear/ckpt"  # the base PEFT records (not this machine's absolute path)
-    model.set_attn_implementation("eager")
-    model.set_experts_implementation("eager")
-    return model
-
-
-def logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        out = model(torch.from_numpy(tokens.astype(np.int64))[None], use_cache=False).logits[0]
-    assert out.dtype == torch.float32
-    return out.numpy()
-
-
-def rel_rms(x: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref**2)))
 
 
 def check_loaded(pm, adapter_dir: str) -> int:
