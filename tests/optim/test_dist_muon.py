@@ -218,3 +218,40 @@ def test_stacked_leaves_updated_group_by_group_equal_the_whole_update(monkeypatc
                                {"cfg": cfg, "strategy": strategy})
         assert sliced                                      # the stacked Muon leaves went through the loop
         assert _worst(got, ref) <= TOL["fp64_vs_fp64"]
+
+
+def test_bf16_momentum_is_widened_one_group_at_a_time(monkeypatch):
+    """``state_dtype`` inside the owner Muon: the values of ``optimizer._stored`` around it (widen the whole state,
+    update, round), three steps of a looped stack [G, E, m, n] and an unlooped matrix — momentum within one bf16
+    rounding step, updates within fp32_shallow (the same arithmetic, fused differently: the momentum's
+    multiply-adds may contract to FMAs in one program and not the other, 1 ulp of float32 measured) —; and in the
+    update's jaxpr no float32 copy of the whole stacked momentum outside the per-group loop (``_stored``'s form has
+    one)."""
+    from k3jax.optim import dist_muon
+    from k3jax.optim.optimizer import _stored
+
+    monkeypatch.setattr(dist_muon, "LOOP_BYTES", 0)
+    params = {"stack": jnp.zeros((3, 4, 8, 16), jnp.float32), "flat": jnp.zeros((8, 8), jnp.float32)}
+    dims = {"stack": MDN(2, 3), "flat": MDN(0, 1)}
+    kw = dict(ns_steps=5, beta=0.95, nesterov=True, stacked={"stack": True, "flat": False})
+    inside = dist_muon.scale_by_owner_muon(lambda _: dims, state_dtype="bfloat16", **kw)
+    around = _stored(dist_muon.scale_by_owner_muon(lambda _: dims, **kw), "bfloat16")
+    s_in, s_ar = inside.init(params), around.init(params)
+    assert s_in.mu["stack"].dtype == jnp.bfloat16 and s_in.mu["flat"].dtype == jnp.bfloat16
+    for i in range(3):
+        g = _grads(params, i)
+        u_in, s_in = jax.jit(inside.update)(g, s_in)
+        u_ar, s_ar = jax.jit(around.update)(g, s_ar)
+        for a, b in zip(jax.tree.leaves(s_in.mu), jax.tree.leaves(s_ar.mu)):
+            assert a.dtype == b.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2.0 ** -8, atol=0)
+        for k in params:
+            assert_close(u_in[k], u_ar[k], TOL["fp32_shallow"], name=f"update {k}, step {i}")
+
+    def whole_stack_widenings(tx, state):
+        jaxpr = jax.make_jaxpr(tx.update)(_grads(params, 0), state).jaxpr
+        return [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                and e.invars[0].aval.shape == (3, 4, 8, 16) and e.outvars[0].aval.dtype == jnp.float32]
+
+    assert not whole_stack_widenings(inside, s_in)
+    assert whole_stack_widenings(around, s_ar)  # the test sees the copy it rules out
