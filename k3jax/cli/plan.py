@@ -24,8 +24,9 @@ with per-token KDA records, the rollback to the accepted prefix (``--rollback co
 proposal — and the decode step on the same mesh (``--no-decode-baseline`` skips it) to set the two side by side
 (``k3jax.plan.verify``). Exit 1 when the compiler runs out of device memory (its figures are printed), 2 on bad input
 (checked before any compile). A plan's defaults are what one deploys at full size: capacity factor 1.25 (dropless
-static buffers hold every token routed to one device), remat ``full`` for the train modes (``group`` for
-frozen-experts: the group's backward without a per-layer checkpoint inside it), and
+static buffers hold every token routed to one device), remat ``auto`` for the train modes (compiled with ``group``
+— the group's backward without a per-layer checkpoint inside it — where that fits the chip, else with ``full``; the
+JSON's ``remat_auto`` lists what was tried), and
 ``zero3_ep_tp`` on a mesh with fsdp and expert axes; the JSON's ``defaults`` lists those a plan used, and the
 flags override them. ``--mesh`` is the compile's mesh axes; prefill, decode and verify without it rank a few
 candidate meshes and rules columns (decode's, for verify) by a closed-form step time and compile the best
@@ -87,8 +88,9 @@ def add_parser(sub) -> None:
     c.add_argument("--no-decode-baseline", action="store_true", help="--mode verify: do not compile the decode "
                    "step on the same mesh (the JSON's verify.decode_step_s and step_ratio are then null)")
     c.add_argument("--lora-rank", type=int, default=None, help="--mode lora: the adapters' rank (default 16)")
-    c.add_argument("--remat", default=None, help="remat policy of the train modes (none, full, group, "
-                   "dots_saveable, ...; default full, frozen-experts group; serving modes: none)")
+    c.add_argument("--remat", default=None, help="remat policy of the train modes (auto, none, full, group, "
+                   "dots_saveable, ...; default auto: group where it fits the chip, else full — one compile more "
+                   "when group does not fit; serving modes: none)")
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 4096; decode: 1; "
                    "verify: --draft-tokens + 1)")
     c.add_argument("--strategy", default=None, help="rules column (default: zero3_ep_tp on a mesh with fsdp and "
@@ -295,6 +297,11 @@ def _print_compiled(p: dict, out) -> None:
     w = out.write
     w(f"{p['preset']} {p['mode']} on {p['target']} ({p['devices']} devices), mesh {p['mesh']} ({p['strategy']}), "
       f"B={p['batch']} T={p['seq_len']}, remat {p['remat']}, QAT {p['qat']}, {p['layer_stack']} stack\n")
+    if "remat_auto" in p:
+        w("  remat auto: " + "; ".join(f"{t['remat']} " + ("fits" if t["fits"] is not False else "does not fit")
+                                      + (f" ({t['peak_bytes_per_device'] / 1e9:,.1f} GB peak)"
+                                         if t["peak_bytes_per_device"] else "") for t in p["remat_auto"]["tried"])
+          + "\n")
     if "cache" in p:
         c = p["cache"]
         w(f"  cache at context {p['context']:,}{' (small-batch rule: replicated)' if p['small_batch'] else ''}: "

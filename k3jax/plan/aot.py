@@ -51,6 +51,7 @@ from k3jax.plan.hardware import Target, roofline, topology_dims
 from k3jax.plan.hlo_cost import largest_values, program_stats
 from k3jax.plan.spec import (
     CACHED,
+    PLAN_REMAT_AUTO,
     SERVING,
     STEP_MODES,
     PlanSpec,
@@ -100,6 +101,8 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
     compile `k3 train`'s step (``k3jax.train.program.train_step_program``) with the plan's settings
     (``spec.train_config``)."""
     spec = with_defaults(spec)[0]
+    if spec.remat == "auto":
+        raise ValueError("build_program compiles one remat policy; compile_plan resolves 'auto' (auto_remat)")
     run = run_settings(cfg, spec)
     small = spec.mode in STEP_MODES and place.small_batch(strategy, mesh, spec.batch)
     dispatch = place.expert_dispatch(strategy, mesh, batch=spec.batch, capacity_factor=spec.capacity_factor,
@@ -218,8 +221,12 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     """Compile ``spec``'s program for ``target`` and report (see the module docstring). Raises HbmOomError (with
     ``.plan`` holding everything known before the compile) when the program does not fit. ``hlo_out``: a path
     to write the compiled HLO text to. A verify plan adds ``verify`` (``k3jax.plan.verify.verify_report``), with
-    the decode plan on the same mesh compiled in the same run unless ``decode_baseline`` is False."""
+    the decode plan on the same mesh compiled in the same run unless ``decode_baseline`` is False. Remat "auto"
+    (the train modes' default): ``auto_remat``."""
     log = log or (lambda s: None)
+    if with_defaults(spec)[0].remat == "auto":
+        return auto_remat(lambda r: compile_plan(cfg, target, replace(spec, remat=r), log, hlo_out,
+                                                 decode_baseline=decode_baseline), log)
     t_start = time.perf_counter()
     sizes, strategy = check(cfg, target, spec)
     spec, defaults = with_defaults(replace(spec, platform=target.platform))  # the kernels --kernels picks for it
@@ -337,5 +344,37 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     return out
 
 
-__all__ = ["HbmOomError", "build_program", "compile_plan", "compile_program", "loop_hints", "oom_figures",
+def auto_remat(compile_with, log) -> dict:
+    """Remat "auto": ``compile_with(policy)`` for each policy of ``PLAN_REMAT_AUTO`` in order ("group", then "full"),
+    the first plan that fits the chip (``fits`` not False: off TPU nothing is over budget) is the result; the
+    policies tried before it, with their peaks, are in its ``remat_auto``. When none fits, the last one's plan (or its
+    HbmOomError) with ``remat_auto``. The choice is by the compiler's own memory, not an estimate: a plan that does
+    not fit costs one compile more."""
+    tried = []
+    for i, policy in enumerate(PLAN_REMAT_AUTO):
+        last = i == len(PLAN_REMAT_AUTO) - 1
+        log(f"remat auto: compiling with remat {policy}")
+        try:
+            out = compile_with(policy)
+        except HbmOomError as e:
+            tried.append({"remat": policy, "fits": False, "peak_bytes_per_device": None,
+                          "compile_s": e.plan.get("wall_s")})
+            if last:
+                e.plan.update(remat_auto={"order": list(PLAN_REMAT_AUTO), "tried": tried, "chosen": None})
+                e.plan["defaults"]["remat"] = "auto"
+                raise
+            log(f"remat auto: {policy} does not fit the chip (the compiler ran out of memory)")
+            continue
+        tried.append({"remat": policy, "fits": out.get("fits"), "peak_bytes_per_device": out.get(
+            "peak_bytes_per_device"), "compile_s": out.get("compile_s")})
+        if out.get("fits") is not False or last:
+            out["remat_auto"] = {"order": list(PLAN_REMAT_AUTO), "tried": tried,
+                                 "chosen": policy if out.get("fits") is not False else None}
+            out["defaults"]["remat"] = "auto"
+            return out
+        log(f"remat auto: {policy} does not fit the chip (peak {out['peak_bytes_per_device'] / 1e9:,.1f} GB)")
+    raise AssertionError("unreachable: the last policy returns or raises")
+
+
+__all__ = ["HbmOomError", "auto_remat", "build_program", "compile_plan", "compile_program", "loop_hints", "oom_figures",
            "serving_program", "target_devices"]

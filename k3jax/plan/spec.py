@@ -78,7 +78,7 @@ class PlanSpec:
     mesh: str | None  # None: prefill / decode choose one (k3jax.plan.layouts.choose_layout); others need it
     batch: int
     seq_len: int
-    remat: str | None = None  # None: PLAN_REMAT for the train modes, "none" for forward
+    remat: str | None = None  # None: "auto" for the train modes (PLAN_REMAT_AUTO), "none" for the serving modes
     capacity_factor: float | None = None  # the expert-parallel buckets (-1: worst case, dropless; None: PLAN_CAPACITY)
     strategy: str | None = None  # rules column (None: plan_strategy of the mesh axes)
     packed_kernel: str | None = None  # --packed-kernel: auto, pallas, tiles; None: as --kernels picks (RunConfig)
@@ -104,12 +104,13 @@ PLAN_CAPACITY = 1.25
 # found no effect on the loss (+0.0011 ± 0.0025 nats; experiments/LOG.md 2026-12-05). frozen-experts keeps fp32 (its
 # state is the non-expert weights'); ``k3 train`` keeps fp32 (small models, memory not binding).
 PLAN_OPT_STATE = {"train": "bfloat16"}
-# "full" everywhere but frozen-experts, which takes "group": the group's backward without a checkpoint per layer
-# inside it — one forward fewer (the v5p-512 frozen plan's HBM traffic 51.8 → 42.1 TB per chip, peak 42.0 → 53.6
-# GB), at the memory the train step cannot spare (the QAT step fits v5p-512 only with the per-layer checkpoint) and
-# frozen plans can (experiments/LOG.md, 2026-12-05 session 21).
-PLAN_REMAT = {"frozen-experts": "group"}
-PLAN_REMAT_DEFAULT = "full"
+# The train modes' remat is "auto": chosen by the compiled program's memory, per mode and slice — "group" (the
+# group's backward without a checkpoint per layer inside it: one forward fewer; the v5p-512 frozen plan's HBM
+# traffic 51.8 → 42.1 TB per chip, peak 42.0 → 53.6 GB, experiments/LOG.md 2026-12-05 session 21) where it fits the
+# chip, "full" (a checkpoint per layer, the least activation memory) where it must. ``aot.compile_plan`` compiles
+# the policies of PLAN_REMAT_AUTO in order and keeps the first that fits, reporting each it tried.
+PLAN_REMAT_DEFAULT = "auto"
+PLAN_REMAT_AUTO = ("group", "full")
 # Decode runs dropless (-1): its worst-case buffer is small (B = 64 over expert = 16: 4 rows per chip, a 1,024-row
 # receive buffer per MoE layer), and a dropped assignment changes the token a server emits.
 PLAN_DECODE_CAPACITY = -1.0
@@ -130,7 +131,7 @@ def with_defaults(spec: PlanSpec) -> tuple[PlanSpec, dict]:
     """(``spec`` with every unset field filled, the filled fields and their values)."""
     d = {}
     if spec.remat is None:
-        d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT.get(spec.mode, PLAN_REMAT_DEFAULT)
+        d["remat"] = "none" if spec.mode in SERVING else PLAN_REMAT_DEFAULT
     if spec.capacity_factor is None:
         d["capacity_factor"] = PLAN_DECODE_CAPACITY if spec.mode in STEP_MODES else PLAN_CAPACITY
     if spec.mode == "verify" and spec.draft_tokens is None:
@@ -166,8 +167,11 @@ def run_settings(cfg: K3Config, spec: PlanSpec) -> RunConfig:
     layout of model.cache runs the group as a scan), no remat. The train modes: `k3 train`'s run settings of
     ``train_config(spec)`` (``k3jax.train.settings.run_settings``); lora holds its frozen base in BF16. Both with
     ``spec.kernels`` for the target's platform over the plan's mesh (``config.with_kernels``; ``--packed-kernel``
-    wins over it)."""
+    wins over it). Remat "auto" reads as its first policy: what the checks and estimates ask of a run (shapes,
+    kernels) does not depend on it, and ``aot.compile_plan`` compiles each policy it tries by name."""
     spec = with_defaults(spec)[0]
+    if spec.remat == "auto":
+        spec = replace(spec, remat=PLAN_REMAT_AUTO[0])
     sizes = place.axis_sizes(place.parse_mesh(spec.mesh))
     if spec.mode not in SERVING:
         run = train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32",
@@ -186,8 +190,8 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
     if spec.mesh is None:  # the serving modes choose theirs before they get here (k3jax.plan.layouts)
         raise InputError(f"--compile --mode {spec.mode} needs --mesh (e.g. --mesh fsdp=8,expert=64)")
     spec, _ = with_defaults(spec)
-    if spec.remat not in REMAT_POLICIES:
-        raise InputError(f"--remat {spec.remat!r}: unknown policy; known: {', '.join(REMAT_POLICIES)}")
+    if spec.remat not in (*REMAT_POLICIES, "auto"):
+        raise InputError(f"--remat {spec.remat!r}: unknown policy; known: auto, {', '.join(REMAT_POLICIES)}")
     if spec.mode in SERVING and spec.remat != "none":
         raise InputError(f"--remat {spec.remat}: remat trades memory of the backward pass; --mode {spec.mode} has "
                          "none")
@@ -286,5 +290,6 @@ def plan_lora(spec: PlanSpec):
 
 
 __all__ = ["CACHED", "MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_DRAFT_TOKENS", "PLAN_OPT_STATE",
-           "PLAN_REMAT", "PLAN_ROLLBACK", "ROLLBACKS", "SERVING", "STEP_MODES", "TRAIN_MODES", "PlanSpec", "check",
+           "PLAN_REMAT_AUTO", "PLAN_REMAT_DEFAULT", "PLAN_ROLLBACK", "ROLLBACKS", "SERVING", "STEP_MODES",
+           "TRAIN_MODES", "PlanSpec", "check",
            "plan_lora", "plan_params", "plan_strategy", "run_settings", "train_config", "with_defaults"]

@@ -91,22 +91,58 @@ def test_estimate_by_hand_for_kimi_k3():
 
 
 def test_plan_defaults_are_the_full_size_program_and_flags_override_them():
-    """Unset fields get what one deploys at full size (capacity 1.25, remat full in the train modes but group in
-    frozen-experts, zero3_ep_tp on fsdp x expert meshes, bf16 moments in train mode), each reported; a flag given is
-    kept as given (-1: dropless)."""
+    """Unset fields get what one deploys at full size (capacity 1.25, remat auto in the train modes — group where
+    it fits, else full: ``aot.auto_remat`` —, zero3_ep_tp on fsdp x expert meshes, bf16 moments in train mode), each
+    reported; a flag given is kept as given (-1: dropless)."""
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="frozen-experts", mesh="fsdp=8,expert=64", batch=512,
                                              seq_len=4096))
-    assert d == {"remat": "group", "capacity_factor": 1.25, "strategy": "zero3_ep_tp", "opt_state_dtype": "float32"}
-    assert (spec.remat, spec.capacity_factor, spec.strategy) == ("group", 1.25, "zero3_ep_tp")
+    assert d == {"remat": "auto", "capacity_factor": 1.25, "strategy": "zero3_ep_tp", "opt_state_dtype": "float32"}
+    assert (spec.remat, spec.capacity_factor, spec.strategy) == ("auto", 1.25, "zero3_ep_tp")
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="train", mesh="fsdp=8,expert=64", batch=512,
                                                          seq_len=4096))
-    assert d["opt_state_dtype"] == spec.opt_state_dtype == "bfloat16" and d["remat"] == "full"
+    assert d["opt_state_dtype"] == spec.opt_state_dtype == "bfloat16" and d["remat"] == "auto"
     spec, d = plan_spec.with_defaults(plan_spec.PlanSpec(mode="forward", mesh="expert=64", batch=64, seq_len=4096))
     assert d == {"remat": "none", "capacity_factor": 1.25, "strategy": "ep"} and spec.opt_state_dtype == "float32"
     given = plan_spec.PlanSpec(mode="train", mesh="fsdp=2,expert=4", batch=8, seq_len=32, remat="dots_saveable",
                          capacity_factor=-1.0, strategy="fsdp_ep_tp", opt_state_dtype="float32")
     assert plan_spec.with_defaults(given) == (given, {})
     assert plan_spec.check(TINY, hardware.parse_target("cpu:8"), given)[1] == "fsdp_ep_tp"
+
+
+def test_auto_remat_keeps_the_first_policy_that_fits():
+    """Remat auto compiles group, then full only when group does not fit (over the chip, or the compiler's own
+    out-of-memory); each policy tried is reported with its peak; when none fits, the last plan says so."""
+    def compiler(fits: dict):
+        calls = []
+
+        def compile_with(policy):
+            calls.append(policy)
+            if fits[policy] == "oom":
+                e = aot.HbmOomError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+                e.plan = {"defaults": {}, "wall_s": 1.0}
+                raise e
+            return {"fits": fits[policy], "peak_bytes_per_device": 90e9 if fits[policy] else 120e9,
+                    "compile_s": 2.0, "defaults": {}}
+        return compile_with, calls
+
+    log = lambda s: None  # noqa: E731
+    fn, calls = compiler({"group": True, "full": True})
+    out = aot.auto_remat(fn, log)
+    assert calls == ["group"] and out["remat_auto"]["chosen"] == "group" and out["defaults"]["remat"] == "auto"
+    fn, calls = compiler({"group": None, "full": True})  # off TPU nothing is over budget: group
+    assert aot.auto_remat(fn, log)["remat_auto"]["chosen"] == "group" and calls == ["group"]
+    for group in (False, "oom"):
+        fn, calls = compiler({"group": group, "full": True})
+        out = aot.auto_remat(fn, log)
+        assert calls == ["group", "full"] and out["remat_auto"]["chosen"] == "full"
+        assert [t["fits"] for t in out["remat_auto"]["tried"]] == [False, True]
+    fn, calls = compiler({"group": False, "full": False})
+    out = aot.auto_remat(fn, log)
+    assert out["fits"] is False and out["remat_auto"]["chosen"] is None and calls == ["group", "full"]
+    fn, calls = compiler({"group": "oom", "full": "oom"})
+    with pytest.raises(aot.HbmOomError) as e:
+        aot.auto_remat(fn, log)
+    assert e.value.plan["remat_auto"]["chosen"] is None and len(e.value.plan["remat_auto"]["tried"]) == 2
 
 
 def test_newton_schulz_flops_match_the_compiled_optimizer():

@@ -12,7 +12,7 @@ from k3jax.cli.main import build_parser
 from k3jax.config import DTYPES, KERNELS, LAYER_STACKS, QAT_MODES, REMAT_POLICIES, LoRAConfig, get_preset
 from k3jax.optim import balance, dist_muon, optimizer
 from k3jax.optim.optimizer import OptimConfig
-from k3jax.plan.spec import TRAIN_MODES, PlanSpec, run_settings, train_config, with_defaults
+from k3jax.plan.spec import PLAN_REMAT_AUTO, TRAIN_MODES, PlanSpec, run_settings, train_config, with_defaults
 from k3jax.sharding import rules
 from k3jax.train import settings as ts
 from k3jax.train.settings import TrainConfig
@@ -101,6 +101,8 @@ def test_plan_train_programs_run_k3_trains_settings(mode):
     the values plans compiled before they shared the train program."""
     cfg = get_preset("k3-mini")
     spec = with_defaults(PlanSpec(mode=mode, mesh="fsdp=2,expert=2", batch=8, seq_len=64))[0]
+    assert spec.remat == "auto"  # resolved by the compile (aot.auto_remat) into each policy it tries
+    spec = dataclasses.replace(spec, remat=PLAN_REMAT_AUTO[0])
     tc = train_config(spec)
     lora = mode == "lora"
     sizes = dict(fsdp=2, expert=2)          # the plan's --kernels on its (TPU) target, over its mesh
