@@ -137,8 +137,9 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     """Write the adapter leaves of ``params`` (keys ending ``_lora_a`` / ``_lora_b``; base leaves are ignored) for
     ``run.lora`` as a PEFT LoRA adapter directory, atomically (temp dir + rename; an existing non-empty
     ``out_dir`` is replaced only with ``overwrite``). Factors are stored in their own dtype (BF16, else F32).
-    The routed experts' layout: ``experts_layout`` (module doc; peft_experts.py for the fused one). Returns {"dir",
-    "modules", "tensors", "experts"}."""
+    The routed experts' layout: ``experts_layout`` (module doc; peft_experts.py for the fused one). adapter_config's
+    ``lora_dropout`` is ``run.lora.dropout``, but 0 with fused experts (PEFT refuses dropout on target_parameters:
+    ``px.config_fields``); the sidecar keeps the trained value. Returns {"dir", "modules", "tensors", "experts"}."""
     lora = run.lora
     if lora is None:
         raise CheckpointError("run.lora is None: no adapter to save")
@@ -180,7 +181,7 @@ def save_adapter(params, cfg: K3Config, run: RunConfig, out_dir, *, base: str | 
     conf = {"alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base or "", "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "layers_pattern": None,
             "layers_to_transform": None, "lora_alpha": int(lora.alpha) if float(lora.alpha).is_integer()
-            else lora.alpha, "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA", "r": lora.rank,
+            else lora.alpha, "lora_dropout": lora.dropout, "modules_to_save": None, "peft_type": "LORA", "r": lora.rank,
             "rank_pattern": {}, "revision": None, "target_modules": sorted(m.name for m in mods if not (
                 fused and m.expert is not None)), "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False}
     if fused:
@@ -257,8 +258,8 @@ def read_config(path: str) -> AdapterConfig:
     need(not c.get("use_rslora", False), "use_rslora", "rank-stabilized scaling (alpha / sqrt(r)) is not supported; "
          "k3jax scales by lora_alpha / r")
     need(not c.get("fan_in_fan_out", False), "fan_in_fan_out", "only nn.Linear's [out, in] weights are supported")
-    # lora_dropout is not checked: dropout acts only while training, so an adapter trained with it applies the same
-    # way (k3jax's own training has none: LoRAConfig.dropout)
+    drop = c.get("lora_dropout", 0.0)  # acts only while training: any value applies the same way at inference
+    need(type(drop) in (int, float) and 0 <= drop < 1, "lora_dropout", "must be a probability in [0, 1)")
     need(c.get("bias", "none") == "none", "bias", "bias adapters are not supported; only 'none'")
     need(not c.get("use_dora", False), "use_dora", "DoRA is not supported")
     need(not c.get("modules_to_save"), "modules_to_save", "full module copies are not supported")
@@ -368,6 +369,7 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
             raise CheckpointError(f"target group {m.target!r} is only partly covered: module {m.name!r} has no "
                                   "factors (k3jax adapters are all-or-nothing per group)", file=file)
     lora = LoRAConfig(rank=r, alpha=alpha, targets=tuple(t for t in LORA_TARGETS if t in present),
+                      dropout=float(conf.raw.get("lora_dropout", 0.0)),
                       peft_experts="fused" if fused else "per-expert" if "experts" in present else "auto")
     shared_a = False
     if side is not None:
@@ -381,6 +383,10 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
         if not isinstance(shared_a, bool) or (shared_a and "experts" not in lora.targets):
             raise CheckpointError(f"field 'lora.experts_shared_a' is {shared_a!r}: true or false, and true only with "
                                   "routed-expert factors", file=side[0])
+        drop = side[1].get("dropout", lora.dropout)   # the trained value (a fused adapter's config says 0)
+        if type(drop) not in (int, float) or not 0 <= drop < 1:
+            raise CheckpointError(f"field 'lora.dropout' is {drop!r}: must be a probability in [0, 1)", file=side[0])
+        lora = lora.replace(dropout=float(drop))
     abstract = abstract_params(cfg, run_base.replace(lora=lora))
     out: dict[tuple, np.ndarray] = {}
     a_names: dict[tuple, str] = {}  # (leaf, layer, expert) -> the tensor a routed expert's A came from
@@ -406,7 +412,8 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
                                           tensor=e.name)
                 put(m, spec.path, nm.leaf_from_hf(ck.read_entry(e), spec, m.a_shape if factor == "A" else
                                                   m.b_shape), e.name)
-        fused_a = _fused_a_names(experts, cfg) if fused else {}
+        fused_a = px.a_tensor_names(px.fused_params(experts, MODULE_RENAMES[nm.default_layout(cfg)]), PREFIX) \
+            if fused else {}
         for (m, factor), x in fused.items():
             put(m, m.a_path if factor == "A" else m.b_path, x, fused_a.get(m.name, ""))
     finally:
@@ -418,13 +425,6 @@ def load_adapter(path, cfg: K3Config, run_base: RunConfig) -> tuple[LoRAConfig, 
     for loc, value in out.items():
         tree = set_path(tree, loc, jnp.asarray(value))
     return lora, tree
-
-
-def _fused_a_names(experts: list[Module], cfg: K3Config) -> dict[str, str]:
-    """{per-expert module name: the fused lora_A tensor holding its A}."""
-    fp = px.fused_params(experts, MODULE_RENAMES[nm.default_layout(cfg)])
-    names = px.tensor_names(fp, PREFIX)
-    return {m.name: names[f.key, "A"] for f in fp for ms in f.parts.values() for m in ms}
 
 
 def _share_a(out: dict, a_names: dict, file: str) -> None:

@@ -114,12 +114,21 @@ def fused_tensors(fused: list[FusedParam], factor: Callable, rank: int) -> dict[
     return out
 
 
+def a_tensor_names(fused: list[FusedParam], prefix: str) -> dict[str, str]:
+    """{per-expert module name: the fused lora_A tensor holding its A}."""
+    names = tensor_names(fused, prefix)
+    return {m.name: names[f.key, "A"] for f in fused for ms in f.parts.values() for m in ms}
+
+
 def config_fields(fused: list[FusedParam], rank: int, alpha) -> dict:
-    """adapter_config.json's target_parameters and the gate_up_proj rank / alpha patterns (PEFT's spelling)."""
+    """adapter_config.json's target_parameters and the gate_up_proj rank / alpha patterns (PEFT's spelling), and
+    ``lora_dropout`` 0 whatever the run trained with: PEFT's ``ParamWrapper`` (the target_parameters layer) refuses
+    any other value, and dropout acts only while training, so the adapter's inference math is the same; k3jax's
+    sidecar keeps the trained value (peft.py)."""
     names = list(dict.fromkeys(suffix(f) for f in fused))
     gate_up = [n for n in names if n.endswith(f".{GATE_UP}") or n == GATE_UP]
     return {"target_parameters": names, "rank_pattern": {n: 2 * rank for n in gate_up},
-            "alpha_pattern": {n: 2 * alpha for n in gate_up}}
+            "alpha_pattern": {n: 2 * alpha for n in gate_up}, "lora_dropout": 0.0}
 
 
 # ------------------------------------------------------------------------------------------------------- load
@@ -253,6 +262,6 @@ def spec(name: str, x: np.ndarray) -> nm.TensorSpec:
     return nm.TensorSpec(name, dtype, tuple(x.shape), (), "copy", None, 1)
 
 
-__all__ = ["DOWN", "GATE_UP", "PARAMS", "STACKS", "FusedParam", "check_patterns", "config_fields", "fused_params",
-           "fused_tensors", "match_targets", "pattern_key", "read_fused", "spec", "split_fused", "suffix",
-           "tensor_names"]
+__all__ = ["DOWN", "GATE_UP", "PARAMS", "STACKS", "FusedParam", "a_tensor_names", "check_patterns", "config_fields",
+           "fused_params", "fused_tensors", "match_targets", "pattern_key", "read_fused", "spec", "split_fused",
+           "suffix", "tensor_names"]

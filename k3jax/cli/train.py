@@ -116,14 +116,16 @@ def add_parser(sub) -> None:
 _LORA_KEYS = ("rank", "alpha", "targets", "dropout", "experts_shared_a")
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 # what `k3 train --help` adds to --lora's own help (k3jax/train/settings.py)
-_LORA_HELP = ("; experts_shared_a=true: one A [in, r] per routed-expert stack shared by its experts, B per expert "
-              "(needs targets with experts). PEFT has no shared-A form, so --export expands A per expert (k3jax's "
-              "k3jax_adapter.json records it: --adapter reloads it shared)")
+_LORA_HELP = ("; dropout=P (0 <= P < 1, default 0): PEFT's LoRA dropout on the adapters' inputs in training steps "
+              "(exported as lora_dropout; 0 in a fused-expert adapter, which PEFT refuses otherwise, the sidecar "
+              "keeping P); experts_shared_a=true: one A [in, r] per routed-expert stack shared by its experts, B per "
+              "expert (needs targets with experts). PEFT has no shared-A form, so --export expands A per expert "
+              "(k3jax's k3jax_adapter.json records it: --adapter reloads it shared)")
 
 
 def parse_lora(text: str):
-    """``--lora "rank=16,alpha=32,targets=attn+shared+experts,experts_shared_a=true"`` → LoRAConfig (any subset of
-    the keys; a bad key or value is a ConfigError naming it: exit 2)."""
+    """``--lora "rank=16,alpha=32,targets=attn+shared+experts,dropout=0.05,experts_shared_a=true"`` → LoRAConfig
+    (any subset of the keys; a bad key or value is a ConfigError naming it: exit 2)."""
     kw: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, val = part.partition("=")

@@ -22,6 +22,8 @@ PEFT_EXPERTS = ("auto", "per-expert", "fused")
 class LoRAConfig:
     """LoRA adapters (k3jax/layers/lora.py): W x + (alpha / rank) B A x on the projections of ``targets`` —
     "attn" (KDA, MLA), "shared" / "dense" (those FFNs), "experts" (per-expert factors over each routed stack).
+    ``dropout`` p in [0, 1): PEFT's LoRA dropout, W x + (alpha / rank) B A dropout(x) in training steps only (inverted
+    dropout on the adapters' inputs; the base path and every evaluation, scoring or generation see x whole).
     ``experts_shared_a``: each routed stack's A is one [in, r] matrix shared by the layer's experts, B stays per
     expert [E, r, out] (needs "experts" in ``targets``); PEFT has no shared-A form, so an export copies A to every
     expert and k3jax's sidecar records the flag (k3jax/checkpoint/peft.py).
@@ -41,7 +43,8 @@ class LoRAConfig:
         need(self, self.alpha > 0, "alpha", "must be > 0")
         need(self, bool(self.targets) and all(t in LORA_TARGETS for t in self.targets), "targets",
              f"must be a non-empty subset of {LORA_TARGETS}")
-        need(self, self.dropout == 0.0, "dropout", "not implemented (the model takes no dropout key): only 0")
+        need(self, isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+             and 0.0 <= self.dropout < 1.0, "dropout", "must lie in [0, 1) (the probability of dropping an input)")
         need(self, isinstance(self.experts_shared_a, bool), "experts_shared_a", "must be true or false")
         need(self, not self.experts_shared_a or "experts" in self.targets, "experts_shared_a",
              f"shares the routed experts' A: needs 'experts' in targets (targets are {self.targets})")

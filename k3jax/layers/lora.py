@@ -20,21 +20,37 @@ k3jax/train/loop.py). Routed-expert adapters run beside the stacks' own products
 over the packed MXFP4 bytes (QLoRA); PEFT's layout on disk is k3jax/checkpoint/peft.py. qwix's LoRA provider
 (tests/model/test_qwix_lora.py) intercepts dot_general / einsum, so it never sees the routed experts' grouped
 matmuls (``ragged_dot`` or the MXFP4 kernel) and cannot reach inside the scanned stack: hence adapters of our own.
+
+LoRA dropout (training only; ``LoRAConfig.dropout``, k3jax/ops/lora.py): the decoder layer opens
+``dropout_scope(LoraDropout)`` around its token mixer and its FFN (its key folded with the layer index), and every
+adapted projection inside draws its own masks from that key folded with ``projection_id`` (block class and leaf:
+``"KDA.wq"``, ``"GLU.w_gate"``, ``"Experts.w1"``): ``proj`` drops the adapter's input x (one mask per element of
+x), ``expert_stacks`` hands the key to the routed experts inside their ``LoraWeight``. The scope carries the key
+the last step, from the layer into its blocks (KDA, MLA, GLU and MoE take no dropout argument); it is opened inside
+the layer call, so every trace of that call (a remat's recompute, the scanned stack's backward) sees the same key,
+never one left over from another trace. With no scope
+(eval, logits, generate, scoring) the arithmetic is exactly the undropped one. ``merged`` (a weight consumed whole)
+cannot drop an input: under a scope it refuses.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from k3jax.errors import InputError
 from k3jax.layers.common import param
-from k3jax.ops.lora import LoraWeight, lora_einsum, lora_weight
+from k3jax.ops.lora import LoraDropout, LoraWeight, lora_einsum, lora_weight
 from k3jax.ops.norms import acc_dtype
 
 SUFFIXES = ("lora_a", "lora_b")
+_DROPOUT: contextvars.ContextVar[LoraDropout | None] = contextvars.ContextVar("lora_dropout", default=None)
 
 
 def adapter_names(name: str) -> tuple[str, str]:
@@ -118,36 +134,62 @@ def _factors(block, name: str):
     return getattr(block, na)[...], getattr(block, nb)[...]
 
 
+@contextlib.contextmanager
+def dropout_scope(dropout: LoraDropout | None):
+    """The LoRA dropout the adapted projections traced inside use (module docstring); None: none."""
+    token = _DROPOUT.set(dropout)
+    try:
+        yield
+    finally:
+        _DROPOUT.reset(token)
+
+
+def projection_id(block, name: str) -> int:
+    """A stable id of leaf ``name`` of ``block``'s class (CRC-32 of ``"KDA.wq"``, 31 bits): what a layer's dropout
+    key is folded with, so that every projection of a layer draws its own masks."""
+    return zlib.crc32(f"{type(block).__name__}.{name}".encode()) & 0x7FFFFFFF
+
+
+def _dropout(block, name: str) -> LoraDropout | None:
+    drop = _DROPOUT.get()
+    return None if drop is None else drop.fold(projection_id(block, name))
+
+
 def proj(block, name: str, eq: str, x, w, acc):
     """``einsum(eq, x, w)`` for block leaf ``name`` (``w``: the leaf as the caller prepared it, e.g. cast), plus its
-    adapter's low-rank path when it has one."""
+    adapter's low-rank path when it has one — on the dropped x inside a ``dropout_scope``."""
     if not has_adapter(block, name):
         return jnp.einsum(eq, x, w, preferred_element_type=acc)
     a, b = _factors(block, name)
-    return lora_einsum(eq, x, w, a, b, scale=block.lora_scale, acc=acc)
+    drop = _dropout(block, name)
+    return lora_einsum(eq, x, w, a, b, scale=block.lora_scale, acc=acc, x_lora=None if drop is None else drop(x))
 
 
 def merged(block, name: str):
-    """Leaf ``name`` with its adapter merged in (W + scale A B), or the leaf itself."""
+    """Leaf ``name`` with its adapter merged in (W + scale A B), or the leaf itself. Under a ``dropout_scope`` an
+    adapted leaf is refused: the merged weight has no separate adapter input to drop."""
     w = getattr(block, name)[...]
     if not has_adapter(block, name):
         return w
+    if _DROPOUT.get() is not None:
+        raise InputError(f"LoRA dropout cannot act on {type(block).__name__}.{name}'s adapter: the weight is consumed "
+                         "merged (the Pallas MLA kernel: --kernels pallas, or auto on a GPU/TPU); train with "
+                         "--kernels xla or LoRA dropout=0")
     a, b = _factors(block, name)
     return lora_weight(w, a, b, block.lora_scale)
 
 
 def expert_stacks(experts, stacks):
     """The routed-expert stacks as the MoE's expert functions take them: each adapted one as a ``LoraWeight``
-    (base, A, scale · B)."""
+    (base, A, scale · B, and inside a ``dropout_scope`` the stack's own ``LoraDropout``)."""
     out = []
     for name, w in zip(("w1", "w3", "w2"), stacks, strict=True):
         if has_adapter(experts, name):
             a, b = _factors(experts, name)
-            w = LoraWeight(w, a, b * jnp.asarray(experts.lora_scale, b.dtype))
+            w = LoraWeight(w, a, b * jnp.asarray(experts.lora_scale, b.dtype), _dropout(experts, name))
         out.append(w)
     return tuple(out)
 
 
-__all__ = ["SUFFIXES", "add_adapters", "adapter_names", "expert_stacks", "has_adapter", "has_adapters", "is_adapter",
-           "merged",
-           "proj", "split_adapters"]
+__all__ = ["SUFFIXES", "add_adapters", "adapter_names", "dropout_scope", "expert_stacks", "has_adapter", "has_adapters",
+           "is_adapter", "merged", "projection_id", "proj", "split_adapters"]

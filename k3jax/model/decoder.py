@@ -21,11 +21,12 @@ from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import param, vec
 from k3jax.layers.ffn import GLU
 from k3jax.layers.kda import KDA
-from k3jax.layers.lora import add_adapters
+from k3jax.layers.lora import add_adapters, dropout_scope
 from k3jax.layers.mla import MLA
 from k3jax.layers.moe import MoE
 from k3jax.model.layout import layer_kind
 from k3jax.model.residual import unpinned
+from k3jax.ops.lora import LoraDropout
 from k3jax.ops.norms import rms_norm
 
 
@@ -67,7 +68,8 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, carry, l, mixer, cfg: K3Config, run: RunConfig, dispatch, pin=unpinned):
+    def __call__(self, carry, l, mixer, cfg: K3Config, run: RunConfig, dispatch, pin=unpinned,
+                 dropout: LoraDropout | None = None):
         """Layer l on the residual carry (``residual.Stream`` / ``Blocks`` / ``Buffer``; l traced for a ``Buffer``)
         → (the new carry, (token mixer aux, FFN aux)). Pre-norm sublayers: the token mixer reads the carry's mix
         through ``attn_res`` (AttnRes commits its block at l mod S = 0 first), the FFN through ``mlp_res``, and each
@@ -75,13 +77,18 @@ class DecoderLayer(nnx.Module):
 
         ``mixer(layer, x)``: the token mixer on the normed input → (y, aux): ``mixer`` or ``mixer_cached`` bound by
         the caller; the layer is handed back because under remat it is this one merged inside the checkpoint.
-        ``dispatch``: the FFN's (``ffn``). ``pin``: constrains stream arrays to the token sharding."""
+        ``dispatch``: the FFN's (``ffn``). ``pin``: constrains stream arrays to the token sharding. ``dropout``: the
+        forward's LoRA dropout (training), folded with l here and in scope around the mixer and the FFN, so that
+        every layer's adapters draw their own masks (k3jax/layers/lora.py); None: none."""
         eps, size, cdt = cfg.rms_norm_eps, cfg.attn_res_block_size, jnp.dtype(run.compute_dtype)
+        drop = None if dropout is None else dropout.fold(l)
         x, carry, mark = carry.enter(getattr(self, "attn_res", None), l, size, eps, pin)
-        a, ax = mixer(self, rms_norm(x, self.input_norm[...], eps, out_dtype=cdt))
+        with dropout_scope(drop):
+            a, ax = mixer(self, rms_norm(x, self.input_norm[...], eps, out_dtype=cdt))
         carry = carry.add(a, pin)
         x = carry.ffn_input(getattr(self, "mlp_res", None), mark, eps)
-        f, fx = self.ffn(rms_norm(x, self.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+        with dropout_scope(drop):
+            f, fx = self.ffn(rms_norm(x, self.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
         return carry.add(f, pin), (ax, fx)
 
     def add_lora(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:

@@ -100,10 +100,13 @@ def hidden_states(params, tokens, cfg: K3Config, run: RunConfig | None = None, *
 
 
 def forward(params, tokens, cfg: K3Config, run: RunConfig | None = None, *, return_aux: bool = False,
-            dispatch=None, segment_ids=None):
+            dispatch=None, segment_ids=None, dropout_key=None):
     """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``);
-    ``segment_ids`` [B, T]: the documents of packed rows, each run on its own (``k3jax.ops.segments``)."""
-    return merge(params, cfg, run)(tokens, return_aux=return_aux, dispatch=dispatch, segment_ids=segment_ids)
+    ``segment_ids`` [B, T]: the documents of packed rows, each run on its own (``k3jax.ops.segments``);
+    ``dropout_key``: a training step's PRNG key for LoRA dropout (``run.lora.dropout`` > 0; None: no dropout, and at
+    rate 0 the key is ignored: the same program as without it)."""
+    return merge(params, cfg, run)(tokens, return_aux=return_aux, dispatch=dispatch, segment_ids=segment_ids,
+                                   dropout_key=dropout_key)
 
 
 def lm_loss(params, tokens, targets, cfg: K3Config, run: RunConfig | None = None, *, mask=None, dispatch=None,

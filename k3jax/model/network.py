@@ -31,6 +31,7 @@ from k3jax.model.block_scan import scan_saving_parts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
 from k3jax.model.residual import Blocks, Buffer, Stream, unpinned
+from k3jax.ops.lora import LoraDropout
 from k3jax.ops.norms import acc_dtype, rms_norm
 
 
@@ -70,12 +71,19 @@ def stream_value(carry):
     return sum(carry.blocks, carry.part)
 
 
-def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin):
+def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin, dropout=None):
     """``step(layer, carry, l)``: ``DecoderLayer.__call__`` with ``mixer(l, layer, x)`` bound to l, the unit that
-    ``K3Model._checkpointed`` wraps."""
+    ``K3Model._checkpointed`` wraps; ``dropout``: the forward's ``LoraDropout`` (the layer folds in l) or None."""
     def step(layer, carry, l):
-        return layer(carry, l, partial(mixer, l), cfg, run, dispatch, pin)
+        return layer(carry, l, partial(mixer, l), cfg, run, dispatch, pin, dropout=dropout)
     return step
+
+
+def lora_dropout(run: RunConfig, key) -> LoraDropout | None:
+    """The LoRA dropout of a forward given ``key`` (a training step's): None without a key, without adapters or at
+    ``run.lora.dropout`` 0 — the forward then traces exactly as without a key."""
+    rate = run.lora.dropout if run.lora is not None else 0.0
+    return LoraDropout(key, rate) if key is not None and rate > 0 else None
 
 
 def _on_slot(mixer, sides: list, j: int, g):
@@ -139,11 +147,13 @@ class K3Model(nnx.Module):
                 out += [(lay.start + g * lay.period + j, layer) for j, layer in enumerate(grp.layers)]
         return out + list(zip(lay.post, self.post, strict=True))
 
-    def hidden_states(self, tokens, *, dispatch=None, segment_ids=None, taps: tuple = ()):
+    def hidden_states(self, tokens, *, dispatch=None, segment_ids=None, taps: tuple = (), dropout_key=None):
         """Final hidden state before the output norm [B, T, D] (acc dtype) and the aux dict. ``segment_ids``
         [B, T]: the documents of packed rows (``k3jax.ops.segments``): KDA's state and conv windows restart and MLA
         attends within each; AttnRes and the FFNs act per token, so nothing else changes. ``taps``: layer indices
-        whose stream values go to ``aux["taps"]`` [B, T, len(taps), D] (``_walk``)."""
+        whose stream values go to ``aux["taps"]`` [B, T, len(taps), D] (``_walk``). ``dropout_key``: a training
+        forward's PRNG key for LoRA dropout (``lora_dropout``; each layer folds in its index, each adapted projection
+        its id: k3jax/layers/lora.py); None (eval, scoring, generation): no dropout."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
         if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
@@ -157,10 +167,10 @@ class K3Model(nnx.Module):
             return layer.mixer(x, self.cfg, self.run, segment_ids, context)
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat,
-                          taps=tuple(taps))
+                          taps=tuple(taps), dropout=lora_dropout(self.run, dropout_key))
 
     def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None,
-              taps: tuple = ()):
+              taps: tuple = (), dropout: LoraDropout | None = None):
         """The layer stack on tokens [B, T]: each layer is ``DecoderLayer.__call__`` on the residual carry
         (k3jax/model/residual.py) with ``mixer(l, layer, normed x) → (y, aux)`` bound to its index (with ``scan``, l
         is traced inside the repeating group: the mixer must not index by it).
@@ -185,6 +195,9 @@ class K3Model(nnx.Module):
         A ``dispatch`` object with a ``constrain_tokens(x, batch_dim)`` method (``ExpertParallel``) pins the
         residual stream [B, T, D] and the AttnRes block sums to its token sharding at every layer boundary.
 
+        ``dropout``: a training forward's ``LoraDropout`` (``lora_dropout``), handed to every layer, unrolled or
+        scanned; each folds in its index (``DecoderLayer.__call__``).
+
         ``taps`` (layer indices): the stream's value after each of these layers (``stream_value``) is put in
         ``aux["taps"]`` [B, T, len(taps), D], in the order given (in the scanned group a tap is a select into a
         buffer carried through the scan, written in the iteration of its group).
@@ -199,7 +212,7 @@ class K3Model(nnx.Module):
         h = pin(self.embed[...][tokens].astype(acc_dtype(jnp.dtype(run.compute_dtype))))
         carry = Blocks(h) if cfg.uses_attn_res else Stream(h)
 
-        step = _layer_step(mixer, cfg, run, dispatch, pin)
+        step = _layer_step(mixer, cfg, run, dispatch, pin, dropout)
 
         tapped = {}
 
@@ -215,7 +228,7 @@ class K3Model(nnx.Module):
             carry = unrolled(self.layers(), carry)
         else:
             carry = unrolled(zip(lay.pre, self.pre, strict=True), carry)
-            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side, taps, tapped)
+            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side, taps, tapped, dropout)
             _collect(aux, *per_layer)
             carry = unrolled(zip(lay.post, self.post, strict=True), carry)
         if taps:
@@ -259,7 +272,7 @@ class K3Model(nnx.Module):
         return wrapped
 
     def _scan_groups(self, carry, mixer, dispatch, remat: str = "none", pin=unpinned, side: dict | None = None,
-                     taps: tuple = (), tapped: dict | None = None):
+                     taps: tuple = (), tapped: dict | None = None, dropout: LoraDropout | None = None):
         """The repeating group as one lax.scan (see ``_walk``) on the carry of the layers before it → (the carry
         after it, in the same form, and the per-layer aux dicts in layer order); with ``side``, the scan carries
         ``side["groups"]`` and leaves its final value there. ``taps`` inside the group are carried in a buffer
@@ -289,7 +302,7 @@ class K3Model(nnx.Module):
             outs = []
             for j, layer in enumerate(grp.layers):
                 step = _layer_step(mixer if sides is None else _on_slot(mixer, sides, j, g), cfg, self.run,
-                                   dispatch, pin)
+                                   dispatch, pin, dropout)    # the layer folds its traced index into the key
                 step = self._checkpointed(step, "full") if per_layer else step
                 core, ax_fx = step(layer, core, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
@@ -376,13 +389,15 @@ class K3Model(nnx.Module):
         out = (self._logits(h), new) if side is None else (self._logits(h), new, side["groups"])
         return (*out, aux["taps"]) if taps else out
 
-    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None, segment_ids=None, taps: tuple = ()):
+    def __call__(self, tokens, *, return_aux: bool = False, dispatch=None, segment_ids=None, taps: tuple = (),
+                 dropout_key=None):
         """tokens [B, T] int → logits [B, T, W] in at-least-fp32 (and the aux dict if ``return_aux``);
-        ``segment_ids`` [B, T]: packed documents; ``taps``: layers whose stream values go to ``aux["taps"]``
-        (``hidden_states``)."""
-        h, aux = self.hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids, taps=taps)
+        ``segment_ids`` [B, T]: packed documents; ``taps``: layers whose stream values go to ``aux["taps"]``;
+        ``dropout_key``: LoRA dropout's key in a training forward (``hidden_states``)."""
+        h, aux = self.hidden_states(tokens, dispatch=dispatch, segment_ids=segment_ids, taps=taps,
+                                    dropout_key=dropout_key)
         logits = self._logits(h)
         return (logits, aux) if return_aux else logits
 
 
-__all__ = ["K3Model"]
+__all__ = ["K3Model", "lora_dropout"]

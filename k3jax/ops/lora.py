@@ -7,6 +7,11 @@ and adds the low-rank path without forming W + s A B, so the gradients of A and 
 full-size weight gradient; ``lora_weight`` forms the merged weight where a weight is consumed whole (MLA's absorbed
 decode reads kv_b's blocks). Per-expert factors over a routed-expert stack travel as ``LoraWeight`` in the stack's
 place (the MoE's expert functions; k3jax/ops/lora_experts.py), their A per expert or one shared by the stack.
+
+LoRA dropout (PEFT's ``lora_dropout``, training only): y = x W + s · (dropout(x) A) B — inverted dropout on the
+adapter's input alone (kept with probability 1 − p, scaled by 1 / (1 − p)); the base product sees x undropped.
+``LoraDropout`` holds the key and p; ``dropped`` applies a given keep mask, so the arithmetic is testable apart
+from the randomness.
 """
 
 from __future__ import annotations
@@ -19,14 +24,61 @@ import jax.numpy as jnp
 from k3jax.ops.norms import acc_dtype
 
 
+def dropped(x, keep, rate: float):
+    """Inverted dropout with a given keep mask (bool, x's shape): x · 1 / (1 − rate) where ``keep``, else 0, in
+    x's dtype (torch's ``nn.Dropout``: the mask times the scale)."""
+    return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
+
+
+@jax.tree_util.register_pytree_node_class
+class LoraDropout:
+    """LoRA dropout of one training forward: a PRNG ``key`` (typed or raw) and the drop probability ``rate`` (static,
+    0 < rate < 1). ``fold(data)`` derives an independent one (a layer, a projection, a device); calling it on x
+    draws one keep bit per element of x (``jax.random.bernoulli(key, 1 − rate, x.shape)``) and applies ``dropped``."""
+
+    def __init__(self, key, rate: float):
+        self.key, self.rate = key, float(rate)
+
+    def tree_flatten(self):
+        return (self.key,), self.rate
+
+    @classmethod
+    def tree_unflatten(cls, rate, children):
+        return cls(children[0], rate)
+
+    def fold(self, data) -> LoraDropout:
+        return LoraDropout(jax.random.fold_in(self.key, data), self.rate)
+
+    def keep_mask(self, shape) -> jax.Array:
+        return jax.random.bernoulli(self.key, 1.0 - self.rate, shape)
+
+    def __call__(self, x):
+        return dropped(x, self.keep_mask(x.shape), self.rate)
+
+
 class LoraWeight(NamedTuple):
     """A routed-expert stack with per-expert adapters: ``base`` [E, in, out] (an array, or the packed MXFP4
     ``PackedWeight``), ``a`` [E, in, r] (or [in, r]: one A shared by every expert), ``b`` [E, r, out] with the LoRA
-    scale already folded in."""
+    scale already folded in; ``dropout``: the stack's ``LoraDropout`` in a training forward, else None (the rows'
+    masks: k3jax/ops/lora_experts.py)."""
 
     base: Any
     a: jax.Array
     b: jax.Array
+    dropout: LoraDropout | None = None
+
+
+def per_device_dropout(stacks, rows: tuple, h_axes: tuple = ()):
+    """Inside a ``shard_map``: each ``LoraWeight`` of the (w1, w3, w2) ``stacks`` with its dropout key folded with
+    this device's index over the mesh axes ``rows``, and w2's over ``h_axes`` too (its input h is split there, the
+    rows' x is not), so that a device draws its own rows' masks: deterministic per key, mesh and routing, but not
+    the one-device draws (expert parallelism: k3jax/sharding/expert_parallel.py)."""
+    def fold(w, axes):
+        drop = w.dropout if axes and isinstance(w, LoraWeight) else None
+        return w if drop is None else w._replace(dropout=drop.fold(jax.lax.axis_index(axes)))
+
+    w1, w3, w2 = stacks
+    return fold(w1, rows), fold(w3, rows), fold(fold(w2, rows), h_axes)
 
 
 def _split(eq: str):
@@ -39,12 +91,14 @@ def _split(eq: str):
     return x, w_in, w_out, out, free
 
 
-def lora_einsum(eq: str, x, w, a=None, b=None, *, scale: float = 1.0, acc=None):
-    """``einsum(eq, x, w)`` (``preferred_element_type=acc``) plus ``scale · (x a) b`` when ``a`` is given; the
+def lora_einsum(eq: str, x, w, a=None, b=None, *, scale: float = 1.0, acc=None, x_lora=None):
+    """``einsum(eq, x, w)`` (``preferred_element_type=acc``) plus ``scale · (x_lora a) b`` when ``a`` is given;
+    ``x_lora``: the adapter's input, x's shape and dtype (default x; LoRA dropout's output while training). The
     factors are cast to x.dtype, products accumulate in ``acc``. W's input dims must come first in ``w``."""
     y = jnp.einsum(eq, x, w, preferred_element_type=acc)
     if a is None:
         return y
+    x = x if x_lora is None else x_lora
     xs, w_in, w_out, out, r = _split(eq)
     batch = "".join(c for c in xs if c not in w_in)
     xa = jnp.einsum(f"{xs},{w_in}{r}->{batch}{r}", x, a.astype(x.dtype), preferred_element_type=acc)
@@ -84,4 +138,4 @@ def lora_weight(w, a, b, scale: float):
     return (w.astype(acc) + scale * d).astype(w.dtype)
 
 
-__all__ = ["LoraWeight", "lora_einsum", "lora_weight", "shares_a"]
+__all__ = ["LoraDropout", "LoraWeight", "dropped", "lora_einsum", "lora_weight", "per_device_dropout", "shares_a"]

@@ -15,6 +15,14 @@ batched product. Gradients reach the rows and A, B (and a float base when it is 
 have none. The base products are the frozen weights' own, so with B = 0 the outputs equal the unadapted experts'
 to the summation order of the FFN (the fused paths of grouped_matmul / packed_experts add the same products in
 another order).
+
+LoRA dropout (a stack's ``LoraWeight.dropout``, training only): the adapter's input rows are dropped before A, the
+base product reads them undropped. The masks are drawn on the rows each expert receives — one keep bit per (row,
+feature) of the tiles [V, t, in] (``adapter_tiles``), a row being one (token, slot) assignment, so a token sent to
+two experts is dropped independently for each, as PEFT's per-expert ``nn.Linear`` modules each drop their input —
+and each stack has its own key (w1 and w3 read the same rows with independent masks; w2 drops h). The masks follow
+the tiling of the sorted rows: deterministic for a key and a routing, but not the same draws under another tile
+size or under expert parallelism (k3jax/sharding/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3jax.ops.grouped_matmul import Act, default_tile, experts_grouped, tile_rows
-from k3jax.ops.lora import LoraWeight
+from k3jax.ops.lora import LoraDropout, LoraWeight
 from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
 
 LORA_IMPLS = ("auto", "tiles", "grouped")
@@ -77,11 +85,14 @@ def _out(w) -> int:
     return w.packed.shape[1] if isinstance(w, PackedWeight) else w.shape[-1]
 
 
-def _adapter(tiled, a, b, acc):
+def adapter_tiles(tiled, a, b, acc, dropout: LoraDropout | None = None):
     """``tile_rows`` of xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e, each tile's factors gathered
-    (r columns); an A [in, r] without the expert axis is shared by every expert (one product, no gather)."""
+    (r columns); an A [in, r] without the expert axis is shared by every expert (one product, no gather).
+    ``dropout``: x dropped first, one mask over the tiles [V, t, in] (``dropout.keep_mask``; module docstring)."""
     xt, te, back = tiled
     cdt = xt.dtype
+    if dropout is not None:
+        xt = dropout(xt)
     if a.ndim == 2:  # shared A: x A is the same map for every expert
         xa = jnp.einsum("vti,ir->vtr", xt, a.astype(cdt), preferred_element_type=acc)
     else:
@@ -93,7 +104,7 @@ def _adapter(tiled, a, b, acc):
 def _product(xs, group_sizes, tiled, w, acc, gmm, impl):
     if not isinstance(w, LoraWeight):
         return _base(xs, group_sizes, tiled, w, acc, gmm, impl)
-    return _base(xs, group_sizes, tiled, w.base, acc, gmm, impl) + _adapter(tiled, w.a, w.b, acc)
+    return _base(xs, group_sizes, tiled, w.base, acc, gmm, impl) + adapter_tiles(tiled, w.a, w.b, acc, w.dropout)
 
 
 def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, impl="auto"):
@@ -124,4 +135,4 @@ def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: C
                            quantized_input=quantized_input)
 
 
-__all__ = ["LORA_IMPLS", "experts_lora"]
+__all__ = ["LORA_IMPLS", "adapter_tiles", "experts_lora"]

@@ -15,7 +15,7 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
        Pallas grouped MXFP4 kernel when compiling for GPU/TPU (forward and the activation gradient; its outputs
        declare their varying mesh axes), the XLA loop for CPU (``packed_kernel``). Stacks with per-expert LoRA
        adapters (``LoraWeight``, over a float or packed base) run ``experts_lora`` (k3jax/ops/lora_experts.py)
-       with the same kernel choice for a packed base
+       with the same kernel choice for a packed base; their LoRA dropout draws per device (``per_device_dropout``)
     5. send results back with the reverse exchange, un-sort, weighted sum over the A slots (acc dtype)
 
 Small batches (``replicate_tokens=True``, the small-batch rule of ``placement.small_batch``: fewer rows than the
@@ -63,7 +63,7 @@ from k3jax.config import PACKED_KERNELS
 from k3jax.errors import InputError
 from k3jax.layers import backends
 from k3jax.ops.grouped_matmul import experts_sorted
-from k3jax.ops.lora import LoraWeight
+from k3jax.ops.lora import LoraWeight, per_device_dropout
 from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.packed_experts import PackedWeight, experts_packed, num_experts
@@ -230,8 +230,6 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
     return y, jnp.sum(counts - send_sizes).astype(jnp.int32)
 
 
-
-
 def _packed_kernels(packed_kernel: str):
     """The grouped MXFP4 kernels the local packed experts run — (grouped matmul, grouped GLU FFN) — or None for the
     XLA loop: "tiles" never; "pallas" always (for a CPU target the TPU schedule in the TPU interpreter: the code
@@ -354,7 +352,7 @@ class ExpertParallel:
         def local(z, ids, wts, w1, w3, w2):
             # chosen in here, where the current mesh is shard_map's (its device: the platform being compiled for)
             kernels = _packed_kernels(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
-            w1, w3, w2 = self._gather_width(w1, w3, w2)
+            w1, w3, w2 = per_device_dropout(self._gather_width(w1, w3, w2), self.token_axes, self.tensor_axes)
             bucketed, ragged = partial(_bucketed, **kw, kernels=kernels), partial(_ragged, **kw, kernels=kernels)
             args = (z, ids, wts, w1, w3, w2)
             if X == 1:          # no expert axis (a ContextParallel's MoE): every expert here, on this shard's rows
@@ -395,7 +393,7 @@ class ExpertParallel:
             base_in, base_out = P(e, p, t), P(e, t, p)
         def lora(w, base, a_in, b_out):  # a_in: A's input dim split, b_out: B's output dim split
             a = P(a_in, None) if w.a.ndim == 2 else P(e, a_in, None)  # a shared A [in, r]: whole on every expert shard
-            return LoraWeight(base, a, P(e, None, b_out))
+            return LoraWeight(base, a, P(e, None, b_out), jax.tree.map(lambda _: P(), w.dropout))  # key: whole
 
         return tuple(lora(w, base, a_in, b_out) if isinstance(w, LoraWeight) else base
                      for w, base, a_in, b_out in ((w1, base_in, p, t), (w3, base_in, p, t), (w2, base_out, t, p)))
@@ -417,7 +415,7 @@ class ExpertParallel:
             if isinstance(w, LoraWeight):
                 a = w.a if a_dim is None else g(w.a, axis=a_dim)
                 b = w.b if b_dim is None else g(w.b, axis=b_dim)
-                return LoraWeight(gather(w.base, dim), a, b)
+                return LoraWeight(gather(w.base, dim), a, b, w.dropout)
             if isinstance(w, PackedWeight):
                 return w
             return _gather_minor(w, ax) if dim == 2 else g(w, axis=dim)  # w2's P is its last dim
@@ -430,7 +428,8 @@ class ExpertParallel:
     def _dispatch_replicated(self, z, ids, weights, w1, w3, w2, act, act_quant):
         def local(z, ids, wts, w1, w3, w2):
             kernels = _packed_kernels(self.packed_kernel) if isinstance(_base(w1), PackedWeight) else None
-            w1, w3, w2 = self._gather_width(w1, w3, w2)
+            w1, w3, w2 = per_device_dropout(self._gather_width(w1, w3, w2), (self.expert_axis,) if self.n_shards > 1
+                                            else (), self.tensor_axes)  # the other axes hold the same rows: alike
             return _replicated(z, ids, wts, w1, w3, w2, act=act, act_quant=act_quant, axis=self.expert_axis,
                                n_shards=self.n_shards, tensor_axes=self.tensor_axes, kernels=kernels)
 

@@ -17,6 +17,10 @@ load statistics / QB histograms and per-head max logits are summed (max-ed) over
 On a mesh the token axis of ``tokens`` is sharded and the state is placed by the rules table
 (``k3jax.sharding.placement``); XLA inserts the gradient / histogram reductions and the FSDP gathers, and the MoE
 layers run through the expert-parallel ``dispatch``.
+
+LoRA dropout (``run.lora.dropout`` > 0 only; otherwise no key is made and the program is the one without dropout):
+micro-batch i of a step runs its forward with the key fold_in(fold_in(key(state["rng"]), state["step"]), i), so
+every step and micro-batch draws fresh masks, and the same state and batch give the same step.
 """
 
 from __future__ import annotations
@@ -69,11 +73,13 @@ def make_loss(cfg, run, spec: StepSpec, dispatch=None):
     ``loss_fn(params, batch, norm)``: ``batch`` is tokens [b, T + 1] (every prediction counts: the mean) or a packed
     batch {"tokens", "segments" [b, T + 1], "weights" [b, T]} (``k3jax.train.data.packed_batch_at``): documents
     mixed on their own, the cross-entropy summed over the weighted predictions and divided by ``norm`` (the step's
-    weight per micro-batch, so that the micro-batches' mean is the mean over every weighted prediction)."""
+    weight per micro-batch, so that the micro-batches' mean is the mean over every weighted prediction).
+    ``dropout_key``: LoRA dropout's key of a training forward (``forward``); None: no dropout (evaluation)."""
 
-    def loss_fn(params, batch, norm=None):
+    def loss_fn(params, batch, norm=None, dropout_key=None):
         tokens, seg = (batch, None) if not isinstance(batch, dict) else (batch["tokens"], batch["segments"][:, :-1])
-        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True, dispatch=dispatch, segment_ids=seg)
+        logits, aux = forward(params, tokens[:, :-1], cfg, run, return_aux=True, dispatch=dispatch, segment_ids=seg,
+                              dropout_key=dropout_key)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
         ce = jnp.mean(per_token) if seg is None else jnp.sum(per_token * batch["weights"]) / norm
         loss = ce
@@ -90,12 +96,14 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
     loss_fn = make_loss(cfg, run, spec, dispatch)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     E = cfg.num_experts
+    dropout = run.lora is not None and run.lora.dropout > 0     # only then a key: else the program is unchanged
 
     def step(state, tokens, poison):
         params = state["params"]
         frozen = state.get("frozen")
         if frozen is not None:  # gradients w.r.t. the trainable leaves only; the frozen ones join the forward
-            full = jax.value_and_grad(lambda p, tok, n: loss_fn(merge_trees(p, frozen), tok, n), has_aux=True)
+            full = jax.value_and_grad(lambda p, tok, n, k=None: loss_fn(merge_trees(p, frozen), tok, n, k),
+                                      has_aux=True)
         else:
             full = grad_fn
         M = jax.tree.leaves(tokens)[0].shape[0]
@@ -107,16 +115,18 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
         # the router biases live with the trained leaves, or with the frozen base (LoRA: balancing off)
         b_le = bal.biases(merge_trees(params, frozen), cfg) if moe_idx else jnp.zeros((0, E), jnp.float32)
         balance = bool(moe_idx) and spec.balance != "off"
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]) if dropout else None
 
-        def one(tok):
-            (loss, (ce, aux)), g = full(params, tok, norm)
+        def one(tok, i=0):
+            key = None if step_key is None else jax.random.fold_in(step_key, i)  # micro-batch i's masks
+            (loss, (ce, aux)), g = full(params, tok, norm, key)
             stats = bal.micro_stats(aux["routing"], b_le, E, mode=spec.balance) if moe_idx else {}
             ml = (jnp.stack([jnp.max(m, axis=0) for m in aux["mla_max_logit"]]).astype(jnp.float32) if n_mla
                   else jnp.zeros((0, 1), jnp.float32))
             return g, loss, ce, stats, ml
 
-        def micro(carry, tok):
-            g, loss, ce, stats, ml = one(tok)
+        def micro(carry, xs):
+            g, loss, ce, stats, ml = one(*xs) if dropout else one(xs)
             acc_g, acc_loss, acc_ce, acc_stats, acc_ml = carry
             carry = (jax.tree.map(jnp.add, acc_g, g), acc_loss + loss, acc_ce + ce,
                      jax.tree.map(jnp.add, acc_stats, stats), jnp.maximum(acc_ml, ml))
@@ -127,8 +137,9 @@ def make_train_step(cfg, run, tx, spec: StepSpec, dispatch=None):
         # chip of the full model's QAT step on v5p-512, experiments/LOG.md). x == 0 + x: the sums are unchanged.
         (g, loss, ce, stats, ml) = one(jax.tree.map(lambda x: x[0], tokens))
         if M > 1:
+            rest = jax.tree.map(lambda x: x[1:], tokens)
             (g, loss, ce, stats, ml), _ = jax.lax.scan(micro, (g, loss, ce, stats, ml),
-                                                       jax.tree.map(lambda x: x[1:], tokens))
+                                                       (rest, jnp.arange(1, M)) if dropout else rest)
         N = ml.shape[-1]
         scale = (1.0 + poison) / M  # poison = NaN simulates a numerical fault (tests); 1.0 + 0.0 is exact
         g = jax.tree.map(lambda x: x * scale.astype(x.dtype), g)

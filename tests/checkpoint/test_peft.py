@@ -194,6 +194,12 @@ BAD = {
                    SIDECAR, "made for another base: the architecture differs in rms_norm_eps, situ_beta"),
     "sidecar-rank": (lambda d: _edit_json(d, SIDECAR, lambda c: c["lora"].update(alpha=16.0)), SIDECAR,
                      "field 'lora.alpha' is 16.0"),
+    "dropout-1.5": (lambda d: _edit_json(d, ADAPTER_CONFIG, lambda c: c.update(lora_dropout=1.5)), ADAPTER_CONFIG,
+                    "field 'lora_dropout': must be a probability in [0, 1) (got 1.5)"),
+    "dropout-nan": (lambda d: _edit_json(d, ADAPTER_CONFIG, lambda c: c.update(lora_dropout=float("nan"))),
+                    ADAPTER_CONFIG, "field 'lora_dropout': must be a probability in [0, 1) (got nan)"),
+    "sidecar-dropout": (lambda d: _edit_json(d, SIDECAR, lambda c: c["lora"].update(dropout=1.0)), SIDECAR,
+                        "field 'lora.dropout' is 1.0"),
     "pickle-only": (lambda d: (os.remove(d / ADAPTER_WEIGHTS), (d / "adapter_model.bin").write_bytes(b"x")), "",
                     "only pickle-based weights (adapter_model.bin); k3jax never unpickles"),
 }
@@ -221,13 +227,32 @@ def test_save_refuses_leaves_outside_the_targets_and_an_existing_dir(tmp_path, s
 
 
 def test_training_dropout_does_not_block_loading(tmp_path, saved):
-    """lora_dropout acts only while training: an adapter trained with it (PEFT's common 0.05) applies unchanged."""
+    """lora_dropout acts only while training: an adapter trained with it (PEFT's common 0.05) applies unchanged,
+    its value recorded in the LoRAConfig (k3jax's sidecar, when there is one, holds the trained value)."""
     d = tmp_path / "dropout"
     shutil.copytree(saved[0], d)
     _edit_json(d, ADAPTER_CONFIG, lambda c: c.update(lora_dropout=0.05))
     lora, leaves = load_adapter(d, TINY, default_run(TINY))
     _, want = load_adapter(saved[0], TINY, default_run(TINY))
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(leaves), jax.tree.leaves(want), strict=True))
+    assert lora.dropout == 0.0                                          # the sidecar's (k3jax trained it at 0)
+    os.remove(d / SIDECAR)                                              # an adapter PEFT wrote: its config's value
+    assert load_adapter(d, TINY, default_run(TINY))[0].dropout == 0.05
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_export_writes_the_trained_dropout_and_loads_it_back(tmp_path, layout):
+    """adapter_config's lora_dropout is the run's, except 0 beside fused routed experts (PEFT's ParamWrapper refuses
+    any other: the inference math is the same); the sidecar keeps the trained value and loading returns it."""
+    run = default_run(TINY).replace(lora=LoRAConfig(rank=4, alpha=8.0, targets=("attn", "experts"), dropout=0.1,
+                                                    peft_experts=layout))
+    save_adapter(_adapter(TINY, run), TINY, run, tmp_path / "a")
+    conf = json.load(open(tmp_path / "a" / ADAPTER_CONFIG))
+    assert conf["lora_dropout"] == (0.1 if layout == "per-expert" else 0.0)
+    assert bool(conf.get("target_parameters")) == (layout == "fused")
+    assert json.load(open(tmp_path / "a" / SIDECAR))["lora"]["dropout"] == 0.1
+    lora, _ = load_adapter(tmp_path / "a", TINY, default_run(TINY))
+    assert lora == run.lora and lora.dropout == 0.1
 
 
 def test_kimi_linear_names_transformers_modules_and_reads_both_spellings(tmp_path):

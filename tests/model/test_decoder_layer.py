@@ -63,7 +63,7 @@ def test_unrolled_scanned_and_cached_stacks_call_the_layer(monkeypatch):
     calls = []
     real = DecoderLayer.__call__
     monkeypatch.setattr(DecoderLayer, "__call__",
-                        lambda self, carry, l, *a: calls.append(l) or real(self, carry, l, *a))
+                        lambda self, carry, l, *a, **kw: calls.append(l) or real(self, carry, l, *a, **kw))
     toks = jnp.zeros((B, T), jnp.int32)
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     jax.eval_shape(lambda: model(toks))

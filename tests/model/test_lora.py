@@ -69,7 +69,8 @@ def test_adapters_equal_their_merged_weights(stack):
 
 
 @pytest.mark.parametrize("text,msg", [("rank=0", "rank"), ("targets=attn+mlp", "targets"), ("rank=4,beta=2", "beta"),
-                                      ("alpha=x", "alpha"), ("dropout=0.1", "dropout")])
+                                      ("alpha=x", "alpha"), ("dropout=1", "dropout"), ("dropout=-0.1", "dropout"),
+                                      ("dropout=nan", "dropout")])
 def test_bad_lora_settings_name_the_field(text, msg):
     with pytest.raises(ConfigError, match=msg):
         parse_lora(text)

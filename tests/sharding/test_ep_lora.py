@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops.activations import glu_activation
-from k3jax.ops.lora import LoraWeight
+from k3jax.ops.lora import LoraDropout, LoraWeight
 from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
 from k3jax.sharding.expert_parallel import ExpertParallel
@@ -165,3 +165,54 @@ def test_ep_shared_a_width_split_gathers_inside(problem, shared_a):
     _compare(got, ref, TOL["fp32_shallow"], "fsdp width split, shared A")
     for g, s in zip(got[1][1], a_specs, strict=True):
         assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(*s)), g.ndim), (g.sharding, s)
+
+
+def _run_dropped(fn, p, ws, key, b=None):
+    """``_run`` with LoRA dropout (rate 0.3) on every stack: stack i's ``LoraDropout`` key is ``key`` folded with i,
+    as the model hands each projection its own; the key is an argument (one compile for every key)."""
+    b = b or p["b"]
+
+    def both(z, a, b, key):
+        def f(z, a, b):
+            drops = (LoraDropout(jax.random.fold_in(key, i), 0.3) for i in range(3))
+            return fn(z, p["ids"], p["wts"], *(LoraWeight(*t) for t in zip(ws, a, b, drops, strict=True)), ACT)
+
+        y, vjp = jax.vjp(f, z, a, b)
+        return y, vjp(p["ct"])
+
+    return jax.jit(both)(p["z"], p["a"], b, key)
+
+
+# the bucketed exchange in the default suite; the small-batch rule and the tensor split in the slow pass (~8 s each)
+DROPOUT_CASES = ["data2-expert4-bucketed", pytest.param("data2-expert4-replicated", marks=pytest.mark.slow),
+                 pytest.param("expert4-tensor2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("case", DROPOUT_CASES)
+def test_ep_lora_dropout_is_deterministic_and_reaches_every_factor(problem, case):
+    """Under EP a device draws the masks of the rows it holds from the key folded with its index over the token axes
+    (the expert axis alone on the small-batch path, whose other axes hold the same rows; w2's key also folds the
+    tensor index): not the one-device draws, but the same key gives the same outputs and gradients bit for bit,
+    another key others, and the gradients reach every A and B."""
+    axes, rules, kw = CASES[case]
+    ep = ExpertParallel(make_mesh(axes), rules, **kw)
+    one = _run_dropped(ep, problem, problem["floats"], jax.random.key(1))
+    again = _run_dropped(ep, problem, problem["floats"], jax.random.key(1))
+    other = _run_dropped(ep, problem, problem["floats"], jax.random.key(2))
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(again), strict=True))
+    assert not np.allclose(one[0], other[0], atol=1e-3)
+    assert not np.allclose(one[0], problem["ref_float"][0], atol=1e-3)
+    for g in (*one[1][1], *one[1][2]):
+        assert np.all(np.isfinite(g)) and np.any(np.asarray(g) != 0)
+
+
+@pytest.mark.slow  # two EP compiles per case, ~8 s each
+@pytest.mark.parametrize("case", ["data2-expert4-bucketed", "data2-expert4-replicated", "expert4-tensor2"])
+def test_ep_lora_dropout_leaves_the_base_rows_whole(problem, case):
+    """B = 0: the adapters add exactly 0 whatever their input, so the dropped run's output is the undropped
+    experts' bit for bit — the base products read the exchanged rows whole."""
+    axes, rules, kw = CASES[case]
+    ep = ExpertParallel(make_mesh(axes), rules, **kw)
+    zero = tuple(jnp.zeros_like(x) for x in problem["b"])
+    y0, _ = _run_dropped(ep, problem, problem["floats"], jax.random.key(1), b=zero)
+    np.testing.assert_array_equal(y0, _run(ep, problem, problem["floats"], b=zero)[0])

@@ -80,7 +80,9 @@ def test_qlora_trains_adapters_only_and_leaves_the_base_untouched(base, tmp_path
     (["--lora", "rank=4,beta=1"], "beta"),
     (["--lora", "targets=attn,experts_shared_a=true"], "experts_shared_a"),
     (["--lora", "experts_shared_a=maybe"], "experts_shared_a"),
-], ids=["rank", "target", "key", "shared-a-without-experts", "shared-a-not-a-bool"])
+    (["--lora", "dropout=1"], "config field 'dropout': must lie in [0, 1)"),
+    (["--lora", "dropout=-0.1"], "config field 'dropout': must lie in [0, 1)"),
+], ids=["rank", "target", "key", "shared-a-without-experts", "shared-a-not-a-bool", "dropout-1", "dropout-negative"])
 def test_bad_lora_exits_2_before_compute(argv, msg, capsys, monkeypatch):
     import k3jax.train.loop as loop_mod
 
@@ -118,24 +120,31 @@ def test_adapter_flags_reach_the_lora_config():
     assert train_config(args).lora.peft_experts == "auto"
 
 
+def _train_lora_cli(monkeypatch, base, lora: str, out) -> dict:
+    """`k3 train --init base --lora LORA --export OUT` for 2 steps of chat data: the run's summary, its parameters
+    kept (and the MFU probe skipped)."""
+    import k3jax.train.loop as loop_mod
+
+    real, got = loop_mod.train, {}
+
+    def keep_params(tc, **kw):
+        got.update(real(tc.replace(peak_flops=1e9), **{**kw, "need_params": True}))
+        return got
+
+    monkeypatch.setattr(loop_mod, "train", keep_params)
+    assert main(["train", "--init", base, "--lora", lora, "--steps", "2", "--batch", "2", "--seq-len", "32", "--data",
+                 CHAT, "--max-bytes", "60000", "--devices", "1", "--eval-every", "100", "--no-progress",
+                 "--export", str(out)]) == 0
+    return got
+
+
 @pytest.mark.slow  # ~55 s on the 2-core CPU (the train step's compile ~30 s, k3 logits' ~10 s)
 def test_shared_a_lora_trains_exports_and_k3_logits_applies_it(base, tmp_path, monkeypatch):
     """`k3 train --init CKPT --lora ...,experts_shared_a=true --export DIR` trains one A per routed stack (B per
     expert) over the packed base, exports it per expert (A copied to every expert, the sidecar's flag), and
     `k3 logits --adapter DIR` gives the trained model's logits."""
-    import k3jax.train.loop as loop_mod
-
-    real, got = loop_mod.train, {}
-
-    def keep_params(tc, **kw):  # the run `k3 train` starts, keeping its parameters (and skipping the MFU probe)
-        got.update(real(tc.replace(peak_flops=1e9), **{**kw, "need_params": True}))
-        return got
-
-    monkeypatch.setattr(loop_mod, "train", keep_params)
     out = tmp_path / "adapter"
-    assert main(["train", "--init", base, "--lora", "rank=4,alpha=8,targets=attn+experts,experts_shared_a=true",
-                 "--steps", "2", "--batch", "2", "--seq-len", "32", "--data", CHAT, "--max-bytes", "60000",
-                 "--devices", "1", "--eval-every", "100", "--no-progress", "--export", str(out)]) == 0
+    got = _train_lora_cli(monkeypatch, base, "rank=4,alpha=8,targets=attn+experts,experts_shared_a=true", out)
     ex = got["params"]["pre"][2]["moe"]["experts"]
     assert np.any(np.asarray(ex["w1_lora_b"]) != 0)                                      # trained off B = 0
     assert ex["w1_lora_a"].ndim == 2 and ex["w1_lora_b"].shape[:2] == (TINY.num_experts, 4)   # A [in, r] shared
@@ -162,3 +171,38 @@ def test_shared_a_lora_flag_spellings_and_help(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     assert "PEFT has no shared-A form, so --export expands A per expert" in " ".join(capsys.readouterr().out.split())
+
+
+def test_lora_dropout_flag_and_help(capsys):
+    from k3jax.cli.main import build_parser
+    from k3jax.cli.train import parse_lora
+
+    assert parse_lora("rank=4,dropout=0.05").dropout == 0.05 and parse_lora("rank=4").dropout == 0.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    assert "dropout=P (0 <= P < 1, default 0): PEFT's LoRA dropout" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.slow  # ~95 s on the 2-core CPU (the train step's compile)
+def test_lora_dropout_trains_exports_and_reloads(base, tmp_path, monkeypatch):
+    """`k3 train --lora ...,dropout=0.1 --export DIR` runs its steps with dropout and exports it: per-expert
+    modules (k3-tiny's layout) carry lora_dropout 0.1; the same adapter with fused experts writes 0 (PEFT refuses
+    dropout on target_parameters) and the sidecar keeps 0.1; both reload to the trained LoRAConfig and leaves."""
+    import json
+
+    from k3jax.checkpoint.peft import SIDECAR, save_adapter
+
+    out = tmp_path / "adapter"
+    got = _train_lora_cli(monkeypatch, base, "rank=4,alpha=8,targets=attn+shared+experts,dropout=0.1", out)
+    assert got["step"] == 2 and not got["skipped_steps"] and np.isfinite(got["final_loss"])
+    trained = LoRAConfig(rank=4, alpha=8.0, targets=("attn", "shared", "experts"), dropout=0.1)
+    ad = split_adapters(got["params"])[0]
+    fused = tmp_path / "fused"
+    save_adapter(ad, TINY, default_run(TINY).replace(lora=trained.replace(peft_experts="fused")), str(fused))
+    for d, written in ((out, 0.1), (fused, 0.0)):
+        assert json.load(open(d / ADAPTER_CONFIG))["lora_dropout"] == written
+        assert json.load(open(d / SIDECAR))["lora"]["dropout"] == 0.1
+        lora, leaves = load_adapter(str(d), TINY, default_run(TINY))
+        assert lora == trained and lora.dropout == 0.1
+        for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(leaves), jax.tree.leaves(ad), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(p)
