@@ -358,7 +358,7 @@ def auto_remat(compile_with, log) -> dict:
             out = compile_with(policy)
         except HbmOomError as e:
             tried.append({"remat": policy, "fits": False, "peak_bytes_per_device": None,
-                          "compile_s": e.plan.get("wall_s")})
+                          "wall_s": e.plan.get("wall_s")})
             if last:
                 e.plan.update(remat_auto={"order": list(PLAN_REMAT_AUTO), "tried": tried, "chosen": None})
                 e.plan["defaults"]["remat"] = "auto"
@@ -366,7 +366,7 @@ def auto_remat(compile_with, log) -> dict:
             log(f"remat auto: {policy} does not fit the chip (the compiler ran out of memory)")
             continue
         tried.append({"remat": policy, "fits": out.get("fits"), "peak_bytes_per_device": out.get(
-            "peak_bytes_per_device"), "compile_s": out.get("compile_s")})
+            "peak_bytes_per_device"), "wall_s": out.get("wall_s")})
         if out.get("fits") is not False or last:
             out["remat_auto"] = {"order": list(PLAN_REMAT_AUTO), "tried": tried,
                                  "chosen": policy if out.get("fits") is not False else None}

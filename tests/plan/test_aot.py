@@ -122,7 +122,7 @@ def test_auto_remat_keeps_the_first_policy_that_fits():
                 e.plan = {"defaults": {}, "wall_s": 1.0}
                 raise e
             return {"fits": fits[policy], "peak_bytes_per_device": 90e9 if fits[policy] else 120e9,
-                    "compile_s": 2.0, "defaults": {}}
+                    "wall_s": 2.0, "defaults": {}}
         return compile_with, calls
 
     log = lambda s: None  # noqa: E731
