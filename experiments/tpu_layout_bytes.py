@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from k3jax.ops import mx
+from k3jax.ops import fp32_bits, mx
 from k3jax.ops.activations import glu_activation
 from k3jax.plan.hlo_cost import program_stats
 
@@ -32,20 +32,20 @@ ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 def _f8_qdq(x, amax):
     """MXFP8 qdq by native float8 converts from a block max [R, G] (a repeat of the block exponent per element)."""
     b = jnp.repeat(mx.scale_bytes(amax, fmt="e4m3", rule="ceil").astype(jnp.int32), 32, axis=1)
-    v = x.astype(jnp.float32) * mx.pow2_f32((127 - b) // 2) * mx.pow2_f32(127 - b - (127 - b) // 2)
+    v = x.astype(jnp.float32) * fp32_bits.pow2_f32((127 - b) // 2) * fp32_bits.pow2_f32(127 - b - (127 - b) // 2)
     q = jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
     e = b - 127
-    return (q * mx.pow2_f32(e // 2) * mx.pow2_f32(e - e // 2)).astype(x.dtype)
+    return (q * fp32_bits.pow2_f32(e // 2) * fp32_bits.pow2_f32(e - e // 2)).astype(x.dtype)
 
 
 def _flat_quant(x):
     """The MXFP8 quantize step of ``mx._quantize_blocks`` on the flat [R, P] layout: the block max by
     ``lax.reduce_window`` and a repeat of the scale byte instead of the [R, G, 32] view."""
-    x32 = mx.flush_subnormals(x.astype(jnp.float32))
+    x32 = fp32_bits.flush_subnormals(x.astype(jnp.float32))
     amax = lax.reduce_window(jnp.abs(x32), -jnp.inf, lax.max, (1, 32), (1, 32), "VALID")
     b = jnp.repeat(mx.scale_bytes(amax, fmt="e4m3", rule="ceil"), 32, axis=1)
     finite = b != 255
-    v = mx._scale_by_pow2(jnp.where(finite, x32, 0.0), 127 - jnp.where(finite, b.astype(jnp.int32), 127))
+    v = fp32_bits.scale_by_pow2(jnp.where(finite, x32, 0.0), 127 - jnp.where(finite, b.astype(jnp.int32), 127))
     return jnp.clip(v, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
 

@@ -103,7 +103,7 @@ class MoE(nnx.Module):
                 w3 = mx.fake_quant_mxfp4(w3, axis=1, rule=qat_weight_rule)
                 w2 = mx.fake_quant_mxfp4(w2, axis=1, rule=qat_weight_rule)
             if qat == "weights+acts":
-                act_quant = partial(mx.fake_quant_mxfp8, axis=-1, rule=qat_act_rule)
+                act_quant = backends.act_quant_mxfp8(qat_act_rule)
         if adapted:                                       # per-expert LoRA factors ride in the stacks' slots
             w1, w3, w2 = lora.expert_stacks(self.experts, (w1, w3, w2))
         if not isinstance(dispatch, str):

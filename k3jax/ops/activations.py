@@ -29,13 +29,25 @@ def swiglu(a, b):
     return jax.nn.silu(a.astype(acc)) * b.astype(acc)
 
 
-def glu_activation(a, b, *, act: str, beta1: float = 4.0, beta2: float = 25.0):
+def glu_activation(a, b, *, act: str, beta1: float = 4.0, beta2: float = 25.0, remat: bool = True):
     """The GLU hidden activation of gate / up pre-activations ``a`` / ``b``, under ``jax.checkpoint``: its backward
     keeps the two inputs and recomputes the element-wise math, where autodiff kept every intermediate — SiTU-GLU's
     tanh, sigmoid and products are eight fp32 arrays of the expert rows (8 GB per MoE layer and chip of the full
-    model's QAT step on v5p-512, experiments/LOG.md). Same values; the recompute is element-wise."""
-    if act == "situ":
-        return jax.checkpoint(lambda a, b: situ_glu(a, b, beta1, beta2))(a, b)
-    if act == "silu":
-        return jax.checkpoint(swiglu)(a, b)
+    model's QAT step on v5p-512, experiments/LOG.md). Same values; the recompute is element-wise. ``remat=False``
+    leaves the checkpoint out: inside a kernel body, which differentiates nothing and cannot lower it."""
+    fns = {"situ": lambda a, b: situ_glu(a, b, beta1, beta2), "silu": swiglu}
+    if act in fns:
+        return jax.checkpoint(fns[act])(a, b) if remat else fns[act](a, b)
     raise ValueError(f"unknown GLU activation {act!r} (expected 'situ' or 'silu')")
+
+
+def glu_hidden(a, b, act, dtype, *, act_quant=None, acc=jnp.float32):
+    """The GLU hidden of the expert FFNs: h = act(a, b) in ``acc``, rounded to ``dtype`` (the rows' dtype), then
+    ``act_quant`` (the MXFP8 fake-quant of w2's input, straight-through) when given. An ``act_quant`` that carries a
+    fused form (``mx.ActQuant.glu``: a kernel that writes h already quantized, from a and b in one pass) runs that
+    instead: the same values and gradients, without XLA materialising the quant's per-block terms between them."""
+    fused = getattr(act_quant, "glu", None)
+    if fused is not None:
+        return fused(a, b, act, dtype, act_quant.rule, acc=acc)
+    h = act(a.astype(acc), b.astype(acc)).astype(dtype)
+    return h if act_quant is None else act_quant(h)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3jax.ops.activations import glu_hidden
 from k3jax.ops.norms import acc_dtype
 
 
@@ -69,9 +70,7 @@ def _ragged_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):
     cdt = xs.dtype
     g = lax.ragged_dot(xs, w1.astype(cdt), group_sizes, preferred_element_type=acc)
     u = lax.ragged_dot(xs, w3.astype(cdt), group_sizes, preferred_element_type=acc)
-    h = act(g, u).astype(cdt)
-    if act_quant is not None:
-        h = act_quant(h)
+    h = glu_hidden(g, u, act, cdt, act_quant=act_quant, acc=acc)
     return lax.ragged_dot(h, w2.astype(cdt), group_sizes, preferred_element_type=acc)
 
 
@@ -95,9 +94,7 @@ def _tile_ffn_step(x, e, w1, w3, w2, act, act_quant, acc):
     w1e, w3e, w2e = (lax.dynamic_index_in_dim(w, e, keepdims=False).astype(cdt) for w in (w1, w3, w2))
     a = jnp.dot(x, w1e, preferred_element_type=acc)
     b = jnp.dot(x, w3e, preferred_element_type=acc)
-    h = act(a, b).astype(cdt)
-    if act_quant is not None:
-        h = act_quant(h)
+    h = glu_hidden(a, b, act, cdt, act_quant=act_quant, acc=acc)
     return a, b, h, w1e, w3e, w2e
 
 
@@ -268,9 +265,7 @@ def experts_dense(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *,
     x = act_quant(z_mp) if act_quant is not None and not quantized_input else z_mp
     g = jnp.einsum("mp,epf->mef", x, w1_epf.astype(cdt), preferred_element_type=acc)
     u = jnp.einsum("mp,epf->mef", x, w3_epf.astype(cdt), preferred_element_type=acc)
-    h = act(g, u).astype(cdt)
-    if act_quant is not None:
-        h = act_quant(h)
+    h = glu_hidden(g, u, act, cdt, act_quant=act_quant, acc=acc)
     y = jnp.einsum("mef,efp->mep", h, w2_efp.astype(cdt), preferred_element_type=acc)
     dense_w = jnp.sum(jax.nn.one_hot(ids_ma, E, dtype=acc) * weights_ma.astype(acc)[..., None], axis=1)
     return jnp.einsum("mep,me->mp", y, dense_w)

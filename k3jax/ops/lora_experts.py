@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from k3jax.ops.activations import glu_hidden
 from k3jax.ops.grouped_matmul import Act, default_tile, experts_grouped, tile_rows
 from k3jax.ops.lora import LoraDropout, LoraWeight
 from k3jax.ops.packed_experts import PackedWeight, dequantize_stack
@@ -112,9 +113,7 @@ def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, im
     tiled = tile_rows(xs, group_sizes, tile)            # one tiling per input, shared by its products
     a = _product(xs, group_sizes, tiled, w1, acc, gmm, impl)
     b = _product(xs, group_sizes, tiled, w3, acc, gmm, impl)
-    h = act(a, b).astype(xs.dtype)
-    if act_quant is not None:
-        h = act_quant(h)
+    h = glu_hidden(a, b, act, xs.dtype, act_quant=act_quant, acc=acc)
     return _product(h, group_sizes, tile_rows(h, group_sizes, tile), w2, acc, gmm, impl)
 
 

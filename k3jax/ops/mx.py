@@ -54,6 +54,15 @@ import numpy as np
 from jax import lax
 
 from k3jax.config import SCALE_RULES  # the rule names are run settings (RunConfig.qat_*_rule); defined there
+from k3jax.ops.fp32_bits import (
+    assemble_f32,
+    f32_bits,
+    f32_bits_to,
+    flush_subnormals,
+    is_negative,
+    pow2_f32,
+    scale_by_pow2,
+)
 
 BLOCK_SIZE = 32
 SCALE_NAN = 0xFF
@@ -89,33 +98,7 @@ FORMATS = {
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# bit helpers
-
-
-def f32_bits(x: jax.Array) -> jax.Array:
-    """The float32 bit pattern of ``x`` as int32 (x is cast to float32 first)."""
-    return lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-
-
-def _from_bits(bits_i32: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(bits_i32.astype(jnp.int32), jnp.float32)
-
-
-def pow2_f32(e: jax.Array) -> jax.Array:
-    """2^e as float32 for integer e in [-126, 127], built from the bit pattern (exact; never exp2)."""
-    return _from_bits((e.astype(jnp.int32) + 127) << 23)
-
-
-def flush_subnormals(x: jax.Array) -> jax.Array:
-    """float32 ``x`` with subnormals replaced by signed zero (what XLA:CPU arithmetic does implicitly)."""
-    bits = f32_bits(x)
-    return jnp.where((bits & 0x7F800000) == 0, _from_bits(bits & jnp.int32(-0x80000000)), x.astype(jnp.float32))
-
-
-def _scale_by_pow2(x: jax.Array, e: jax.Array) -> jax.Array:
-    """x * 2^e for float32 x and integer e in [-254, 254] as two normal factors (no subnormal operand to flush)."""
-    e1 = e // 2
-    return x * pow2_f32(e1) * pow2_f32(e - e1)
+# scale bytes (the float32 bit helpers are k3jax/ops/fp32_bits.py's)
 
 
 def scale_bytes(amax: jax.Array, *, fmt: str = "e2m1", rule: str = "even") -> jax.Array:
@@ -148,7 +131,7 @@ def e8m0_to_float(scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     b = scale.astype(jnp.int32)
     bits = jnp.where(b == 0, 0x00400000, b << 23)
     bits = jnp.where(b == SCALE_NAN, 0x7FC00000, bits)
-    return _f32_bits_to(bits, dtype)
+    return f32_bits_to(bits, dtype)
 
 
 def count_scale_bytes(scale) -> dict:
@@ -159,43 +142,8 @@ def count_scale_bytes(scale) -> dict:
     return {"zero": int(np.sum(s == 0)), "nan": int(np.sum(s == SCALE_NAN)), "total": int(s.size)}
 
 
-def _f32_bits_to(bits: jax.Array, dtype) -> jax.Array:
-    """float32 bit pattern -> ``dtype``; bfloat16 is rounded from the bits (RNE) so subnormals survive XLA:CPU."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return _from_bits(bits)
-    if dtype == jnp.bfloat16:
-        is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        hi = jnp.where(is_nan, 0x7FC0, rounded & 0xFFFF)
-        return lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.bfloat16)
-    return _from_bits(bits).astype(dtype)
-
-
-def _assemble_f32(sign: jax.Array, sig: jax.Array, e: jax.Array) -> jax.Array:
-    """Bits of the float32 (-1)^sign * sig * 2^e for int sig in [0, 16) and e >= -149: exact, subnormal or not.
-
-    Results above the float32 range become +-Inf.
-    """
-    msb = jnp.where(sig >= 8, 3, jnp.where(sig >= 4, 2, jnp.where(sig >= 2, 1, 0)))
-    top = msb + e  # unbiased exponent of the value
-    normal = ((top + 127) << 23) | ((sig << (23 - msb)) & 0x7FFFFF)
-    subnormal = sig << jnp.clip(e + 149, 0, 31)
-    mag = jnp.where(top >= -126, normal, subnormal)
-    mag = jnp.where(top > 127, 0x7F800000, mag)
-    mag = jnp.where(sig == 0, 0, mag)
-    return mag | (sign.astype(jnp.int32) << 31)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # E2M1 element codes
-
-
-def is_negative(x: jax.Array) -> jax.Array:
-    """``x < 0`` from the float32 bits: true for negative numbers (subnormals included, which XLA:CPU's
-    comparisons would flush), false for -0.0 and +0.0."""
-    bits = f32_bits(x)
-    return (bits < 0) & ((bits & 0x7FFFFFFF) != 0)
 
 
 def e2m1_round_codes(v: jax.Array, negative: jax.Array | None = None) -> jax.Array:
@@ -284,7 +232,7 @@ def _quantize_blocks(xb: jax.Array, fmt: str, rule: str):
     b = scale_bytes(amax, fmt=fmt, rule=rule)
     finite = (b != SCALE_NAN)[..., None]
     x = jnp.where(finite, x, 0.0)
-    v = _scale_by_pow2(x, 127 - jnp.where(finite, b[..., None].astype(jnp.int32), 127))
+    v = scale_by_pow2(x, 127 - jnp.where(finite, b[..., None].astype(jnp.int32), 127))
     if fmt == "e2m1":  # the sign from the input itself: flushing keeps a subnormal's sign, but makes it -0.0
         return e2m1_round_codes(v, is_negative(x32) & finite), b
     # Clip first: the float8 casts are not saturating (480 -> NaN for E4M3, docs/numerics.md §10.6). The cast keeps the
@@ -319,9 +267,9 @@ def _dequantize_blocks(elems: jax.Array, b: jax.Array, fmt: str, dtype) -> jax.A
         out = jnp.where(sign == 1, -1.0, 1.0) * sig.astype(jnp.float64) * p2
         out = jnp.where(bi == SCALE_NAN, jnp.nan, out)
     else:
-        bits = _assemble_f32(sign, sig, ex + bi - 127)
+        bits = assemble_f32(sign, sig, ex + bi - 127)
         bits = jnp.where(bi == SCALE_NAN, 0x7FC00000, bits)
-        out = _f32_bits_to(bits, dtype)
+        out = f32_bits_to(bits, dtype)
     if fmt != "e2m1":
         out = jnp.where(jnp.isnan(elems.astype(jnp.float32)), jnp.nan, out).astype(dtype)
     return out
@@ -425,3 +373,45 @@ def fake_quant_mxfp8(x: jax.Array, *, axis: int = -1, rule: str = "ceil") -> jax
     Returns: same shape and dtype as x.
     """
     return _fake_quant(x, axis % x.ndim, "e4m3", rule)
+
+
+def mxfp8_qdq_elementwise(x: jax.Array, amax: jax.Array, *, rule: str = "ceil", dtype=None) -> jax.Array:
+    """MXFP8 (E4M3) quantize-dequantize of each element of ``x`` given its block's max |x| ``amax`` (float32,
+    broadcast to x's shape): ``qdq(x, fmt="e4m3")`` bit for bit wherever ``amax`` is the max that ``qdq`` takes over
+    the block (of the flushed float32 values; a block holding NaN or +-Inf: NaN). Element-wise integer and float32
+    arithmetic only — no float8 dtype and no [..., G, 32] view, whose 32-wide minor dimension a TPU pads to 128
+    lanes — so it runs inside a kernel that finds the block max its own way (pallas_kernels/glu_quant).
+
+    The E4M3 rounding is done on the significand: v = x / scale (clipped to +-448) has the quantum 2^(E-3) of its
+    binade E (2^-9 below 2^-6: the subnormals), and round-half-even of v / quantum is an integer s <= 16; the value
+    s · quantum · scale is assembled from bits (exact where it is a float32 subnormal). NaN elements give NaN.
+    Returns ``dtype`` (default x.dtype)."""
+    _check_rule(rule)
+    dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+    x = flush_subnormals(x.astype(jnp.float32))
+    b = scale_bytes(amax, fmt="e4m3", rule=rule).astype(jnp.int32)
+    finite = b != SCALE_NAN
+    v = scale_by_pow2(jnp.where(finite, x, 0.0), 127 - jnp.where(finite, b, 127))
+    v = jnp.clip(v, -FORMATS["e4m3"].max_value, FORMATS["e4m3"].max_value)
+    bits = f32_bits(v)
+    e = jnp.maximum(((bits >> 23) & 0xFF) - 127, -6)  # the binade (subnormals share -6's quantum 2^-9)
+    # round half to even of |v| / 2^(e-3) < 2^5 by the float32 adder: adding 1.5 · 2^23 leaves no fraction bits
+    magic = jnp.float32(1.5 * 2**23)
+    s = (jnp.abs(v) * pow2_f32(3 - e) + magic - magic).astype(jnp.int32)
+    carry = s == 16  # rounded up into the next binade
+    out = assemble_f32(bits < 0, jnp.where(carry, 8, s), e - 3 + carry.astype(jnp.int32) + b - 127)
+    out = jnp.where(~finite | jnp.isnan(v), 0x7FC00000, out)
+    return f32_bits_to(out, dtype)
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """The MXFP8 (E4M3) STE fake-quant of a GEMM input along its last axis (``fake_quant_mxfp8``), as the MoE layers
+    pass it: called on an array it quantizes it. ``glu``, when set, is a fused implementation of the GLU hidden
+    that this quant follows — ``glu(a, b, act, dtype, rule, acc=)`` = this quant of act(a, b) rounded to ``dtype``, with
+    act's gradient (a kernel: k3jax/layers/backends.py) — which ``ops.activations.glu_hidden`` runs in its place."""
+    rule: str = "ceil"
+    glu: object = None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return fake_quant_mxfp8(x, axis=-1, rule=self.rule)

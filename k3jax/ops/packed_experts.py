@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3jax.ops import mx
+from k3jax.ops.activations import glu_hidden
 from k3jax.ops.grouped_matmul import (
     Act,
     default_tile,
@@ -142,9 +143,7 @@ def _tiles_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int, 
     def body(v, w, y):
         w1c, w3c, w2c = w
         x = lax.dynamic_index_in_dim(xt, v, keepdims=False)
-        h = act(_dot_nt(x, w1c, acc), _dot_nt(x, w3c, acc)).astype(cdt)
-        if act_quant is not None:
-            h = act_quant(h)
+        h = glu_hidden(_dot_nt(x, w1c, acc), _dot_nt(x, w3c, acc), act, cdt, act_quant=act_quant, acc=acc)
         return _add_tile(y, v, _dot_nt(h, w2c, acc))
 
     y0 = varying_zeros(xt.shape, acc, xt, group_sizes, w1, w3, w2)

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops.activations import glu_hidden
 from k3jax.ops.grouped_matmul import match_varying
 from pallas_kernels.mxfp4_matmul import api
 from pallas_kernels.mxfp4_matmul import kernel as _k
@@ -58,9 +59,7 @@ def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platfor
     a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles)
     # an unused tile's a, b (never written, any bits) give any h there: nothing reads it (the kernels skip unused
     # tiles, the rows are independent, and unpad_rows reads only used tiles' rows)
-    h = act(a.astype(acc), b.astype(acc)).astype(x.dtype)
-    if act_quant is not None:
-        h = act_quant(h)
+    h = glu_hidden(a, b, act, x.dtype, act_quant=act_quant, acc=acc)
     y_pad = _launch(platform, False)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret, expected_tiles=tiles)
     # rows past the groups: 0 (unpad_rows); x[:0] carries x's type (its varying mesh axes)
     return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
