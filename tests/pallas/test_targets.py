@@ -8,7 +8,8 @@ Shapes: expert matrices in the latent space (torch [out, in]: w1 / w3 [3072, 358
 KDA with 96 heads, K = V = 128, chunk 64, T = 256 (four chunks), also with packed documents (segment_ids: the
 kernel's three mask inputs); MLA decode with 96 heads over an 8192-key bf16 cache (T = 1, and T = 8 over a cache
 stacked over layers) and the MLA flash kernel at T = S = 2048 (forward; its VJP and packed documents in the slow
-pass; each MLA kernel compiled for v5p in the default pass, v6e in the slow one). The platform comes from the mesh
+pass; each MLA kernel compiled for v5p in the default pass, v6e in the slow one), and the fused GLU + MXFP8 kernel
+over f32 a, b [256, 3072] (v5p default, v6e slow). The platform comes from the mesh
 each test enters (``pallas_kernels.platform.target_platform``), as it would for a caller. Default suite: each entry
 point lowered for cuda once and compiled once per TPU generation (v5p and v6e take different orientations; KDA with
 K3's bounded gate); the other combinations run in the slow pass. The TPU schedules' numerics are checked here too
@@ -17,6 +18,7 @@ K3's bounded gate); the other combinations run in the slow pass. The TPU schedul
 
 import json
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +27,11 @@ import pytest
 
 from k3jax.cli.main import jax_platforms_override
 from k3jax.ops import kda
+from k3jax.ops.activations import glu_activation
 from k3jax.quant import mxfp4_pack
 from k3jax.reference import kda as kda_ref
 from k3jax.testing import TOL, assert_close
+from pallas_kernels.glu_quant import glu_mxfp8
 from pallas_kernels.kda import kda_chunk
 from pallas_kernels.mla import mla_decode, mla_flash
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
@@ -43,6 +47,7 @@ TOPOLOGIES = {"v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 TRITON_CALL = "__gpu$xla.gpu.triton"
 MLA = {"N": 96, "Hn": 128, "Hr": 64, "R": 512, "V": 128, "S": 8192}  # K3's MLA decode, B = 1: a cache of 8192 keys
 MLA_T = 2048  # MLA flash (prefill / training): T = S = 2048
+GLU_ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 
 
 def _mxfp4_args(N, K, grouped, sharding=None, rows=M):
@@ -183,11 +188,13 @@ TPU_CASES = {
     "mla_flash_segments-v5p": ("mla_flash", "v5p", (False, True)),
     "mla_flash_bwd-v5p": ("mla_flash", "v5p", (True, False)), "mla_flash_bwd-v6e": ("mla_flash", "v6e", (True, False)),
     "grouped_bwd_train-v5p-w13": ("grouped_bwd_train", "v5p", "w13"),  # the static grid's transposed kernel (~18 s)
+    # the fused GLU + MXFP8 of the experts' hidden: f32 a, b [M, F] -> bf16 h (default: v5p; v6e in the slow pass)
+    "glu_mxfp8-v5p": ("glu_mxfp8", "v5p", None), "glu_mxfp8-v6e": ("glu_mxfp8", "v6e", None),
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
 # KDA with packed documents once (~4 s more)
 # ... and each MLA kernel once (v5p: decode 3.3 s, the flash forward ~6 s; v6e in the slow pass)
-_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p"]
+_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p", "glu_mxfp8-v5p"]
 TPU_TIERS = {"default": _DEFAULT, "slow": [c for c in TPU_CASES if c not in _DEFAULT]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
@@ -210,6 +217,11 @@ def _tpu_compile(name) -> dict:
         f, args = _mla_flash(vjp, segments), _mla_flash_args(sharding, segments)
         out_bytes = sum(a.size * a.dtype.itemsize for a in args[:5]) if vjp else \
             MLA_T * MLA["N"] * MLA["V"] * 2 + MLA["N"] * 4      # o [1, T, N, V] bf16, max_logit [1, N] fp32
+    elif kind == "glu_mxfp8":
+        F = WEIGHTS["w13"][0]
+        f = lambda a, b: glu_mxfp8(a, b, GLU_ACT, jnp.bfloat16)  # noqa: E731
+        args = [jax.ShapeDtypeStruct((M, F), jnp.float32, sharding=sharding) for _ in range(2)]
+        out_bytes = M * F * 2
     elif kind in ("kda", "kda_segments"):
         segments = kind == "kda_segments"
         f, args = _kda(arg, segments), _kda_args(sharding, segments)

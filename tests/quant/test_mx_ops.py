@@ -243,3 +243,24 @@ def test_fake_quant_mxfp8_clips_and_matches_oracle():
     blk[0, 0] = 1.99
     got = np.asarray(mx.fake_quant_mxfp8(jnp.asarray(blk), rule="floor"))
     assert got[0, 0] == 448 * 2.0**-8 and math.isfinite(got[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rule", RULES)
+def test_elementwise_mxfp8_qdq_equals_blocked_qdq(dtype, rule):
+    """``mxfp8_qdq_elementwise`` (the kernels' form: each element with its block's max) gives ``qdq``'s bits on
+    mixed magnitudes, ties, -0, zero blocks, subnormal scales and results, saturating values and an Inf block."""
+    x = np.concatenate([_mixed(0), _mixed(1) * 2.0**-100, _mixed(2) * 2.0**100], axis=0).astype(np.float32)
+    x[1, 40] = np.inf
+    x[2, 33:64:3] = 448.0 * 2.0 ** np.arange(11)  # values past 448 times the block's scale clip
+    x = jnp.asarray(x, dtype)
+    x32 = mx.flush_subnormals(x.astype(jnp.float32))
+    amax = jnp.repeat(jnp.max(jnp.abs(x32).reshape(x.shape[0], -1, 32), -1), 32, axis=1)
+    got = mx.mxfp8_qdq_elementwise(x, amax, rule=rule)
+    want = mx.qdq(x, axis=-1, fmt="e4m3", rule=rule)
+    assert got.dtype == dtype
+    both_nan = np.isnan(np.asarray(got, np.float32)) & np.isnan(np.asarray(want, np.float32))
+    ut = np.uint16 if dtype == jnp.bfloat16 else np.uint32
+    np.testing.assert_array_equal(np.where(both_nan, 0, np.asarray(got).view(ut)),
+                                  np.where(both_nan, 0, np.asarray(want).view(ut)))
+    assert both_nan[1, 32:64].all()
