@@ -88,6 +88,9 @@ def add_parser(sub) -> None:
     c.add_argument("--no-decode-baseline", action="store_true", help="--mode verify: do not compile the decode "
                    "step on the same mesh (the JSON's verify.decode_step_s and step_ratio are then null)")
     c.add_argument("--lora-rank", type=int, default=None, help="--mode lora: the adapters' rank (default 16)")
+    c.add_argument("--lora", default=None, metavar="SPEC", help="--mode lora: the adapters as k3 train --lora "
+                   "takes them (rank=, alpha=, targets=, dropout=, experts_shared_a=true), over the plan's defaults "
+                   "(rank 16 or --lora-rank, alpha 2 x rank, every target)")
     c.add_argument("--remat", default=None, help="remat policy of the train modes (auto, none, full, group, "
                    "dots_saveable, ...; default auto: group where it fits the chip, else full — one compile more "
                    "when group does not fit; serving modes: none)")
@@ -185,7 +188,7 @@ def _compile_argv(args) -> list[str]:
     for flag, v in (("--seq-len", args.seq_len), ("--remat", args.remat), ("--capacity-factor", args.capacity_factor),
                     ("--strategy", args.strategy), ("--packed-kernel", args.packed_kernel), ("--kernels", args.kernels),
                     ("--context", args.context), ("--opt-state-dtype", args.opt_state_dtype),
-                    ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank),
+                    ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank), ("--lora", args.lora),
                     ("--draft-tokens", args.draft_tokens), ("--rollback", args.rollback)):
         if v is not None:
             argv += [flag, str(v)]
@@ -225,7 +228,7 @@ def _compile(args, cfg) -> int:
                     packed_kernel=args.packed_kernel, kernels=args.kernels, platform=target.platform,
                     context=args.context,
                     opt_state_dtype=args.opt_state_dtype, muon_layout=args.muon_layout or "owner",
-                    lora_rank=16 if args.lora_rank is None else args.lora_rank,
+                    lora_rank=16 if args.lora_rank is None else args.lora_rank, lora=args.lora or "",
                     draft_tokens=args.draft_tokens, rollback=args.rollback)
     layout = None
     if spec.mesh is None:  # the serving modes: the best candidate by the closed-form estimate (k3jax.plan.layouts)
@@ -379,7 +382,8 @@ def _main(args) -> int:
                         ("--capacity-factor", args.capacity_factor), ("--hlo-out", args.hlo_out),
                         ("--packed-kernel", args.packed_kernel), ("--opt-state-dtype", args.opt_state_dtype),
                         ("--muon-layout", args.muon_layout), ("--lora-rank", args.lora_rank),
-                        ("--kernels", args.kernels != "auto"), ("--compare-layouts", args.compare_layouts),
+                        ("--lora", args.lora), ("--kernels", args.kernels != "auto"),
+                        ("--compare-layouts", args.compare_layouts),
                         ("--draft-tokens", args.draft_tokens), ("--rollback", args.rollback),
                         ("--no-decode-baseline", args.no_decode_baseline)):
         if given is not None and given is not False:

@@ -28,8 +28,7 @@ import sys
 import typing
 
 from k3jax.cli.args import add_distributed, add_strict_config, checkpoint_arg, preset_arg, preset_help
-from k3jax.config import ConfigError, LoRAConfig
-from k3jax.config.lora import PEFT_EXPERTS
+from k3jax.config.lora import PEFT_EXPERTS, parse_lora
 from k3jax.errors import InputError
 from k3jax.train.settings import TrainConfig
 
@@ -113,35 +112,12 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run_cli)
 
 
-_LORA_KEYS = ("rank", "alpha", "targets", "dropout", "experts_shared_a")
-_BOOLS = {"true": True, "1": True, "false": False, "0": False}
 # what `k3 train --help` adds to --lora's own help (k3jax/train/settings.py)
 _LORA_HELP = ("; dropout=P (0 <= P < 1, default 0): PEFT's LoRA dropout on the adapters' inputs in training steps "
               "(exported as lora_dropout; 0 in a fused-expert adapter, which PEFT refuses otherwise, the sidecar "
               "keeping P); experts_shared_a=true: one A [in, r] per routed-expert stack shared by its experts, B per "
               "expert (needs targets with experts). PEFT has no shared-A form, so --export expands A per expert "
               "(k3jax's k3jax_adapter.json records it: --adapter reloads it shared)")
-
-
-def parse_lora(text: str):
-    """``--lora "rank=16,alpha=32,targets=attn+shared+experts,dropout=0.05,experts_shared_a=true"`` → LoRAConfig
-    (any subset of the keys; a bad key or value is a ConfigError naming it: exit 2)."""
-    kw: dict = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, eq, val = part.partition("=")
-        if not eq or key not in _LORA_KEYS:
-            raise ConfigError(f"--lora {part!r}: expected rank=, alpha=, targets=, dropout= or experts_shared_a=")
-        if key == "experts_shared_a":
-            if val.lower() not in _BOOLS:
-                raise ConfigError(f"--lora experts_shared_a: expected true or false, got {val!r}")
-            kw[key] = _BOOLS[val.lower()]
-            continue
-        try:
-            kw[key] = (tuple(v for v in val.split("+") if v) if key == "targets" else
-                       int(val) if key == "rank" else float(val))
-        except ValueError:
-            raise ConfigError(f"--lora {key}: not a number: {val!r}") from None
-    return LoRAConfig(**kw)
 
 
 def train_config(args) -> TrainConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from k3jax.config.checks import need, positive_int
+from k3jax.config.checks import ConfigError, need, positive_int
 
 LORA_TARGETS = ("attn", "shared", "dense", "experts")
 # how a PEFT export writes the routed experts' factors (k3jax/checkpoint/peft.py): "per-expert" nn.Linear modules
@@ -70,6 +70,36 @@ class LoRAConfig:
 
 
 RECORDED = ("rank", "alpha", "targets", "dropout")  # the fields every recorded run has
+LORA_KEYS = ("rank", "alpha", "targets", "dropout", "experts_shared_a")  # what a --lora spec may set
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
 
 
-__all__ = ["LORA_TARGETS", "PEFT_EXPERTS", "LoRAConfig"]
+def lora_keys(text: str) -> dict:
+    """The settings a ``--lora`` spec gives, ``"rank=16,alpha=32,targets=attn+shared+experts,dropout=0.05,
+    experts_shared_a=true"`` (any subset) → {field: value}; a bad key or value is a ConfigError naming it (exit 2).
+    The one parser of the spec: ``k3 train --lora`` and ``k3 plan --lora`` read it alike."""
+    kw: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq or key not in LORA_KEYS:
+            raise ConfigError(f"--lora {part!r}: expected rank=, alpha=, targets=, dropout= or experts_shared_a=")
+        if key == "experts_shared_a":
+            if val.lower() not in _BOOLS:
+                raise ConfigError(f"--lora experts_shared_a: expected true or false, got {val!r}")
+            kw[key] = _BOOLS[val.lower()]
+            continue
+        try:
+            kw[key] = (tuple(v for v in val.split("+") if v) if key == "targets" else
+                       int(val) if key == "rank" else float(val))
+        except ValueError:
+            raise ConfigError(f"--lora {key}: not a number: {val!r}") from None
+    return kw
+
+
+def parse_lora(text: str, **defaults) -> LoRAConfig:
+    """A ``--lora`` spec as a LoRAConfig: its keys over ``defaults`` over LoRAConfig's own (a bad field: a
+    ConfigError naming it)."""
+    return LoRAConfig(**{**defaults, **lora_keys(text)})
+
+
+__all__ = ["LORA_KEYS", "LORA_TARGETS", "PEFT_EXPERTS", "LoRAConfig", "lora_keys", "parse_lora"]

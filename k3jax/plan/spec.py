@@ -49,11 +49,11 @@ from k3jax.config import (
     PACKED_KERNELS,
     REMAT_POLICIES,
     K3Config,
-    LoRAConfig,
     RunConfig,
     default_run,
     with_kernels,
 )
+from k3jax.config.lora import lora_keys, parse_lora
 from k3jax.errors import InputError
 from k3jax.layers.experts import packed_form
 from k3jax.model import abstract_params
@@ -86,6 +86,7 @@ class PlanSpec:
     opt_state_dtype: str | None = None  # optimizer moments' storage (OptimConfig.state_dtype; None: PLAN_OPT_STATE)
     muon_layout: str = "owner"  # train modes: where Newton–Schulz runs (OptimConfig.muon_layout; owner-compute)
     lora_rank: int = 16  # lora: the adapters' rank (alpha = 2 rank, every target)
+    lora: str = ""  # lora: a --lora spec in k3 train's vocabulary over those defaults (``plan_lora``)
     kernels: str = "auto"  # --kernels (config.with_kernels) for the target's platform
     platform: str = "tpu"  # the platform the plan compiles for (its --target's)
     draft_tokens: int | None = None  # verify: K drafted tokens per step (the piece is K + 1; None: PLAN_DRAFT_TOKENS)
@@ -230,7 +231,11 @@ def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:
                          "not MXFP4 bytes")
     if spec.lora_rank != 16 and spec.mode != "lora":
         raise InputError(f"--lora-rank {spec.lora_rank}: --mode {spec.mode} has no adapters")
-    plan_lora(spec)  # a positive rank, or a ConfigError naming it
+    if spec.lora and spec.mode != "lora":
+        raise InputError(f"--lora {spec.lora}: --mode {spec.mode} has no adapters")
+    if spec.lora_rank != 16 and "rank" in lora_keys(spec.lora):
+        raise InputError(f"--lora-rank {spec.lora_rank} and --lora {spec.lora}: give the rank once")
+    plan_lora(spec)  # valid settings, or a ConfigError naming the field
     sizes, strategy = place.resolve_mesh(spec.mesh, devices=target.devices, exact=True, where=f"--target {target.spec}",
                                          strategy=spec.strategy, cfg=cfg, params=plan_params(cfg, spec))
     spec = replace(spec, platform=target.platform)
@@ -285,8 +290,10 @@ def plan_params(cfg: K3Config, spec: PlanSpec) -> dict:
 
 
 def plan_lora(spec: PlanSpec):
-    """The adapters of a lora plan: rank ``spec.lora_rank``, alpha 2·rank, every target."""
-    return LoRAConfig(rank=spec.lora_rank, alpha=2.0 * spec.lora_rank, targets=LORA_TARGETS)
+    """The adapters of a lora plan: ``spec.lora``'s settings (k3 train's ``--lora`` vocabulary, e.g.
+    ``experts_shared_a=true``) over the plan's defaults — rank ``spec.lora_rank``, alpha 2·rank, every target."""
+    rank = lora_keys(spec.lora).get("rank", spec.lora_rank)
+    return parse_lora(spec.lora, rank=rank, alpha=2.0 * rank, targets=LORA_TARGETS)
 
 
 __all__ = ["CACHED", "MODES", "PLAN_CAPACITY", "PLAN_DECODE_CAPACITY", "PLAN_DRAFT_TOKENS", "PLAN_OPT_STATE",

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.cli.train import parse_lora
+from k3jax.config.lora import parse_lora
 from k3jax.config import LORA_TARGETS, ConfigError, LoRAConfig, default_run, get_preset
 from k3jax.layers.lora import is_adapter, split_adapters
 from k3jax.model import forward, init_params

@@ -69,6 +69,17 @@ def test_lora_plan_trains_the_adapters_alone_over_a_packed_base():
     assert out["flops"]["compiled_per_device"] > 0
 
 
+def test_lora_spec_over_the_plan_defaults():
+    """``--lora`` takes k3 train's vocabulary over the plan's adapters (rank 16 or --lora-rank, alpha 2 x rank,
+    every target): shared-A expert factors are planned as trained."""
+    lora = plan_spec.plan_lora(plan_spec.PlanSpec(mode="lora", mesh="expert=8", batch=8, seq_len=32,
+                                                  lora="experts_shared_a=true,rank=8"))
+    assert (lora.rank, lora.alpha, lora.targets, lora.experts_shared_a) == (8, 16.0, plan_spec.LORA_TARGETS, True)
+    lora = plan_spec.plan_lora(plan_spec.PlanSpec(mode="lora", mesh="expert=8", batch=8, seq_len=32, lora_rank=4,
+                                                  lora="targets=experts,dropout=0.1"))
+    assert (lora.rank, lora.alpha, lora.targets, lora.dropout) == (4, 8.0, ("experts",), 0.1)
+
+
 def test_estimate_by_hand_for_kimi_k3():
     """The closed form at full size, against a count by hand: under ep over 64 devices every tensor with an experts
     dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything
@@ -210,6 +221,13 @@ def test_newton_schulz_flops_match_the_compiled_optimizer():
     (["--mesh", "expert=8"], "--compile needs --target"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--strategy", "zero4"], "--strategy 'zero4': unknown"),
     (["--target", "cpu:8", "--mesh", "expert=8", "--packed-kernel", "fast"], "--packed-kernel 'fast': unknown"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--mode", "train", "--lora",
+      "experts_shared_a=true"], "--lora experts_shared_a=true: --mode train has no adapters"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--mode", "lora", "--lora-rank", "8", "--lora",
+      "rank=4"], "give the rank once"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--mode", "lora", "--lora", "rank=0"], "rank"),
+    (["--target", "cpu:8", "--mesh", "expert=8", "--batch", "8", "--mode", "lora", "--lora", "shared=1"],
+     "--lora 'shared=1': expected rank="),
 ])
 def test_bad_input_exits_2_before_any_compile(capsys, argv, msg):
     assert main(["plan", "--preset", "k3-tiny", "--compile", *argv]) == 2

@@ -163,7 +163,7 @@ def test_shared_a_lora_trains_exports_and_k3_logits_applies_it(base, tmp_path, m
 
 def test_shared_a_lora_flag_spellings_and_help(capsys):
     from k3jax.cli.main import build_parser
-    from k3jax.cli.train import parse_lora
+    from k3jax.config.lora import parse_lora
 
     assert parse_lora("targets=experts,experts_shared_a=true").experts_shared_a
     assert parse_lora("experts_shared_a=1").experts_shared_a
@@ -175,7 +175,7 @@ def test_shared_a_lora_flag_spellings_and_help(capsys):
 
 def test_lora_dropout_flag_and_help(capsys):
     from k3jax.cli.main import build_parser
-    from k3jax.cli.train import parse_lora
+    from k3jax.config.lora import parse_lora
 
     assert parse_lora("rank=4,dropout=0.05").dropout == 0.05 and parse_lora("rank=4").dropout == 0.0
     with pytest.raises(SystemExit):
