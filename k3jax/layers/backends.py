@@ -112,18 +112,21 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, 
 
 def glu_mxfp8(a, b, act, dtype, rule: str, *, acc=None):
     """The GLU hidden act(a, b) with its MXFP8 fake-quant fused (pallas_kernels/glu_quant): h rounded to ``dtype``
-    and quantized in one pass over a and b, straight-through — ``mx.ActQuant.glu``'s contract. A TPU kernel; on
-    other targets the unfused XLA form."""
+    and quantized in one pass over a and b, straight-through — ``mx.ActQuant.glu``'s contract. A TPU kernel: the
+    target is read where the hidden is computed (inside ``shard_map`` the mesh's device, as the packed-expert kernels
+    read it); elsewhere None, and ``glu_hidden`` runs the unfused XLA form (Pallas is not imported)."""
+    if kernel_target() != "tpu":
+        return None
     import jax.numpy as jnp
 
     from pallas_kernels.glu_quant import glu_mxfp8 as fused  # Pallas, lazily (the module docstring)
 
-    return fused(a, b, act, dtype, rule, acc=jnp.float32 if acc is None else acc, platform=kernel_target())
+    return fused(a, b, act, dtype, rule, acc=jnp.float32 if acc is None else acc, platform="tpu")
 
 
 def act_quant_mxfp8(rule: str):
-    """The MoE layers' MXFP8 fake-quant of the experts' GEMM inputs (``mx.ActQuant``), with the GLU hidden's quant
-    fused into one kernel pass where the target is a TPU (``glu_mxfp8``; elsewhere XLA runs it unfused)."""
+    """The MoE layers' MXFP8 fake-quant of the experts' GEMM inputs (``mx.ActQuant``), carrying the fused GLU +
+    quant kernel (``glu_mxfp8``) for the expert FFNs to run where the target is a TPU."""
     from k3jax.ops.mx import ActQuant
 
-    return ActQuant(rule=rule, glu=glu_mxfp8 if kernel_target() == "tpu" else None)
+    return ActQuant(rule=rule, glu=glu_mxfp8)

@@ -45,9 +45,11 @@ def glu_hidden(a, b, act, dtype, *, act_quant=None, acc=jnp.float32):
     """The GLU hidden of the expert FFNs: h = act(a, b) in ``acc``, rounded to ``dtype`` (the rows' dtype), then
     ``act_quant`` (the MXFP8 fake-quant of w2's input, straight-through) when given. An ``act_quant`` that carries a
     fused form (``mx.ActQuant.glu``: a kernel that writes h already quantized, from a and b in one pass) runs that
-    instead: the same values and gradients, without XLA materialising the quant's per-block terms between them."""
+    instead where it has one for the target (it returns None where not): the same values and gradients, without XLA
+    materialising the quant's per-block terms between them."""
     fused = getattr(act_quant, "glu", None)
-    if fused is not None:
-        return fused(a, b, act, dtype, act_quant.rule, acc=acc)
+    h = None if fused is None else fused(a, b, act, dtype, act_quant.rule, acc=acc)
+    if h is not None:
+        return h
     h = act(a.astype(acc), b.astype(acc)).astype(dtype)
     return h if act_quant is None else act_quant(h)

@@ -409,7 +409,8 @@ class ActQuant:
     """The MXFP8 (E4M3) STE fake-quant of a GEMM input along its last axis (``fake_quant_mxfp8``), as the MoE layers
     pass it: called on an array it quantizes it. ``glu``, when set, is a fused implementation of the GLU hidden
     that this quant follows — ``glu(a, b, act, dtype, rule, acc=)`` = this quant of act(a, b) rounded to ``dtype``, with
-    act's gradient (a kernel: k3jax/layers/backends.py) — which ``ops.activations.glu_hidden`` runs in its place."""
+    act's gradient (a kernel: k3jax/layers/backends.py), or None where it has no kernel for the target — which
+    ``ops.activations.glu_hidden`` runs in its place."""
     rule: str = "ceil"
     glu: object = None
 

@@ -133,3 +133,15 @@ def test_expert_ffns_fused_equal_unfused(problem, path):
     (v, g), (v_ref, g_ref) = run(FUSED), run(UNFUSED)
     np.testing.assert_array_equal(np.asarray(v), np.asarray(v_ref))
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_ref, np.float32))
+
+
+def test_moe_act_quant_runs_the_kernel_only_for_a_tpu_target():
+    """The MoE layer's quant carries the kernel (k3jax/layers/backends.py), which answers None off TPU: glu_hidden then
+    runs the unfused form (the CPU suite's QAT runs never import Pallas for it)."""
+    from k3jax.layers import backends
+
+    a, b = _inputs((8, 64), jnp.float32)
+    aq = backends.act_quant_mxfp8("ceil")
+    assert aq.glu(a, b, ACT, jnp.bfloat16, "ceil") is None
+    np.testing.assert_array_equal(_bits(glu_hidden(a, b, ACT, jnp.bfloat16, act_quant=aq)),
+                                  _bits(glu_mxfp8_reference(a, b, ACT, jnp.bfloat16)))
