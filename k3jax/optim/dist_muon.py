@@ -317,30 +317,16 @@ def _pooled_here(xs: list, dims: list, ns_coeffs, ns_steps: int, eps: float) -> 
 
 
 def scale_by_owner_muon(dims_fn, *, ns_steps: int, beta: float, nesterov: bool, mesh=None, specs=None,
-                        stacked=None, state_dtype=None, eps: float = 1e-8) -> optax.GradientTransformation:
+                        stacked=None, eps: float = 1e-8) -> optax.GradientTransformation:
     """``optax.contrib.scale_by_muon`` (its state, momentum and Nesterov arithmetic, line for line) with the
     orthogonalization pooled over blocks and split over ``mesh`` (``orthogonalize_pooled``). ``dims_fn``: the
     leaves' MuonDimensionNumbers from the updates tree; ``specs``: their PartitionSpecs on ``mesh`` (a tree);
     ``stacked``: a tree of bools, True for a leaf whose leading axis is the layer stack. Such a leaf past
     ``LOOP_BYTES`` per device (``loops``) is updated one layer group at a time in a ``fori_loop`` that writes each
     group's result back into the incoming gradient and its momentum into the old momentum (in place): its
-    transients are one group's, not the stack's.
-
-    ``state_dtype`` (None: the parameters' dtype, as optax): the dtype the momentum is kept in between steps. Each
-    update widens it to float32 where it is used — a looped leaf one group's slice at a time inside the loop —
-    and rounds the new momentum back (round to nearest): the values of ``optimizer._stored`` around this transform,
-    without its float32 copy of the whole momentum (at full K3 the routed experts' stacks: 21.3 GB per v5p-512
-    chip in the optimizer phase, experiments/LOG.md)."""
+    transients are one group's, not the stack's."""
     base = optax.contrib.scale_by_muon(ns_steps=ns_steps, beta=beta, eps=eps, nesterov=nesterov,
                                        weight_dimension_numbers=dims_fn)
-    store = None if state_dtype is None else jnp.dtype(state_dtype)
-    widen = (lambda m: m) if store is None else (lambda m: m.astype(jnp.float32))  # noqa: E731
-
-    def init_fn(params):
-        state = base.init(params)
-        if store is None:
-            return state
-        return state._replace(mu=jax.tree.map(lambda m: m.astype(store), state.mu))
 
     def moments(g, m, count_inc):
         mu = optax.tree.update_moment(g, m, beta, 1)
@@ -366,18 +352,18 @@ def scale_by_owner_muon(dims_fn, *, ns_steps: int, beta: float, nesterov: bool, 
         whole = [i for i in range(len(gs)) if i not in looped]
         out, mu = list(gs), list(ms)
         if whole:
-            new, hat = moments([gs[i] for i in whole], [widen(ms[i]) for i in whole], count_inc)
+            new, hat = moments([gs[i] for i in whole], [ms[i] for i in whole], count_inc)
             ortho = orthogonalize_pooled(hat, [dims[i] for i in whole], state.ns_coeffs, ns_steps, eps, mesh,
                                          None if specs is None else [sp[i] for i in whole])
             for k, i in enumerate(whole):
-                out[i], mu[i] = ortho[k], new[k].astype(ms[i].dtype)
+                out[i], mu[i] = ortho[k], new[k]
         if looped:
             one = [one_group(dims[i], sp[i]) for i in looped]
 
             def group(g, carry):
                 us, vs = carry
                 take = lambda x: jax.lax.dynamic_index_in_dim(x, g, 0, keepdims=False)  # noqa: E731
-                new, hat = moments([take(u) for u in us], [widen(take(v)) for v in vs], count_inc)
+                new, hat = moments([take(u) for u in us], [take(v) for v in vs], count_inc)
                 ortho = orthogonalize_pooled(hat, [d for d, _ in one], state.ns_coeffs, ns_steps, eps, mesh,
                                              None if specs is None else [p for _, p in one])
                 put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y.astype(x.dtype), g, 0)  # noqa: E731
@@ -390,17 +376,16 @@ def scale_by_owner_muon(dims_fn, *, ns_steps: int, beta: float, nesterov: bool, 
         return (jax.tree.unflatten(treedef, out),
                 state._replace(count=count_inc, mu=jax.tree.unflatten(treedef, mu)))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(base.init, update_fn)
 
 
 def owner_muon(dims_fn, lr, *, ns_steps: int, beta: float, nesterov: bool, consistent_rms: float,
-               weight_decay: float, mesh=None, specs=None, stacked=None,
-               state_dtype=None) -> optax.GradientTransformation:
+               weight_decay: float, mesh=None, specs=None, stacked=None) -> optax.GradientTransformation:
     """The Muon group as ``optax.contrib.muon`` chains it (Newton–Schulz, consistent-RMS scale, decoupled weight
-    decay, learning rate), with ``scale_by_owner_muon`` for its first link (its momentum kept in ``state_dtype``)."""
+    decay, learning rate), with ``scale_by_owner_muon`` for its first link."""
     return optax.chain(
         scale_by_owner_muon(dims_fn, ns_steps=ns_steps, beta=beta, nesterov=nesterov, mesh=mesh, specs=specs,
-                            stacked=stacked, state_dtype=state_dtype),
+                            stacked=stacked),
         scale_by_shape(weight_dimension_numbers=dims_fn, consistent_rms=consistent_rms),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(lr))
