@@ -241,14 +241,6 @@ def _packed_kernels(packed_kernel: str):
     return partial(backends.mxfp4_gmm, platform=platform), partial(backends.mxfp4_glu_ffn, platform=platform)
 
 
-def _gather_minor(w, axis):
-    """w [E, F, P / n] all-gathered along its last dim over ``axis``, as [E, P / n, F] along dim 1: the same array,
-    whose transpose (the gradient) is a reduce-scatter along dim 1, as w1 / w3's are. Of the last dim the TPU
-    compiler made an all-reduce of the whole stack and a slice (the v5p-512 QAT plan: 92 of f32 [14, 3072, 3584],
-    616 MB each; experiments/LOG.md, where whether this form removes them at full size is recorded)."""
-    return jnp.swapaxes(lax.all_gather(jnp.swapaxes(w, 1, 2), axis_name=axis, axis=1, tiled=True), 1, 2)
-
-
 class ExpertParallel:
     """An ``experts_fn`` for the MoE block (``MoE(...)(x, dispatch=...)``) that runs the routed experts
     expert-parallel on ``mesh``.
@@ -416,9 +408,9 @@ class ExpertParallel:
                 a = w.a if a_dim is None else g(w.a, axis=a_dim)
                 b = w.b if b_dim is None else g(w.b, axis=b_dim)
                 return LoraWeight(gather(w.base, dim), a, b, w.dropout)
-            if isinstance(w, PackedWeight):
-                return w
-            return _gather_minor(w, ax) if dim == 2 else g(w, axis=dim)  # w2's P is its last dim
+            # w2's P is its last dim: its gradient leaves the TPU compiler's way (whole-stack all-reduces); gathered
+            # on its transposed view instead, the full QAT step moved more (experiments/LOG.md, session 29)
+            return w if isinstance(w, PackedWeight) else g(w, axis=dim)
 
         def a_in(w):  # A1/A3's P dim: 1 of [E, P, r], 0 of a shared [P, r]
             return w.a.ndim - 2 if isinstance(w, LoraWeight) else None

@@ -16,7 +16,7 @@ from k3jax.pytree import key_names, path_str
 from k3jax.sharding.expert_parallel import ExpertParallel, bucket_capacity
 from k3jax.sharding.mesh import make_mesh
 from k3jax.sharding.rules import param_shardings
-from k3jax.testing import TOL, assert_close, emulated_ragged_all_to_all, jaxpr_eqns
+from k3jax.testing import TOL, assert_close, emulated_ragged_all_to_all
 
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 M, A, E, Pd, F = 64, 2, 8, 16, 12
@@ -191,10 +191,6 @@ def test_expert_stacks_split_over_fsdp_gather_inside_and_gradients_reduce_scatte
         return jnp.sum(jnp.sin(ep(z, ids, wts, w1, w3, w2, ACT)))
 
     grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
-    # no stack gathered along its last dim (w2's P): the TPU compiler makes the transpose of such a gather an
-    # all-reduce of the whole stack (``expert_parallel._gather_minor``)
-    gathers = [e for e in jaxpr_eqns(jax.make_jaxpr(grad)(*args).jaxpr) if e.primitive.name == "all_gather"]
-    assert len(gathers) == 3 and all(e.params["all_gather_dimension"] == 1 for e in gathers)
     text = grad.lower(*args).compile().as_text()
     assert "reduce-scatter" in text
     stack = f"f32[{E // 4},{Pd},{F}]"  # a device's experts, width gathered: what a psum of the stack would reduce
