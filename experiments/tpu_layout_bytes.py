@@ -1,7 +1,9 @@
 """HBM bytes of small data-movement programs at K3's expert-row shapes, compiled for one v5p chip by the deviceless
 TPU compiler and read by ``k3jax.plan.hlo_cost.program_stats`` (the plan's own byte reader): which forms of the
 MXFP8 fake-quant, the even / odd column split after the row padding, and the column interleave XLA:TPU runs without
-relayout copies. Used for the packed-expert FFN choices in experiments/LOG.md (2026-12-05, session 21).
+relayout copies. Used for the packed-expert FFN choices in experiments/LOG.md (2026-12-05, session 21); the
+``qat_ffn_*`` cases (the QAT experts' grouped FFN by ``lax.ragged_dot`` over one chip's rows, its forward or forward
++ backward, h's quant unfused, fused by pallas_kernels/glu_quant, or absent) for session 29's.
 
     JAX_PLATFORMS=cpu .venv/bin/python experiments/tpu_layout_bytes.py            # every case
     JAX_PLATFORMS=cpu .venv/bin/python experiments/tpu_layout_bytes.py split_strided_clip interleave_pad
@@ -21,10 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3jax.ops import fp32_bits, mx
-from k3jax.ops.activations import glu_activation
+from k3jax.ops.activations import glu_activation, glu_hidden
 from k3jax.plan.hlo_cost import program_stats
+from pallas_kernels.glu_quant import glu_mxfp8
 
-R, P, RP, F = 81920, 3584, 85760, 3072
+R, P, RP, F, EL = 81920, 3584, 85760, 3072, 14
 BF16 = jnp.bfloat16
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
 
@@ -54,8 +57,26 @@ def _pad_interleave(a, b):
     return lax.pad(a, z, [(0, 0, 0), (0, 1, 1)]) + lax.pad(b, z, [(0, 0, 0), (1, 0, 1)])
 
 
+def _qat_ffn(quant: str | None, backward: bool):
+    """The QAT experts' grouped FFN (``ops.grouped_matmul``'s ragged path: three ``lax.ragged_dot`` around
+    ``glu_hidden``) over R rows sorted into 14 local experts (v5p-512's fsdp 8 x expert 64): <y, dy>, or its
+    gradients with respect to the rows and the three stacks; h's MXFP8 quant unfused ("xla"), fused ("kernel"), or
+    none."""
+    fused = lambda *a, **k: glu_mxfp8(*a, **k, platform="tpu")  # noqa: E731
+    aq = {None: None, "xla": mx.ActQuant(), "kernel": mx.ActQuant(glu=fused)}[quant]
+
+    def f(xs, gs, w1, w3, w2, dy):
+        a = lax.ragged_dot(xs, w1, gs, preferred_element_type=jnp.float32)
+        b = lax.ragged_dot(xs, w3, gs, preferred_element_type=jnp.float32)
+        y = lax.ragged_dot(glu_hidden(a, b, ACT, BF16, act_quant=aq), w2, gs, preferred_element_type=jnp.float32)
+        return jnp.vdot(y, dy.astype(y.dtype))
+
+    return jax.grad(f, argnums=(0, 2, 3, 4)) if backward else f
+
+
 X, IDX_P, HALF, IDX_R, HID = (R, P), (RP,), (RP, P // 2), (R,), (RP, F)
-CASES = {  # name: (function, input shapes (int32 for index vectors, else bf16), ideal bytes)
+QAT = [X, (EL,), (EL, P, F), (EL, P, F), (EL, F, P), X]  # rows, group sizes, w1, w3, w2, dy
+CASES = {  # name: (function, input shapes (int32 for index vectors, else bf16), ideal bytes; 0: not stated)
     "quant_fake_quant_mxfp8": (lambda x: mx.fake_quant_mxfp8(x, axis=-1), [X], 2 * R * P * 2),
     "quant_only_reduce_window": (_flat_quant, [X], R * P * 3),  # quantize only: float8 out, no dequantize
     "quant_f8_reshape_max": (lambda x: _f8_qdq(x, jnp.max(jnp.abs(x).reshape(R, P // 32, 32), -1)
@@ -76,6 +97,8 @@ CASES = {  # name: (function, input shapes (int32 for index vectors, else bf16),
                     [HID, HID], 3 * RP * F * 2),
     "h_act_quant_split": (lambda a, b: (lambda h: (h[:, 0::2], h[:, 1::2]))(mx.fake_quant_mxfp8(
         ACT(a.astype(jnp.float32), b.astype(jnp.float32)).astype(BF16), axis=-1)), [HID, HID], 3 * RP * F * 2),
+    **{f"qat_ffn_{part}_{q or 'noquant'}": (_qat_ffn(q, part == "fwdbwd"), QAT, 0)
+       for part in ("fwd", "fwdbwd") for q in (None, "xla", "kernel")},
 }
 
 
@@ -84,12 +107,15 @@ def main(names: list[str]) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     dev = list(topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices)[:1]
-    sharding = NamedSharding(Mesh(dev, ("x",)), PartitionSpec())
+    mesh = Mesh(dev, ("x",))
+    sharding = NamedSharding(mesh, PartitionSpec())
     for name in names or list(CASES):
         fn, shapes, ideal = CASES[name]
         args = [jax.ShapeDtypeStruct(s, jnp.int32 if len(s) == 1 else BF16, sharding=sharding) for s in shapes]
-        stats = program_stats(jax.jit(fn).lower(*args).compile().as_text())
-        print(f"{name:28s} {stats.bytes_accessed / 1e9:6.2f} GB   (ideal {ideal / 1e9:.2f} GB)", flush=True)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # Mosaic reads the TPU version from it
+            stats = program_stats(jax.jit(fn).lower(*args).compile().as_text())
+        note = f"   (ideal {ideal / 1e9:.2f} GB)" if ideal else ""
+        print(f"{name:28s} {stats.bytes_accessed / 1e9:6.2f} GB{note}", flush=True)
 
 
 if __name__ == "__main__":
