@@ -5,9 +5,9 @@
 Values: ``reference.glu_mxfp8_reference`` bit for bit (act in ``acc``, h rounded to ``dtype``, then E4M3 qdq in
 blocks of 32 along F with the scale rule ``rule``). Gradient: straight-through the quant, act's VJP in ``acc`` (XLA,
 element-wise), da / db in a's / b's dtypes — the unfused path's. Unfused, XLA:TPU materialises the quant's
-per-block terms: at K3's per-chip expert rows ([81,920, 3,072], f32 a and b) one forward of the QAT experts moved
-27.7 GB against 8.3 GB without the quant (experiments/LOG.md, 2026-12-07 session 29); this kernel reads a and b once
-and writes h once.
+per-block terms: at K3's per-chip expert rows ([81,920, 3,072], f32 a and b) one forward of the QAT experts' FFN
+moved 29.4 GB against 10.1 GB without the quant (experiments/tpu_layout_bytes.py; experiments/LOG.md, 2026-12-07
+session 29); this kernel reads a and b once and writes h once, and the FFN moves the no-quant figure.
 
 TPU kernel (``pltpu.roll`` finds the block max); on a CPU the Pallas interpreter runs it (inside ``shard_map`` the
 TPU interpreter). Other targets get the reference (the kernel has no GPU schedule).
