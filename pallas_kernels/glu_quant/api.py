@@ -9,8 +9,8 @@ per-block terms: at K3's per-chip expert rows ([81,920, 3,072], f32 a and b) one
 moved 29.4 GB against 10.1 GB without the quant (experiments/tpu_layout_bytes.py; experiments/LOG.md, 2026-12-07
 session 29); this kernel reads a and b once and writes h once, and the FFN moves the no-quant figure.
 
-TPU kernel (``pltpu.roll`` finds the block max); on a CPU the Pallas interpreter runs it (inside ``shard_map`` the
-TPU interpreter). Other targets get the reference (the kernel has no GPU schedule).
+TPU kernel (``pltpu.roll`` finds the block max); with ``interpret=True`` the Pallas interpreter runs it on any host
+(inside ``shard_map`` the TPU interpreter). Other targets get the reference (the kernel has no GPU schedule).
 """
 
 from __future__ import annotations
