@@ -114,8 +114,10 @@ def glu_mxfp8(a, b, act, dtype, rule: str, *, acc=None):
     """The GLU hidden act(a, b) with its MXFP8 fake-quant fused (pallas_kernels/glu_quant): h rounded to ``dtype``
     and quantized in one pass over a and b, straight-through — ``mx.ActQuant.glu``'s contract. A TPU kernel: the
     target is read where the hidden is computed (inside ``shard_map`` the mesh's device, as the packed-expert kernels
-    read it); elsewhere None, and ``glu_hidden`` runs the unfused XLA form (Pallas is not imported)."""
-    if kernel_target() != "tpu":
+    read it); elsewhere None, and ``glu_hidden`` runs the unfused XLA form (Pallas is not imported). Also None for a
+    hidden width that is not a multiple of 128 (the lane tiles its Mosaic compile is checked at; the unfused form
+    takes any width, a short last block included)."""
+    if kernel_target() != "tpu" or a.shape[-1] % 128:
         return None
     import jax.numpy as jnp
 
