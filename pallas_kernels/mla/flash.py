@@ -20,7 +20,7 @@ from jax import lax
 
 from k3jax.ops.grouped_matmul import match_varying, varying_struct
 from k3jax.ops.segments import runs
-from pallas_kernels.mla.flash_bwd_kernel import flash_bwd_pallas, query_block_bounds
+from pallas_kernels.mla.flash_bwd_kernel import backward_blocks, flash_bwd_pallas, query_block_bounds
 from pallas_kernels.mla.flash_kernel import cost, flash_fwd_pallas
 from pallas_kernels.mla.flash_reference import cdiv, flash_backward, key_block_bounds
 from pallas_kernels.mxfp4_matmul.api import interpret_mode
@@ -96,13 +96,14 @@ def _mla_flash_fwd(q, c_kv, k_rope, w_uk, w_uv, run, krun, qoff, cfg):
 
 
 def _backward_pallas(q, c_kv, k_rope, w_uk, w_uv, run, krun, qoff, o, lse, d_out, cfg: _Cfg):
-    """The gradients through ``flash_bwd_kernel`` (TPU layout): the same layouts and padding as ``_forward``."""
+    """The gradients through ``flash_bwd_kernel`` (TPU layout): the same layouts and padding as ``_forward``, with
+    the backward's own blocks (``backward_blocks``: smaller query blocks for fp32 operands, to fit VMEM)."""
     B, T, N, H = q.shape
     S = c_kv.shape[1]
     Hn = w_uk.shape[-1]
-    bq, bk = cfg.bq, cfg.bk
-    Tp, Sp = cdiv(T, bq) * bq, cdiv(S, bk) * bk
     dt = jnp.result_type(q, c_kv, k_rope, w_uk, w_uv)
+    bq, bk = backward_blocks(cfg.bq, cfg.bk, jnp.dtype(dt).itemsize)
+    Tp, Sp = cdiv(T, bq) * bq, cdiv(S, bk) * bk
     bounds = key_block_bounds(B, T, S, bq, bk, qoff, run, krun)
     flat = jnp.concatenate([bounds.reshape(-1), qoff])
     kflat = jnp.concatenate([query_block_bounds(bounds, Sp // bk).reshape(-1), qoff])

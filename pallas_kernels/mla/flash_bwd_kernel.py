@@ -137,6 +137,22 @@ def _dkv_kernel(kb_ref, qn_ref, qr_ref, do_ref, lse_ref, dl_ref, c_ref, kr_ref, 
         dc_ref[...] += (dot_nt(dkn_sc[...].astype(dt), wuk_ref[...]) + dot_nt(dv_sc[...].astype(dt), wuv_ref[...]))
 
 
+# The backward's score-tile budget: operand bytes of one [bq, bk] tile. Its two kernels keep about a dozen [bq, ·] /
+# [bk, ·] blocks, their double buffers and four [bq, bk] fp32 temporaries in VMEM; at K3's sizes the bf16 (512, 512)
+# tile (512 KiB) compiles within the 16 MiB default scoped VMEM of v5p (libtpu 0.0.51, deviceless), fp32 (512, 512)
+# does not (21.2 MiB: `CompileTimeScopedVmemOom` in mla_flash_dq), fp32 (256, 512) and (512, 256) do.
+BWD_TILE_BYTES = 512 * 512 * 2
+
+
+def backward_blocks(bq: int, bk: int, itemsize: int) -> tuple[int, int]:
+    """The backward's (block_q, block_k): the forward's, with block_q halved (while it stays a multiple of 8) until a
+    [bq, bk] tile of the operand dtype fits ``BWD_TILE_BYTES``. The backward recomputes from the per-query
+    log-sum-exp, so its blocks need not be the forward's."""
+    while bq * bk * itemsize > BWD_TILE_BYTES and bq % 16 == 0:
+        bq //= 2
+    return bq, bk
+
+
 def query_block_bounds(bounds, nk: int):
     """[B, nk, 2] int32 from ``key_block_bounds`` [B, nq, 2]: key block j is visited by query blocks i0 ≤ i < i1
     (an interval: lo and hi never decrease with i). i0 = i1 when no query block sees it."""
@@ -221,4 +237,4 @@ def flash_bwd_pallas(qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, bounds, k
     return dqn, dqr, dwk, dwv, dc, dkr
 
 
-__all__ = ["flash_bwd_pallas", "query_block_bounds"]
+__all__ = ["BWD_TILE_BYTES", "backward_blocks", "flash_bwd_pallas", "query_block_bounds"]

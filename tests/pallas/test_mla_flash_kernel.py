@@ -15,7 +15,8 @@ from k3jax.ops.attention import causal_attention
 from k3jax.ops.segments import runs
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.mla.flash import causal_pairs, mla_flash
-from pallas_kernels.mla.flash_bwd_kernel import query_block_bounds
+from pallas_kernels.mla import flash as flash_api
+from pallas_kernels.mla.flash_bwd_kernel import BWD_TILE_BYTES, backward_blocks, query_block_bounds
 from pallas_kernels.mla.flash_kernel import pair_flops
 from pallas_kernels.mla.flash_reference import build_kv, key_block_bounds, mla_attention_dense, pairs_visited
 from pallas_kernels.platform import target_platform
@@ -175,6 +176,32 @@ def test_tpu_grid_schedule_and_pallas_backward():
     kw = dict(segment_ids=keys[:, off:], key_segment_ids=keys)
     check(lambda *a: mla_flash(*a, scale=SCALE, block_q=8, block_k=5, platform="tpu", interpret=True, **kw),
           lambda *a: via_attention(*a, q_offset=off, **kw), args, ct)
+
+
+def test_backward_blocks_fit_the_tile_budget():
+    """bf16 keeps the TPU default (512, 256) and K3's (512, 512); fp32 halves block_q past the budget (fp32 (512,
+    512) ran out of scoped VMEM in mla_flash_dq); a block_q that would stop being a multiple of 8 is kept."""
+    assert backward_blocks(512, 256, 2) == (512, 256) and backward_blocks(512, 512, 2) == (512, 512)
+    assert backward_blocks(512, 512, 4) == (256, 512) and backward_blocks(512, 256, 4) == (512, 256)
+    assert backward_blocks(1024, 1024, 4) == (128, 1024)
+    assert backward_blocks(24, 1 << 20, 4) == (24, 1 << 20)
+    for bq, bk, size in [(512, 512, 4), (2048, 128, 2), (96, 4096, 4)]:
+        q, k = backward_blocks(bq, bk, size)
+        assert k == bk and bq % q == 0 and q % 8 == 0 and (q * k * size <= BWD_TILE_BYTES or q % 16)
+
+
+def test_pallas_backward_takes_its_own_query_blocks(monkeypatch):
+    """A tile budget that halves block_q for the backward only (forward 16-query blocks, backward 8): the five
+    gradients still equal ``causal_attention``'s, with an offset and a T that no block size divides."""
+    seen = []
+    launch = flash_api.flash_bwd_pallas
+    monkeypatch.setattr(flash_api, "flash_bwd_pallas", lambda *a, **kw: seen.append(kw["bq"]) or launch(*a, **kw))
+    monkeypatch.setattr("pallas_kernels.mla.flash_bwd_kernel.BWD_TILE_BYTES", 8 * 5 * 4)
+    B, T, S = 1, 21, 30
+    *args, ct = inputs(7, B, T, S)
+    check(lambda *a: mla_flash(*a, scale=SCALE, block_q=16, block_k=5, platform="tpu", interpret=True),
+          lambda *a: via_attention(*a, q_offset=S - T), args, ct)
+    assert seen == [8]
 
 
 @pytest.mark.slow
