@@ -14,8 +14,8 @@ import pytest
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.segments import runs
 from k3jax.testing import TOL, assert_close
-from pallas_kernels.mla.flash import causal_pairs, mla_flash
 from pallas_kernels.mla import flash as flash_api
+from pallas_kernels.mla.flash import causal_pairs, mla_flash
 from pallas_kernels.mla.flash_bwd_kernel import BWD_TILE_BYTES, backward_blocks, query_block_bounds
 from pallas_kernels.mla.flash_kernel import pair_flops
 from pallas_kernels.mla.flash_reference import build_kv, key_block_bounds, mla_attention_dense, pairs_visited
