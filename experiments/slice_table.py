@@ -11,11 +11,14 @@ atomically to experiments/runs/slices/<plan>__<slice>.json; a plan with a JSON i
 fails for another reason is recorded with its exit code and the tail of its stderr (``error``), and rerun only with
 ``--retry-errors``.
 
-Meshes (one rule per chip kind, documented in the LOG beside the table):
-- serving (prefill, decode) on v5p (95 GiB): tensor 4 x expert N/4 (``ep_tp``: KDA / MLA heads, the dense and shared
-  FFNs and the vocabulary over tensor; routed experts over expert x tensor), tensor 8 past 256 chips (expert 64);
-  on v6e (32 GB): tensor 8 x expert N/8. Decode B = 64 needs the token axes (expert) to divide 64 or exceed it (the
-  small-batch rule then replicates the rows and the cache).
+Meshes (documented in the LOG beside the table):
+- serving (prefill, decode): no ``--mesh`` (the default, ``--serving-mesh planner``): `k3 plan` ranks its serving
+  candidates for the slice by the closed-form estimate and compiles the best (k3jax/plan/layouts.py; the chosen
+  mesh, strategy and why are in the JSON's ``layout``). ``--serving-mesh fixed``: the earlier rule — on v5p
+  (95 GiB) tensor 4 x expert N/4 (``ep_tp``: KDA / MLA heads, the dense and shared FFNs and the vocabulary over
+  tensor; routed experts over expert x tensor), tensor 8 past 256 chips (expert 64); on v6e (32 GB): tensor 8 x
+  expert N/8. Decode B = 64 needs the token axes (expert) to divide 64 or exceed it (the small-batch rule then
+  replicates the rows and the cache).
 - frozen-experts: fsdp N/64 x expert 64 (``zero3_ep_tp``; on 64 chips expert 64 alone, ``ep``), 4,096 tokens per
   chip on v5p and 1,024 on v6e (the LOG's earlier plans), one sequence per chip.
 """
@@ -43,7 +46,7 @@ def _serving_mesh(chip: str, n: int) -> tuple[int, int]:
     return tensor, n // tensor
 
 
-def plan_argv(plan: str, slice_name: str) -> list[str]:
+def plan_argv(plan: str, slice_name: str, serving_mesh: str = "planner") -> list[str]:
     chip, n = slice_name.split("-")
     n = int(n)
     argv = ["--preset", "kimi-k3", "--compile", "--target", f"tpu:{SLICES[slice_name]}", "--json"]
@@ -52,24 +55,27 @@ def plan_argv(plan: str, slice_name: str) -> list[str]:
         return argv + ["--mesh", mesh, "--mode", "frozen-experts", "--batch", str(n),
                        "--seq-len", "4096" if chip == "v5p" else "1024"]
     tensor, expert = _serving_mesh(chip, n)
-    argv += ["--mesh", f"tensor={tensor},expert={expert}"]
-    if plan == "prefill8k":
+    if serving_mesh == "fixed":
+        argv += ["--mesh", f"tensor={tensor},expert={expert}"]
+    if plan == "prefill8k":   # one 8K sequence per chip of the fixed rule's token axis (the same batch either way)
         return argv + ["--mode", "prefill", "--batch", str(expert), "--seq-len", "8192"]
     batch, context = (1, 8192) if plan == "decode1" else (64, 131072)
     return argv + ["--mode", "decode", "--batch", str(batch), "--context", str(context)]
 
 
-def run_one(plan: str, slice_name: str, timeout: int) -> dict:
-    argv = [str(REPO / ".venv" / "bin" / "k3"), "plan", *plan_argv(plan, slice_name)]
+def run_one(plan: str, slice_name: str, timeout: int, serving_mesh: str = "planner") -> dict:
+    # `python -m k3jax.cli.main` from the repository root: this checkout's code (a git worktree too), whatever the
+    # virtual environment's editable install points at
+    argv = [sys.executable, "-m", "k3jax.cli.main", "plan", *plan_argv(plan, slice_name, serving_mesh)]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     t0 = time.time()
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout)
+        r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
         rc, stdout, stderr = r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired as e:
         rc, stdout, stderr = "timeout", e.stdout or "", (e.stderr or b"").decode() if isinstance(e.stderr, bytes) \
             else (e.stderr or "")
-    doc = {"plan": plan, "slice": slice_name, "argv": argv[1:], "exit": rc, "wall_s": time.time() - t0}
+    doc = {"plan": plan, "slice": slice_name, "argv": ["k3", *argv[3:]], "exit": rc, "wall_s": time.time() - t0}
     try:
         doc["result"] = json.loads(stdout) if rc in (0, 1) else None
     except json.JSONDecodeError:
@@ -99,8 +105,13 @@ def row(doc: dict) -> str:
     if "tokens_per_s_per_chip" in roof:
         lat = roof.get("per_token_latency_s", roof.get("time_to_first_token_s"))
         extra = f"{lat * 1e3:,.1f} ms; {roof['tokens_per_s_per_chip']:,.1f} tok/s/chip"
+    if "collective_latency_s" in roof:   # plans since the latency term and the bytes floor
+        extra += f"; latency {roof['collective_latency_s'] * 1e3:,.1f} ms"
+        if roof.get("over_bytes_floor") is not None:
+            extra += f"; {roof['over_bytes_floor']:.2f}x bytes floor"
     cache = f"{r['cache']['per_device'] / 1e9:,.1f}" if "cache" in r else "—"
-    return (f"| {doc['plan']} | {doc['slice']} | {r['mesh']} | yes, {peak:,.1f} GB peak | {cache} | "
+    mesh = r["mesh"] + ("" if r.get("strategy") in (None, "ep_tp") else f" ({r['strategy']})")
+    return (f"| {doc['plan']} | {doc['slice']} | {mesh} | yes, {peak:,.1f} GB peak | {cache} | "
             f"{roof['step_s']:,.3f} s ({roof['bound']}) | {extra} |")
 
 
@@ -111,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true", help="print the table from the saved JSONs; compile nothing")
     ap.add_argument("--retry-errors", action="store_true", help="recompile plans recorded with an error")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per compile (default 3600)")
+    ap.add_argument("--serving-mesh", choices=("planner", "fixed"), default="planner",
+                    help="serving plans: the planner's choice (no --mesh; default) or the fixed tensor x expert rule")
     args = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     todo = [(p, s) for s in (args.slices or SLICES) for p in (args.only or PLANS)]
@@ -121,9 +134,9 @@ def main(argv=None) -> int:
                 old = json.loads(path.read_text())
                 if old.get("result") is not None or not args.retry_errors:
                     continue
-            print(f"{plan} on {slice_name}: k3 plan {' '.join(plan_argv(plan, slice_name))}", file=sys.stderr,
-                  flush=True)
-            doc = run_one(plan, slice_name, args.timeout)
+            print(f"{plan} on {slice_name}: k3 plan {' '.join(plan_argv(plan, slice_name, args.serving_mesh))}",
+                  file=sys.stderr, flush=True)
+            doc = run_one(plan, slice_name, args.timeout, args.serving_mesh)
             _write(path, doc)
             print(row(doc), file=sys.stderr, flush=True)
     print("| plan | slice | mesh | fits (peak per chip) | cache GB/chip | roofline step (bound) | serving / share |")

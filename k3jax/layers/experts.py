@@ -148,13 +148,26 @@ class Experts(nnx.Module):
                 setattr(self, packed_name(name, part), PackedExperts(jax.ShapeDtypeStruct(shape, jnp.uint8), axes=axes))
 
     def weights(self) -> tuple:
-        """(w1, w3, w2): the stacks [E, P, F], [E, P, F], [E, F, P], or their ``PackedWeight`` pairs."""
+        """(w1, w3, w2): the stacks [E, P, F], [E, P, F], [E, F, P], or their ``PackedWeight`` pairs — with the
+        layer's index when the packed leaves hold a scanned group's every layer (``read_in_place``)."""
         if self.is_packed:
-            return tuple(PackedWeight(*(getattr(self, packed_name(n, part))[...] for part in PACKED_PARTS))
+            layer = getattr(self, "stack_layer", None)
+            return tuple(PackedWeight(*(getattr(self, packed_name(n, part))[...] for part in PACKED_PARTS), layer)
                          for n in STACKS)
         return tuple(getattr(self, n)[...] for n in STACKS)
 
 
+def read_in_place(module, layer) -> None:
+    """Mark every packed ``Experts`` under ``module`` — a scan body's group, merged with its packed leaves whole,
+    [L, E, ...] over the scanned layers — as layer ``layer`` (traced int32) of them: ``weights`` then hands out
+    ``PackedWeight`` stacks with that index, which the grouped kernels read in place, instead of a slice that XLA
+    would copy per layer (k3jax/ops/packed_experts.py). A plain attribute of the transient merged module, which is
+    never split again."""
+    for _, m in nnx.iter_graph(module):
+        if isinstance(m, Experts) and m.is_packed:
+            m.stack_layer = layer
+
+
 __all__ = ["PACKED_DISPATCH", "PACKED_PARTS", "STACKS", "Experts", "PackedExperts", "holds_packed",
            "merge_trees", "packed_axes", "packed_form", "packed_name", "packed_shapes", "parse_packed_name",
-           "split_packed"]
+           "read_in_place", "split_packed"]

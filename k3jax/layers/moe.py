@@ -105,6 +105,7 @@ class MoE(nnx.Module):
             if qat == "weights+acts":
                 act_quant = backends.act_quant_mxfp8(qat_act_rule)
         if adapted:                                       # per-expert LoRA factors ride in the stacks' slots
+            w1, w3, w2 = (w.one_layer() if packed else w for w in (w1, w3, w2))   # over one layer's base
             w1, w3, w2 = lora.expert_stacks(self.experts, (w1, w3, w2))
         if not isinstance(dispatch, str):
             experts_fn = dispatch

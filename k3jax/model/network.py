@@ -26,7 +26,7 @@ from flax import nnx
 from k3jax.config import REMAT_POLICIES, K3Config, RunConfig, default_run
 from k3jax.layers.attn_res import AttnResQuery
 from k3jax.layers.common import HFLeaf, normal, param, vec
-from k3jax.layers.experts import PackedExperts
+from k3jax.layers.experts import PackedExperts, read_in_place
 from k3jax.model.block_scan import scan_saving_parts
 from k3jax.model.decoder import DecoderLayer, Group
 from k3jax.model.layout import layer_kind, layout
@@ -293,9 +293,12 @@ class K3Model(nnx.Module):
         form = Buffer if attn_res else Stream
         n_core = len(Buffer._fields if attn_res else Stream._fields)
 
-        def group(p, carry, g, per_layer: bool = False):
-            """One scan iteration: group g's layers on the scan carry → (the new carry, per position its aux)."""
-            grp = nnx.merge(gdef, p, grest)
+        def group(p, carry, g, per_layer: bool = False, whole=None):
+            """One scan iteration: group g's layers on the scan carry → (the new carry, per position its aux).
+            ``whole``: the packed experts of every group (not sliced by the scan), read in place at g."""
+            grp = nnx.merge(gdef, p, grest) if whole is None else nnx.merge(gdef, p, whole, grest)
+            if whole is not None:
+                read_in_place(grp, g)
             core = form(*carry[:n_core])
             sides = list(carry[n_core]) if side is not None else None
             buf = carry[-1] if inner else None
@@ -324,6 +327,10 @@ class K3Model(nnx.Module):
                                           lambda g: (lay.start + g * lay.period + S - 1) // S,
                                           recompute=lambda p, c, g: group(p, c, g, per_layer=remat == "full"))
         else:
+            # the packed experts stay whole, out of the scanned xs: the kernels read each group's from the stacks
+            # (a slice per iteration is a copy of every local expert per layer; ``read_in_place``)
+            whole, gparams = nnx.split_state(gparams, PackedExperts, ...)
+            group = partial(group, whole=whole) if jax.tree.leaves(whole) else group
             if remat != "none":
                 group = jax.checkpoint(group, policy=remat_policy(remat), prevent_cse=False)
 

@@ -220,7 +220,9 @@ def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, 
     if act_quant is not None and not quantized_input:
         z_mp = act_quant(z_mp)
     M, A = ids_ma.shape
-    E = jax.tree.leaves(w1_epf)[0].shape[0]  # an array [E, P, F], or a pytree of per-expert stacks (packed experts)
+    # an array [E, P, F], a PackedWeight (its ``shape``: one layer's, also of a stack of layers), or a pytree of
+    # per-expert stacks whose first leaf leads with E
+    E = (w1_epf.shape if hasattr(w1_epf, "shape") else jax.tree.leaves(w1_epf)[0].shape)[0]
     acc = acc_dtype(z_mp.dtype)
     order, inverse, group_sizes = sort_by_expert(ids_ma, E)
     rows = jnp.broadcast_to(z_mp[:, None, :], (M, A, z_mp.shape[-1])).reshape(M * A, -1)

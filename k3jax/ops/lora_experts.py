@@ -49,7 +49,8 @@ def _unwrap(w):
 def _dense_expert(w, e, dtype):
     """Expert e of a stack as [in, out] in ``dtype``: a slice of a float stack, or one expert's bytes decoded."""
     if isinstance(w, PackedWeight):
-        one = PackedWeight(*(lax.dynamic_index_in_dim(x, e, keepdims=True) for x in w))
+        w = w.one_layer()
+        one = PackedWeight(*(lax.dynamic_index_in_dim(x, e, keepdims=True) for x in w[:2]))
         return dequantize_stack(one, dtype)[0]
     return lax.dynamic_index_in_dim(w, e, keepdims=False).astype(dtype)
 

@@ -59,15 +59,40 @@ FFN_CHUNK = 512  # columns of F decoded per (expert, chunk) step of the "tiles" 
 
 class PackedWeight(NamedTuple):
     """One MXFP4 expert stack in the checkpoint's form: packed uint8 [E, N, K/2] + E8M0 scale uint8 [E, N, K/32] for
-    W_e [N = out, K = in]. A pytree: it passes through jit, shard_map (one PartitionSpec covers both leaves) and the
-    experts_fn weight slots of the MoE layer."""
+    W_e [N = out, K = in]. A pytree: it passes through jit, shard_map and the experts_fn weight slots of the MoE
+    layer.
+
+    ``layer`` (an int32 scalar, or None): the stacks hold every layer of a scanned group, packed [L, E, N, K/2] and
+    scale [L, E, N, K/32], and this weight is layer ``layer`` of them. The grouped TPU kernels read that layer's
+    blocks from the stack in place (``pallas_kernels/mxfp4_matmul``); a slice of the stack fed to them would be a
+    copy of the layer's experts per call (XLA materialises a custom call's operands: 40.8 of the 53.4 GB per chip of
+    full K3's decode step on v5p-64; experiments/LOG.md, session 30). The other paths take ``one_layer`` (the
+    slice)."""
 
     packed: jax.Array
     scale: jax.Array
+    layer: jax.Array | None = None
+
+    @property
+    def stacked(self) -> bool:
+        return self.layer is not None
+
+    @property
+    def shape(self) -> tuple:
+        """[E, N, K/2]: one layer's packed shape."""
+        return tuple(self.packed.shape[-3:])
+
+    def one_layer(self) -> PackedWeight:
+        """The weight of one layer: itself, or its layer's slice of the stacks (a copy where XLA materialises it)."""
+        if self.layer is None:
+            return self
+        return PackedWeight(*(lax.dynamic_index_in_dim(x, self.layer, keepdims=False) for x in self[:2]))
 
 
 def num_experts(w) -> int:
-    """E of an expert stack: an array [E, in, out] or a ``PackedWeight``."""
+    """E of an expert stack: an array [E, in, out] or a ``PackedWeight`` (stacked or not)."""
+    if isinstance(w, PackedWeight):
+        return w.shape[0]
     return jax.tree.leaves(w)[0].shape[0]
 
 
@@ -183,12 +208,17 @@ def _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
 
 
 def _tiling(xs, group_sizes, w2):
-    return default_tile(xs.shape[0], group_sizes.shape[0]), ffn_chunk(w2.packed.shape[2] * 2)
+    return default_tile(xs.shape[0], group_sizes.shape[0]), ffn_chunk(w2.shape[2] * 2)
+
+
+def _one_layer(f):
+    """``f(xs, group_sizes, w1, w3, w2, ...)`` on one layer's weights (the XLA loop does not read a stack)."""
+    return lambda xs, gs, *ws, **kw: f(xs, gs, *(w.one_layer() for w in ws[:3]), *ws[3:], **kw)
 
 
 def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
     tile, fc = _tiling(xs, group_sizes, w2)
-    tiles = partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc)
+    tiles = _one_layer(partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc))
     args = (xs, group_sizes, w1, w3, w2)
     if impl == "gmm" or (impl == "auto" and gmm is not None):
         on_gmm = partial(_gmm_forward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
@@ -210,7 +240,7 @@ def _gmm_backward(xs, group_sizes, w1, w3, w2, dy, *, act, act_quant, acc, gmm):
 def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, res, dy):
     xs, group_sizes, w1, w3, w2 = res
     tile, fc = _tiling(xs, group_sizes, w2)
-    tiles = partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc)
+    tiles = _one_layer(partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc))
     args = (xs, group_sizes, w1, w3, w2, dy)
     if impl == "gmm" or (impl == "auto" and gmm is not None):
         on_gmm = partial(_gmm_backward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
@@ -226,10 +256,13 @@ _packed_ffn.defvjp(_packed_ffn_fwd, _packed_ffn_bwd)
 
 def _check(w: PackedWeight, name: str, n: int, k: int, num: int) -> None:
     want_p, want_s = mx.mxfp4_packed_shapes((num, n, k))
+    lead = w.packed.shape[:1] if w.stacked else ()
+    want_p, want_s = (*lead, *want_p), (*lead, *want_s)
     if w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8 or w.packed.shape != want_p \
-            or w.scale.shape != want_s or k % mx.BLOCK_SIZE:
+            or w.scale.shape != want_s or k % mx.BLOCK_SIZE or (w.stacked and jnp.shape(w.layer) != ()):
         raise ValueError(f"{name}: expected packed uint8 {want_p} and scale uint8 {want_s} (in = {k} a multiple of "
-                         f"{mx.BLOCK_SIZE}), got {w.packed.dtype} {w.packed.shape} and {w.scale.dtype} {w.scale.shape}")
+                         f"{mx.BLOCK_SIZE}), got {w.packed.dtype} {w.packed.shape} and {w.scale.dtype} {w.scale.shape}"
+                         + (f", layer of shape {jnp.shape(w.layer)}" if w.stacked else ""))
 
 
 def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight, w2: PackedWeight, act: Act, *,
@@ -240,13 +273,15 @@ def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight,
         raise ValueError(f"impl must be one of {PACKED_IMPLS}, got {impl!r}")
     if impl == "gmm" and gmm is None:
         raise ValueError("impl='gmm' needs the grouped MXFP4 GLU FFN kernel (layers/backends.py: mxfp4_glu_ffn)")
-    E, F, half = w1.packed.shape
+    E, F, half = w1.shape
     P = 2 * half
     _check(w1, "w1", F, P, E)
     _check(w3, "w3", F, P, E)
     _check(w2, "w2", P, F, E)
     if z_mp.shape[-1] != P:
         raise ValueError(f"z [M, P] has P = {z_mp.shape[-1]}, the packed experts have in = {P}")
+    if w1.stacked and gmm is None or impl in ("tiles", "dense"):  # only the kernels read a stack in place; "auto"
+        w1, w3, w2 = (w.one_layer() for w in (w1, w3, w2))        # slices in its CPU branch (``_one_layer``)
     if impl == "dense":
         dt = z_mp.dtype
         return experts_dense(z_mp, ids_ma, weights_ma, *(dequantize_stack(w, dt) for w in (w1, w3, w2)), act,

@@ -381,6 +381,8 @@ class ExpertParallel:
         e = self.expert_axis if self.n_shards > 1 else None     # a size-1 axis in a spec would mark them varying
         if isinstance(_base(w1), PackedWeight):  # torch orientation [E, out, in/2]: F is w1/w3's dim 1, w2's dim 2
             base_in, base_out = P(e, t, None), P(e, None, t)
+            if _base(w1).stacked:                # stacks of layers [L, E, ...] and the layer's index, whole
+                base_in, base_out = (PackedWeight(P(None, *b), P(None, *b), P()) for b in (base_in, base_out))
         else:
             base_in, base_out = P(e, p, t), P(e, t, p)
         def lora(w, base, a_in, b_out):  # a_in: A's input dim split, b_out: B's output dim split

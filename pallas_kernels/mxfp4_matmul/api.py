@@ -113,8 +113,10 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
 
     Steps (G groups, M = num_rows, bm = block_m):
       1. starts[g] = first row of group g in x; tiles[g] = ceil(size_g / bm); tile_starts = exclusive cumsum.
-      2. T = ceil(M / bm) + G + 1 tiles (a static shape): ceil(M / bm) + G bound sum(tiles), and the last tile is
-         always unused; tile t belongs to group tile_group[t] (-1 if t >= sum(tiles): the kernel skips it and
+      2. T = ceil(M / bm) + min(G, M) + 1 tiles (a static shape): at most min(G, M) groups are non-empty and each
+         takes at most one partial tile, so ceil(M / bm) + min(G, M) bound sum(tiles) (few rows over many groups,
+         decode's case, pad to far fewer than G tiles: 18 instead of 58 at 16 rows over 56 experts), and the last
+         tile is always unused; tile t belongs to group tile_group[t] (-1 if t >= sum(tiles): the kernel skips it and
          writes zeros). Empty groups own no tile.
       3. padded row p = t*bm + q holds x row starts[g] + (t - tile_starts[g])*bm + q when that is inside group g,
          else M (padding: ``pad_rows`` fills it with any row; nothing reads its output)  ->  src_rows [T*bm].
@@ -131,7 +133,7 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     tiles = (sizes + block_m - 1) // block_m
     tile_ends = jnp.cumsum(tiles)
     tile_starts = tile_ends - tiles
-    T = -(-num_rows // block_m) + G + 1
+    T = -(-num_rows // block_m) + min(G, num_rows) + 1
     t = jnp.arange(T, dtype=jnp.int32)
     g_of_t = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), G - 1).astype(jnp.int32)
     tile_group = jnp.where(t < tile_ends[-1], g_of_t, -1)
@@ -145,6 +147,22 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     valid_rows = r < ends[-1]
     dst_rows = jnp.where(valid_rows, tile_starts[g_of_r] * block_m + r - starts[g_of_r], T * block_m)
     return tile_group, src_rows, dst_rows, valid_rows
+
+
+def layer_groups(tile_group, packed, scale, layer):
+    """One layer of stacked expert weights, read where it lies: packed [L, G, N, K/2] / scale [L, G, N, K/32] and
+    the layer's index (int32 scalar) → (tile_group with its used tiles' experts offset by layer·G, packed
+    [L·G, N, K/2], scale [L·G, N, K/32]). Merging the two leading dims is a bitcast (TPU tiles the two minor ones),
+    so every kernel — they fetch weight blocks by a tile's expert id — reads the layer's blocks from the stack with
+    no copy of the layer (a slice fed to a kernel is one: XLA materialises a custom call's operands). Unstacked
+    weights (layer None) come back as they are. The kernels' grid choice takes ``groups`` = G (the last of the
+    returned four)."""
+    if layer is None:
+        return tile_group, packed, scale, packed.shape[0]
+    L, G = packed.shape[:2]
+    flat = lambda w: w.reshape(L * G, *w.shape[2:])  # noqa: E731
+    offset = jnp.asarray(layer, jnp.int32) * G
+    return jnp.where(tile_group >= 0, tile_group + offset, -1), flat(packed), flat(scale), G
 
 
 def pad_rows(x, src_rows):
@@ -241,8 +259,8 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
     platform = target_platform(platform)
     # block_m on TPU follows the rows per group, ceil(M / G): every group's rows are padded to whole tiles and the
-    # grid has ceil(M/bm) + G + 1 of them, so decode's few rows per expert (B = 64 over expert = 16: 1,024 rows on
-    # 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
+    # grid has ceil(M/bm) + min(G, M) + 1 of them, so decode's few rows per expert (B = 64 over expert = 16: 1,024
+    # rows on 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
     bs = block_sizes(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n,
                      block_k)
     expected = expected_load_of(expected_rows, expected_groups, packed.shape[0])

@@ -34,43 +34,56 @@ from pallas_kernels.mxfp4_matmul.kernel import BlockSizes
 from pallas_kernels.platform import target_platform
 
 
-def _launch(platform: str, t: bool):
-    if t:
-        return _kt.mxfp4_gmm_t_tpu if platform == "tpu" else _kt.mxfp4_gmm_t_loop
-    return _k.mxfp4_gmm_tpu if platform == "tpu" else _k.mxfp4_gmm_loop
+def _launch(platform: str, t: bool, groups: int):
+    """The kernel for ``platform`` (transposed if ``t``); on TPU told the experts of one layer (``groups``), which
+    its grid choice counts when the weights are a flattened stack of layers."""
+    if platform != "tpu":
+        return _kt.mxfp4_gmm_t_loop if t else _k.mxfp4_gmm_loop
+    return functools.partial(_kt.mxfp4_gmm_t_tpu if t else _k.mxfp4_gmm_tpu, groups=groups)
 
 
-def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret, tiles):
+def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret, tiles, groups):
     """a = x W1ᵀ, b = x W3ᵀ [T·bm, F] in the rows' dtype, in tile space (unused tiles' rows unwritten)."""
-    fwd = functools.partial(_launch(platform, False), interpret=interpret, expected_tiles=tiles)
+    fwd = functools.partial(_launch(platform, False, groups), interpret=interpret, expected_tiles=tiles)
     return fwd(tg, xe, xo, *w1, bs), fwd(tg, xe, xo, *w3, bs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
-def _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13: BlockSizes, bs2: BlockSizes, platform: str,
+def _in_place(tg, ws, layer):
+    """(tile groups, weights) with a stacked layer's experts addressed where they lie (``api.layer_groups``: the
+    three stacks share L and G, so one offset serves them); unstacked (layer None): as given."""
+    out = [api.layer_groups(tg, *w, layer) for w in ws]
+    return out[0][0], [(p, s) for _, p, s, _ in out]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
+def _ffn(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13: BlockSizes, bs2: BlockSizes, platform: str,
          interpret, expected):
-    return _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret, expected)[0]
+    return _ffn_fwd(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13, bs2, platform, interpret,
+                    expected)[0]
 
 
-def _ffn_fwd(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform, interpret, expected):
+def _ffn_fwd(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13, bs2, platform, interpret, expected):
+    G = group_sizes.shape[0]
     tg, src_rows, dst_rows, _ = api.group_tile_metadata(group_sizes, x.shape[0], bs13.block_m)
+    tg, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer)
     tiles = api.charged_tiles(expected, bs13.block_m)  # bs2 has the same block_m: one tile layout
     xe, xo = api.split_even_odd(api.pad_rows(x, src_rows))
-    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles)
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles, G)
     # an unused tile's a, b (never written, any bits) give any h there: nothing reads it (the kernels skip unused
     # tiles, the rows are independent, and unpad_rows reads only used tiles' rows)
     h = glu_hidden(a, b, act, x.dtype, act_quant=act_quant, acc=acc)
-    y_pad = _launch(platform, False)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret, expected_tiles=tiles)
+    y_pad = _launch(platform, False, G)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret,
+                                        expected_tiles=tiles)
     # rows past the groups: 0 (unpad_rows); x[:0] carries x's type (its varying mesh axes)
-    return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0])
+    return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0], group_sizes)
 
 
 def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, res, dy):
-    xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x_type = res
-    dt = x_type.dtype
+    xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x_type, group_sizes = res   # tg, w*: as _in_place left them
+    dt, G = x_type.dtype, group_sizes.shape[0]
     tiles = api.charged_tiles(expected, bs13.block_m)
-    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles)
-    bwd = functools.partial(_launch(platform, True), interpret=interpret, expected_tiles=tiles)
+    a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles, G)
+    bwd = functools.partial(_launch(platform, True, G), interpret=interpret, expected_tiles=tiles)
     dh = api.interleave_columns(*bwd(tg, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2))
     _, act_vjp = jax.vjp(act, a.astype(acc), b.astype(acc))
     da, db = act_vjp(dh.astype(acc))  # the STE passes dh through act_quant
@@ -78,7 +91,7 @@ def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, res,
     e3, o3 = bwd(tg, db.astype(dt), *w3, bs13)
     dx = api.interleave_columns(api.unpad_rows(e1 + e3, dst_rows), api.unpad_rows(o1 + o3, dst_rows))  # past: 0
     # with W's F split over a mesh axis (tensor-parallel experts), each device's dx is a partial sum over its slice
-    return match_varying(dx, x_type), None, None, None, None
+    return match_varying(dx, x_type), None, None, None, None, None
 
 
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)
@@ -91,7 +104,10 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
 
     Args:
       x: [M, P] float32/bfloat16, rows sorted by expert (group_sizes [G], sum <= M; rows past the sum give zeros).
-      w1, w3: (packed uint8 [G, F, P/2], scale uint8 [G, F, P/32]); w2: (packed [G, P, F/2], scale [G, P, F/32]).
+      w1, w3: (packed uint8 [G, F, P/2], scale uint8 [G, F, P/32]); w2: (packed [G, P, F/2], scale [G, P, F/32]);
+        or each (packed, scale, layer): stacks of L layers, [L, G, ...], and the index (int32 scalar, the same for
+        the three) of the layer to run, whose blocks the kernels read in place (``api.layer_groups``). A third item
+        None: not stacked.
       act: the GLU activation act(a, b), elementwise (run in ``acc``).
       act_quant: None, or a function applied to h (the MXFP8 fake-quant of the GEMM input; straight-through).
       block_m, block_n, block_k, platform, interpret: as ``api.mxfp4_gmm`` (one block_m for the three kernels; n
@@ -100,14 +116,20 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
         kernels charge the same expected tiles).
     Returns: y [M, P] in x.dtype. Gradient with respect to x only.
     """
-    w1, w3, w2 = (tuple(w) for w in (w1, w3, w2))
-    G, F, _ = w1[0].shape
-    api.check_inputs(x, *w1, grouped=True)
-    api.check_inputs(x, *w3, grouped=True)
-    if w3[0].shape != w1[0].shape or w2[0].shape[:2] != (G, x.shape[1]):
-        raise ValueError(f"w1 {w1[0].shape}, w3 {w3[0].shape} and w2 {w2[0].shape} are not one GLU FFN over x "
-                         f"{x.shape}")
-    api.check_inputs(jnp.zeros((0, F), x.dtype), *w2, grouped=True)
+    ws = [(*w, None)[:3] for w in (w1, w3, w2)]
+    layer = ws[0][2]
+    if any((w[2] is None) != (layer is None) for w in ws) or (layer is not None and jnp.shape(layer) != ()):
+        raise ValueError("w1, w3 and w2 must all be stacks with one scalar layer index, or none of them")
+    one = [tuple(a if layer is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in w[:2]) for w in ws]
+    if layer is not None and len({w[0].shape[0] for w in ws}) != 1:
+        raise ValueError(f"stacks of different depths: {[w[0].shape for w in ws]}")
+    G, F, _ = one[0][0].shape
+    api.check_inputs(x, *one[0], grouped=True)
+    api.check_inputs(x, *one[1], grouped=True)
+    if one[1][0].shape != one[0][0].shape or one[2][0].shape[:2] != (G, x.shape[1]):
+        raise ValueError(f"w1 {one[0][0].shape}, w3 {one[1][0].shape} and w2 {one[2][0].shape} are not one GLU FFN "
+                         f"over x {x.shape}")
+    api.check_inputs(jnp.zeros((0, F), x.dtype), *one[2], grouped=True)
     if group_sizes.shape != (G,):
         raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{G}]")
     platform = target_platform(platform)
@@ -115,7 +137,8 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
     bs13 = api.block_sizes(platform, rows, F, x.shape[1], block_m, block_n, block_k)
     bs2 = api.block_sizes(platform, rows, x.shape[1], F, block_m, block_n, block_k)
     expected = api.expected_load_of(expected_rows, expected_groups, G)
-    return _ffn(x, w1, w3, w2, group_sizes, act, act_quant, acc, bs13, bs2, platform,
+    w1, w3, w2 = (w[:2] for w in ws)
+    return _ffn(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13, bs2, platform,
                 api.interpret_mode(interpret, x, *w1, *w3, *w2), expected)
 
 

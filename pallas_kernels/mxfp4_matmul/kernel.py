@@ -222,8 +222,8 @@ def k_lanes(k, bk: int, nk: int):
 def static_tpu_grid(tiles: int, groups: int) -> bool:
     """Which grid the TPU kernels run, chosen at trace time from the static shapes: True = the static grid over all
     T tiles, its tile axis "parallel" (a megacore chip splits it over its two TensorCores); False = the dynamic grid
-    over the used tiles only (``visited_tiles``), every axis "arbitrary" (one core). T = ceil(M/bm) + G + 1
-    (``api.group_tile_metadata``), of which at most ceil(M/bm) + G are used. When the row tiles dominate,
+    over the used tiles only (``visited_tiles``), every axis "arbitrary" (one core). T = ceil(M/bm) + min(G, M) + 1
+    (``api.group_tile_metadata``), of which at most ceil(M/bm) + min(G, M) are used. When the row tiles dominate,
     ceil(M/bm) > 2·G (training: all but <= G + 1 of the tiles are used), skipping the few unused tiles saves less
     than the second core gives; when the experts dominate (decode: a chip's few rows over many experts, ~1 tile used
     of G + 2) the skipped tiles are the call."""
@@ -296,7 +296,8 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
 
 
 def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool,
-                  expected_tiles: float | None = None, static_grid: bool | None = None) -> jax.Array:
+                  expected_tiles: float | None = None, static_grid: bool | None = None,
+                  groups: int | None = None) -> jax.Array:
     """Grouped kernel, TPU schedule (also the dense kernel on TPU: one expert, every tile used).
 
     Args as ``mxfp4_gmm_loop``; used tiles must come first (as ``api.group_tile_metadata`` lays them out). Needs
@@ -306,10 +307,12 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
     the tile and column axes "parallel" (megacore), and an unused tile fetches nothing new (``tile_blocks``,
     ``row_tile``) and writes zeros. The used tiles' outputs are the same bits in both. Accumulates in an fp32 VMEM
     scratch; returns [T*bm, N] in x's dtype. ``expected_tiles``: the used tiles the cost estimate charges (None:
-    all T; ``cost.charged_cost``).
+    all T; ``cost.charged_cost``). ``groups``: the experts of one layer when ``packed`` / ``scale`` are a stack of
+    layers flattened to [L·G, ...] (``api.layer_groups``; the grid's choice counts one layer's), None: G.
     """
     Mp, half = xe.shape
     G, N, _ = packed.shape
+    G = G if groups is None else groups
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     nj, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, False, interpret)

@@ -119,8 +119,8 @@ def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref
 
 
 def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
-                    expected_tiles: float | None = None, static_grid: bool | None = None
-                    ) -> tuple[jax.Array, jax.Array]:
+                    expected_tiles: float | None = None, static_grid: bool | None = None,
+                    groups: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
 
     The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
@@ -130,10 +130,11 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     Mosaic constraint). The two grids as there (``static_grid``): the dynamic one visits the used tiles only and
     leaves the other rows unwritten, the static one splits the tiles over a megacore's two cores (N and K are
     reductions here: "arbitrary") and writes zeros for unused tiles. Args and returns as ``mxfp4_gmm_t_loop``; used
-    tiles must come first.
+    tiles must come first. ``groups``: as ``kernel.mxfp4_gmm_tpu``'s (a flattened stack of layers).
     """
     Mp, N = g.shape
     G, _, half = packed.shape
+    G = G if groups is None else groups
     bm, bn, bk = bs.block_m, bs.block_n, bs.block_k
     nn, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, True, interpret)

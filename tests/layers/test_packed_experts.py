@@ -233,6 +233,34 @@ def test_stacked_group_slices_packed_experts():
     assert leaves and not any(_is_expert(p) for p, _ in leaves)
 
 
+def test_scanned_group_reads_packed_experts_in_place(monkeypatch):
+    """k3-tiny at 9 layers on the kernel path ("ragged": the grouped FFN kernel, interpreted): the scanned group
+    hands each layer's kernels the whole stacks and the layer's index (``read_in_place``), and its logits equal the
+    unrolled stack's, whose layers are sliced."""
+    import pallas_kernels.mxfp4_matmul.api as kapi
+
+    cfg = _tiny(9)
+    packed, _ = _packed_tiny(cfg)
+    tokens = jax.random.randint(jax.random.key(4), (1, 5), 0, cfg.vocab_size)
+    stacked = []
+    layer_groups = kapi.layer_groups
+    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer: stacked.append(
+        (p.ndim, layer is not None)) or layer_groups(tg, p, s, layer))
+
+    def logits(layer_stack):
+        model = merge(packed, cfg, default_run(cfg).replace(layer_stack=layer_stack, moe_impl="ragged"))
+        return jax.jit(lambda m, t: m(t))(model, tokens)
+
+    loop = logits("loop")
+    assert stacked and not any(s for _, s in stacked)             # unrolled: each layer's own [E, N, K/2]
+    stacked.clear()
+    scan = logits("scan")
+    # the stacked group (layers 4-7, all MoE): w1, w3 and w2 of each read from [groups, E, N, K/2] at a traced
+    # index; the unrolled head and tail layers (1-3, 8) their own
+    assert stacked.count((4, True)) == 3 * 4 and stacked.count((3, False)) == 3 * 4, stacked
+    assert_close(scan, loop, TOL["fp32_shallow"], name="logits, scan vs loop")
+
+
 @pytest.mark.slow
 # (9, "loop"): 224 s; (9, "scan"): 195 s, manual (CI's budget, session 9)
 @pytest.mark.parametrize("num_layers,layer_stack", [(2, "loop"), pytest.param(9, "scan", marks=pytest.mark.manual)])

@@ -87,3 +87,37 @@ def test_ffn_input_checks():
         mxfp4_glu_ffn(x, *w, gs[:2], ACT, interpret=True)
     with pytest.raises(ValueError, match="do not match x"):
         mxfp4_glu_ffn(x[:, :64], *w, gs, ACT, interpret=True)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"], ids=["loop", "tpu"])
+def test_stacked_layer_is_read_in_place(platform, monkeypatch):
+    """Weights given as stacks of two layers [2, G, ...] with a traced layer index: the same bits, forward and the
+    rows' gradient, as the call on that layer's slice; the TPU grid is chosen for one layer's G experts (rows enough
+    for the static grid at G = 3, not at 2·G)."""
+    import pallas_kernels.mxfp4_matmul.kernel as kmod
+    import pallas_kernels.mxfp4_matmul.kernel_t as ktmod
+
+    x, w, ct = _problem(jnp.float32)
+    x, ct = jnp.concatenate([x] * 5), jnp.concatenate([ct] * 5)       # 200 rows: 13 + 3 + 1 tiles of 16
+    gs = jnp.asarray([25, 0, 150], jnp.int32)
+    other = [(jnp.flip(p, 0), jnp.flip(s, 0)) for p, s in w]          # layer 0: the experts in another order
+    stacks = [(jnp.stack([o[0], p]), jnp.stack([o[1], s])) for o, (p, s) in zip(other, w, strict=True)]
+    seen = []
+    for mod in (kmod, ktmod):
+        grid = mod.tpu_grid
+        monkeypatch.setattr(mod, "tpu_grid", lambda tg, groups, *a, grid=grid: seen.append(groups) or grid(tg, groups,
+                                                                                                            *a))
+    kw = {"block_m": 16, "block_n": 128, "block_k": 256, "platform": platform, "interpret": True}
+
+    def vjp(fn, *args):
+        y, back = jax.vjp(fn, x, *args)
+        return y, back(ct)[0]
+
+    y, dx = jax.jit(lambda layer: vjp(lambda x: mxfp4_glu_ffn(x, *[(*s, layer) for s in stacks], gs, ACT, **kw)))(
+        jnp.int32(1))
+    y_ref, dx_ref = jax.jit(lambda: vjp(lambda x: mxfp4_glu_ffn(x, *w, gs, ACT, **kw)))()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_ref))
+    assert set(seen) == ({G} if platform == "tpu" else set())
+    with pytest.raises(ValueError, match="all be stacks"):
+        mxfp4_glu_ffn(x, (*stacks[0], jnp.int32(0)), *w[1:], gs, ACT, **kw)
