@@ -16,6 +16,16 @@ from jax import lax
 from k3jax.ops.norms import acc_dtype
 
 
+def _logits(v, gw, eps: float):
+    """z_i = Σ_c κ_i[c] · gw[c] for sources v [N, ..., D], computed as (Σ_c v_i[c] · gw[c]) · (mean_c v_i[c]² +
+    eps)^(-1/2): both sums over c in ONE reduction (of [2, N, ..., D]), so that a width split over devices (the
+    serving layout splits D) meets one all-reduce per mix, not one per sum (the v5p-64 decode step: 8 all-reduces
+    per 4-layer group fewer; experiments/LOG.md, session 30). κ is never materialised; the same value in exact
+    arithmetic, fp32 rounding aside."""
+    sums = jnp.sum(jnp.stack([v * gw, v * v]), axis=-1)
+    return sums[0] * lax.rsqrt(sums[1] / v.shape[-1] + eps)
+
+
 def attn_res(sources, query, gain, eps: float):
     """sources: sequence of N arrays [..., D] (or one stacked [N, ..., D]); query, gain: [D] → [..., D]."""
     if isinstance(sources, list | tuple):
@@ -26,9 +36,7 @@ def attn_res(sources, query, gain, eps: float):
         v = sources
     acc = acc_dtype(v.dtype)
     v = v.astype(acc)
-    kappa = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-    gw = gain.astype(acc) * query.astype(acc)
-    z = jnp.einsum("n...d,d->n...", kappa, gw)
+    z = _logits(v, gain.astype(acc) * query.astype(acc), eps)
     alpha = jax.nn.softmax(z, axis=0)
     return jnp.einsum("n...,n...d->...d", alpha, v)
 
@@ -40,8 +48,7 @@ def attn_res_masked(blocks, count, part, query, gain, eps: float):
     zeros, add exact zeros to the mix; only the length of the reductions differs from the unmasked form."""
     acc = acc_dtype(part.dtype)
     v = jnp.concatenate([blocks.astype(acc), part.astype(acc)[None]], axis=0)
-    kappa = v * lax.rsqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-    z = jnp.einsum("n...d,d->n...", kappa, gain.astype(acc) * query.astype(acc))
+    z = _logits(v, gain.astype(acc) * query.astype(acc), eps)
     nb = blocks.shape[0]
     used = (jnp.arange(nb + 1) < count) | (jnp.arange(nb + 1) == nb)
     z = jnp.where(used.reshape((nb + 1,) + (1,) * (z.ndim - 1)), z, -jnp.inf)
