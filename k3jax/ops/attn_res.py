@@ -18,12 +18,13 @@ from k3jax.ops.norms import acc_dtype
 
 def _logits(v, gw, eps: float):
     """z_i = Σ_c κ_i[c] · gw[c] for sources v [N, ..., D], computed as (Σ_c v_i[c] · gw[c]) · (mean_c v_i[c]² +
-    eps)^(-1/2): both sums over c in ONE reduction (of [2, N, ..., D]), so that a width split over devices (the
-    serving layout splits D) meets one all-reduce per mix, not one per sum (the v5p-64 decode step: 8 all-reduces
-    per 4-layer group fewer; experiments/LOG.md, session 30). κ is never materialised; the same value in exact
-    arithmetic, fp32 rounding aside."""
-    sums = jnp.sum(jnp.stack([v * gw, v * v]), axis=-1)
-    return sums[0] * lax.rsqrt(sums[1] / v.shape[-1] + eps)
+    eps)^(-1/2): two reductions of v that do not depend on each other (κ = v · rsqrt(…) is never materialised; the
+    same value in exact arithmetic, fp32 rounding aside). With the width split over devices (the serving layout
+    splits D) XLA combines their all-reduces into one per mix, where κ's form needed two in a row: 8 fewer per
+    4-layer group of the v5p-64 decode step; and prefill reads the sources less (experiments/LOG.md, session 30:
+    one reduction over a stacked [2, N, …, D] instead cost prefill 1.5 TB of HBM traffic per chip)."""
+    num = jnp.einsum("n...d,d->n...", v, gw)
+    return num * lax.rsqrt(jnp.mean(v * v, axis=-1) + eps)
 
 
 def attn_res(sources, query, gain, eps: float):
