@@ -86,6 +86,31 @@ def test_ep_pallas_kernel_equals_xla_tile_loop(axes, rules):
     assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
 
 
+def test_ep_reads_a_stacked_layer_in_place():
+    """Stacks of two layers [2, E, ...] with a traced layer index (a scanned group's experts, read in place by the
+    kernels) through ExpertParallel's shard_map (the stacks whole on the expert axis' shards of E, the index
+    replicated): the kernel path gives the values and gradients of the same layer's unstacked weights."""
+    z, ids, wts, w1, w3, w2 = _problem(4)
+    ct = jax.random.normal(jax.random.key(7), z.shape)
+    ep = ExpertParallel(make_mesh({"data": 2, "expert": 4}), "ep", impl="bucketed", packed_kernel="pallas")
+    stacks = [PackedWeight(jnp.stack([jnp.flip(w.packed, 0), w.packed]), jnp.stack([jnp.flip(w.scale, 0), w.scale]))
+              for w in (w1, w3, w2)]
+
+    def run(weights):
+        def both(z, wts, layer):
+            ws = [w if layer is None else w._replace(layer=layer) for w in weights]
+            loss = lambda z, w: jnp.sum(ct * ep(z, ids, w, *ws, ACT))  # noqa: E731
+            return ep(z, ids, wts, *ws, ACT), jax.grad(loss, argnums=(0, 1))(z, wts)
+
+        return both
+
+    y, (dz, dw) = jax.jit(run(stacks))(z, wts, jnp.int32(1))
+    y_ref, (dz_ref, dw_ref) = jax.jit(run((w1, w3, w2)), static_argnums=2)(z, wts, None)
+    assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
+    assert_close(dz, dz_ref, TOL["fp32_shallow"], name="dz")
+    assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
+
+
 def test_ep_kernel_path_sends_bf16_expert_outputs_back_with_the_same_values():
     """bf16 rows on the kernel path (data 2 × expert 4, no tensor split): the experts' outputs go back through the
     exchange in bf16 — the kernel's own output dtype, not the fp32 accumulation dtype — and the MoE output equals the
