@@ -150,19 +150,22 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
 
 
 def layer_groups(tile_group, packed, scale, layer):
-    """One layer of stacked expert weights, read where it lies: packed [L, G, N, K/2] / scale [L, G, N, K/32] and
-    the layer's index (int32 scalar) → (tile_group with its used tiles' experts offset by layer·G, packed
-    [L·G, N, K/2], scale [L·G, N, K/32]). Merging the two leading dims is a bitcast (TPU tiles the two minor ones),
-    so every kernel — they fetch weight blocks by a tile's expert id — reads the layer's blocks from the stack with
-    no copy of the layer (a slice fed to a kernel is one: XLA materialises a custom call's operands). Unstacked
-    weights (layer None) come back as they are. The kernels' grid choice takes ``groups`` = G (the last of the
-    returned four)."""
+    """One layer of stacked expert weights: packed [L, G, N, K/2] / scale [L, G, N, K/32] and the layer's index
+    (int32 scalar) → (tile_group with its used tiles' experts offset by layer·G, packed [L·G, N, K/2], the layer's
+    scale [G, N, K/32], G). The packed bytes are read where they lie: merging the two leading dims is a bitcast (TPU
+    tiles the two minor ones) and every kernel fetches weight blocks by a tile's expert id, so no copy of the layer's
+    bytes is made (a slice fed to a kernel is one: XLA materialises a custom call's operands). The scales, 1/16 of
+    the bytes, are sliced: the kernels read scale blocks at expert id mod G (``kernel.scale_block``). Whole, the
+    stacks' scales were relaid out for the kernel (their K/32 < 128 lanes is not the minor dim XLA stores them with)
+    all at once outside the layer loop — 2.1 GB more peak at v5p-64 decode, past v6e's 32 GB at v6e-256 — where a
+    slice is relaid out one layer at a time. Unstacked weights (layer None) come back as they are. The kernels' grid
+    choice takes ``groups`` = G (the last of the four)."""
     if layer is None:
         return tile_group, packed, scale, packed.shape[0]
     L, G = packed.shape[:2]
-    flat = lambda w: w.reshape(L * G, *w.shape[2:])  # noqa: E731
     offset = jnp.asarray(layer, jnp.int32) * G
-    return jnp.where(tile_group >= 0, tile_group + offset, -1), flat(packed), flat(scale), G
+    return (jnp.where(tile_group >= 0, tile_group + offset, -1), packed.reshape(L * G, *packed.shape[2:]),
+            jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False), G)
 
 
 def pad_rows(x, src_rows):

@@ -172,7 +172,7 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
         def body(k, acc):
             kh = pl.ds(k * (bk // 2), bk // 2)
             ks = pl.ds(k * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
-            scale = expand_scale(s_ref[g, rows, ks])
+            scale = expand_scale(s_ref[g % s_ref.shape[0], rows, ks])  # scales of one layer: ``scale_block``
             return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
         o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
@@ -243,6 +243,14 @@ def tile_blocks(t, mid, k, tg):
     grid visits them all, the dynamic one only tile 0 when no tile is used)."""
     on = tg[t] >= 0
     return jnp.maximum(tg[t], 0), jnp.where(on, mid, 0), jnp.where(on, k, 0)
+
+
+def scale_block(blocks, groups: int):
+    """The scale block of weight block (expert, middle, k): (expert mod ``groups``, middle, 0) — the whole K/32 of
+    one expert. Scales come one layer at a time ([G, N, K/32]) while the packed bytes of a stack of layers come
+    flattened, [L·G, N, K/2], addressed by expert ids offset by layer·G (``api.layer_groups``): the modulus takes
+    such an id back to the layer's own expert; for unstacked weights (ids < G) it changes nothing."""
+    return blocks[0] % groups, blocks[1], 0
 
 
 def row_tile(t, tg, tiles: int | None):
@@ -325,7 +333,7 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
         return tile_blocks(t, j, k, tg)
 
     def s_map(t, j, k, tg):
-        return tile_blocks(t, j, k, tg)[:2] + (0,)
+        return scale_block(tile_blocks(t, j, k, tg), scale.shape[0])
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,

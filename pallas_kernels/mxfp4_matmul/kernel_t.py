@@ -25,6 +25,7 @@ from pallas_kernels.mxfp4_matmul.kernel import (
     expand_scale_by_dot,
     k_lanes,
     row_tile,
+    scale_block,
     tile_blocks,
     tpu_grid,
 )
@@ -50,7 +51,8 @@ def _loop_t_kernel(group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, *, bn: int, b
     def _compute():
         def body(n, acc):
             rows = pl.ds(n * bn, bn)
-            pe, po = _tile_product_t(g_ref[:, rows], p_ref[grp, rows, kh], expand_scale(s_ref[grp, rows, ks]))
+            scale = expand_scale(s_ref[grp % s_ref.shape[0], rows, ks])  # one layer's: ``kernel.scale_block``
+            pe, po = _tile_product_t(g_ref[:, rows], p_ref[grp, rows, kh], scale)
             return acc[0] + pe, acc[1] + po
 
         zero = jnp.zeros(oe_ref.shape, jnp.float32)
@@ -147,7 +149,7 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
         return tile_blocks(t, n, k, tg)
 
     def s_map(t, n, k, tg):
-        return tile_blocks(t, n, k, tg)[:2] + (0,)
+        return scale_block(tile_blocks(t, n, k, tg), scale.shape[0])
 
     out_block = pl.BlockSpec((bm, half), lambda t, n, k, tg: (t, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
