@@ -96,9 +96,11 @@ def row(doc: dict) -> str:
     if r is None:
         return f"| {doc['plan']} | {doc['slice']} | — | error (exit {doc['exit']}) | | | |"
     if r.get("fits") is False:
-        f = r.get("hbm_oom", {})
-        return (f"| {doc['plan']} | {doc['slice']} | {r['mesh']} | **no**: needs {f.get('used_bytes', 0) / 1e9:,.1f} "
-                f"of {f.get('available_bytes', 0) / 1e9:,.1f} GB | | | |")
+        f = r.get("hbm_oom") or {}   # empty when the compile succeeded with a peak past the chip's capacity
+        used = f.get("used_bytes", r.get("peak_bytes_per_device") or 0)
+        cap = f.get("available_bytes", r.get("capacity_bytes_per_device") or 0)
+        return (f"| {doc['plan']} | {doc['slice']} | {r['mesh']} | **no**: needs {used / 1e9:,.1f} of {cap / 1e9:,.1f} "
+                f"GB | | | |")
     roof = r["roofline"]
     peak = r["peak_bytes_per_device"] / 1e9
     extra = f"compute share {roof['compute_share']:.3f}"

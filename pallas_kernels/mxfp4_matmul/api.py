@@ -158,14 +158,21 @@ def layer_groups(tile_group, packed, scale, layer):
     the bytes, are sliced: the kernels read scale blocks at expert id mod G (``kernel.scale_block``). Whole, the
     stacks' scales were relaid out for the kernel (their K/32 < 128 lanes is not the minor dim XLA stores them with)
     all at once outside the layer loop — 2.1 GB more peak at v5p-64 decode, past v6e's 32 GB at v6e-256 — where a
-    slice is relaid out one layer at a time. Unstacked weights (layer None) come back as they are. The kernels' grid
-    choice takes ``groups`` = G (the last of the four)."""
+    slice is relaid out one layer at a time. Packed bytes whose minor dim is not a multiple of 128 lanes are sliced
+    too, for the same reason. Unstacked weights (layer None) come back as they are. The kernels' grid choice takes
+    ``groups`` = G (the last of the four)."""
     if layer is None:
         return tile_group, packed, scale, packed.shape[0]
     L, G = packed.shape[:2]
+    one_scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
+    if packed.shape[-1] % 128:
+        # a minor dim off the 128 lanes (w2's F/2 over tensor 8: 192) is stored in another layout than the kernel's:
+        # whole, the stacks would be relaid out outside the layer loop, all at once (+9 GB of temporaries in the 8K
+        # prefill on v6e-64); a slice is relaid out one layer at a time
+        return tile_group, jax.lax.dynamic_index_in_dim(packed, layer, keepdims=False), one_scale, G
     offset = jnp.asarray(layer, jnp.int32) * G
     return (jnp.where(tile_group >= 0, tile_group + offset, -1), packed.reshape(L * G, *packed.shape[2:]),
-            jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False), G)
+            one_scale, G)
 
 
 def pad_rows(x, src_rows):

@@ -49,10 +49,11 @@ def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret, tiles, groups):
 
 
 def _in_place(tg, ws, layer):
-    """(tile groups, weights) with a stacked layer's experts addressed where they lie (``api.layer_groups``: the
-    three stacks share L and G, so one offset serves them); unstacked (layer None): as given."""
+    """(tile groups of w1 / w3, of w2; the weights) with a stacked layer's experts addressed where they lie
+    (``api.layer_groups``; w1 and w3 share shapes, so one choice and one offset serve both; w2 may be sliced where
+    they are read in place); unstacked (layer None): as given."""
     out = [api.layer_groups(tg, *w, layer) for w in ws]
-    return out[0][0], [(p, s) for _, p, s, _ in out]
+    return out[0][0], out[2][0], [(p, s) for _, p, s, _ in out]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12, 13))
@@ -65,26 +66,26 @@ def _ffn(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13: BlockSize
 def _ffn_fwd(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13, bs2, platform, interpret, expected):
     G = group_sizes.shape[0]
     tg, src_rows, dst_rows, _ = api.group_tile_metadata(group_sizes, x.shape[0], bs13.block_m)
-    tg, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer)
+    tg, tg2, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer)
     tiles = api.charged_tiles(expected, bs13.block_m)  # bs2 has the same block_m: one tile layout
     xe, xo = api.split_even_odd(api.pad_rows(x, src_rows))
     a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles, G)
     # an unused tile's a, b (never written, any bits) give any h there: nothing reads it (the kernels skip unused
     # tiles, the rows are independent, and unpad_rows reads only used tiles' rows)
     h = glu_hidden(a, b, act, x.dtype, act_quant=act_quant, acc=acc)
-    y_pad = _launch(platform, False, G)(tg, *api.split_even_odd(h), *w2, bs2, interpret=interpret,
+    y_pad = _launch(platform, False, G)(tg2, *api.split_even_odd(h), *w2, bs2, interpret=interpret,
                                         expected_tiles=tiles)
     # rows past the groups: 0 (unpad_rows); x[:0] carries x's type (its varying mesh axes)
-    return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x[:0], group_sizes)
+    return api.unpad_rows(y_pad, dst_rows), (xe, xo, w1, w3, w2, tg, tg2, src_rows, dst_rows, x[:0], group_sizes)
 
 
 def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, res, dy):
-    xe, xo, w1, w3, w2, tg, src_rows, dst_rows, x_type, group_sizes = res   # tg, w*: as _in_place left them
+    xe, xo, w1, w3, w2, tg, tg2, src_rows, dst_rows, x_type, group_sizes = res   # tg*, w*: as _in_place left them
     dt, G = x_type.dtype, group_sizes.shape[0]
     tiles = api.charged_tiles(expected, bs13.block_m)
     a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles, G)
     bwd = functools.partial(_launch(platform, True, G), interpret=interpret, expected_tiles=tiles)
-    dh = api.interleave_columns(*bwd(tg, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2))
+    dh = api.interleave_columns(*bwd(tg2, api.pad_rows(dy.astype(dt), src_rows), *w2, bs2))
     _, act_vjp = jax.vjp(act, a.astype(acc), b.astype(acc))
     da, db = act_vjp(dh.astype(acc))  # the STE passes dh through act_quant
     e1, o1 = bwd(tg, da.astype(dt), *w1, bs13)

@@ -121,3 +121,27 @@ def test_stacked_layer_is_read_in_place(platform, monkeypatch):
     assert set(seen) == ({G} if platform == "tpu" else set())
     with pytest.raises(ValueError, match="all be stacks"):
         mxfp4_glu_ffn(x, (*stacks[0], jnp.int32(0)), *w[1:], gs, ACT, **kw)
+
+
+def test_stacked_layer_with_an_unaligned_minor_dim_is_sliced(monkeypatch):
+    """w2's packed minor dim F/2 = 192 (not a multiple of 128 lanes: stored in another layout than the kernel's) is
+    sliced per layer while w1 / w3 (P/2 = 128) are read in place: each kernel gets its own tile groups, and the FFN
+    gives the bits of the call on the layer's slices (the TPU schedule, interpreted)."""
+    import pallas_kernels.mxfp4_matmul.api as kapi
+
+    k = jax.random.split(jax.random.key(5), 4)
+    f2 = 384
+    w = [mxfp4_pack(0.05 * jax.random.normal(k[i], s)) for i, s in zip((0, 1, 2), ((G, f2, P), (G, f2, P), (G, P, f2)),
+                                                                       strict=True)]
+    x = jax.random.normal(k[3], (M, P))
+    gs = jnp.asarray(GS, jnp.int32)
+    stacks = [(jnp.stack([jnp.flip(p, 0), p]), jnp.stack([jnp.flip(s, 0), s])) for p, s in w]
+    got = []
+    layer_groups = kapi.layer_groups
+    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer: got.append(
+        (p.shape[-1], (out := layer_groups(tg, p, s, layer))[1].ndim, out[1].shape[0])) or out)
+    kw = {"block_m": 16, "block_n": 128, "platform": "tpu", "interpret": True}   # w2's block_k: its whole K = 384
+    y = jax.jit(lambda layer: mxfp4_glu_ffn(x, *[(*s, layer) for s in stacks], gs, ACT, **kw))(jnp.int32(1))
+    y_ref = jax.jit(lambda: mxfp4_glu_ffn(x, *w, gs, ACT, **kw))()
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+    assert got[:3] == [(128, 3, 2 * G), (128, 3, 2 * G), (192, 3, G)], got   # w1, w3 flattened [2G, ·]; w2 a slice
