@@ -63,8 +63,9 @@ class PackedWeight(NamedTuple):
     layer.
 
     ``layer`` (an int32 scalar, or None): the stacks hold every layer of a scanned group, packed [L, E, N, K/2] and
-    scale [L, E, N, K/32], and this weight is layer ``layer`` of them. The grouped TPU kernels read that layer's
-    blocks from the stack in place (``pallas_kernels/mxfp4_matmul``); a slice of the stack fed to them would be a
+    scale [L, E, N, K/32], and this weight is layer ``layer`` of them. The grouped kernels read that layer's packed
+    bytes from the stack in place (``pallas_kernels/mxfp4_matmul``, ``api.layer_groups``: its scales, and a stack
+    whose minor dim is off TPU's 128 lanes, are sliced); a slice of the packed stack fed to them would be a
     copy of the layer's experts per call (XLA materialises a custom call's operands: 40.8 of the 53.4 GB per chip of
     full K3's decode step on v5p-64; experiments/LOG.md, session 30). The other paths take ``one_layer`` (the
     slice)."""
