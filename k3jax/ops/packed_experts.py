@@ -281,8 +281,10 @@ def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight,
     _check(w2, "w2", P, F, E)
     if z_mp.shape[-1] != P:
         raise ValueError(f"z [M, P] has P = {z_mp.shape[-1]}, the packed experts have in = {P}")
-    if w1.stacked and gmm is None or impl in ("tiles", "dense"):  # only the kernels read a stack in place; "auto"
-        w1, w3, w2 = (w.one_layer() for w in (w1, w3, w2))        # slices in its CPU branch (``_one_layer``)
+    # only the kernels read a stack in place; "tiles" / "dense" (and "auto" with no kernel) take the layer's slice,
+    # "auto" with a kernel slices in its CPU branch (``_one_layer``)
+    if impl in ("tiles", "dense") or gmm is None:
+        w1, w3, w2 = (w.one_layer() for w in (w1, w3, w2))
     if impl == "dense":
         dt = z_mp.dtype
         return experts_dense(z_mp, ids_ma, weights_ma, *(dequantize_stack(w, dt) for w in (w1, w3, w2)), act,
