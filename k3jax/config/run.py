@@ -112,13 +112,18 @@ KERNEL_FIELDS = {"pallas": {"kda_impl": "pallas", "mla_impl": "pallas", "packed_
 _KERNEL_NAMES = {"kda_impl": "KDA chunk", "mla_impl": "MLA latent-attention", "packed_kernel": "MXFP4 expert"}
 
 
-def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: int = 1) -> str | None:
+def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: int = 1,
+                   rows: bool = False) -> str | None:
     """Why the Pallas kernel behind run field ``fld`` cannot run for a command on ``platform`` over ``devices``
-    devices (``context``: the mesh splits sequences), or None. Without a context axis the KDA and MLA kernels are
-    called outside ``shard_map``, and a Mosaic or Triton call is not partitioned by the compiler: on a GPU or TPU
-    they run on one device (on a CPU the interpreter's jnp is partitioned like any other). Under context parallelism
-    they run inside the sequence's ``shard_map``, one call per device (k3jax/sharding/context_parallel.py); the
-    packed-expert kernel inside expert parallelism's."""
+    devices (``context``: the mesh splits sequences; ``rows``: the command only runs whole sequences, no cache, and
+    its dispatch splits them by row, ``sharding.placement.kernel_rows``), or None. Without a context axis the KDA and
+    MLA kernels are called outside ``shard_map``, and a Mosaic or Triton call is not partitioned by the compiler: on
+    a GPU or TPU they run on one device (on a CPU the interpreter's jnp is partitioned like any other). Under context
+    parallelism they run inside the sequence's ``shard_map``, one call per device
+    (k3jax/sharding/context_parallel.py); under a row split the MLA flash kernel runs inside one over the rows
+    (k3jax/sharding/row_split.py); the packed-expert kernel inside expert parallelism's."""
+    if fld == "mla_impl" and rows:
+        return None
     if fld in ("kda_impl", "mla_impl") and platform != "cpu" and devices > 1 and not context:
         return f"it runs on one {platform} device (the compiler does not partition a kernel call; {devices} devices)"
     return None
@@ -136,7 +141,7 @@ def kernel_choice(kernels: str, platform: str) -> str:
 
 
 def with_kernels(run: RunConfig, kernels: str, platform: str, *, context: bool = False, devices: int = 1,
-                 **overrides) -> RunConfig:
+                 rows: bool = False, **overrides) -> RunConfig:
     """``run`` with the kernel fields (``KERNEL_FIELDS``) that ``kernels`` picks on ``platform``, then ``overrides``
     (the per-op flags given; None values skipped), which win. Where a Pallas kernel cannot run for the command
     (``kernel_refusal``), auto takes that op's XLA path and ``kernels="pallas"`` is an InputError naming the kernel
@@ -149,7 +154,7 @@ def with_kernels(run: RunConfig, kernels: str, platform: str, *, context: bool =
     if choice == "pallas":
         for fld in fields:
             why = None if fld in given else \
-                kernel_refusal(fld, platform, context=context, devices=devices)
+                kernel_refusal(fld, platform, context=context, devices=devices, rows=rows)
             if why and kernels == "pallas":
                 raise InputError(f"--kernels pallas: the {_KERNEL_NAMES[fld]} kernel cannot run here: {why}; "
                                  f"use --kernels auto or xla")

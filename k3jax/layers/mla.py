@@ -111,13 +111,14 @@ class MLA(nnx.Module):
         return y.astype(cdt)
 
     def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None,
-                 impl: str = "xla"):
+                 impl: str = "xla", rows=None):
         """x [B, T, D] (normed layer input) → (y [B, T, D], max_logit [B, N]) — max_logit feeds QK-Clip.
         ``segment_ids`` [B, T]: packed documents; each token attends within its own (``k3jax.ops.segments``).
         K3's MLA is NoPE (docs/model.md §5.1): there are no positions to restart at a boundary. ``context``: None, or a
         ``ContextParallel`` (T split over devices): the latent is all-gathered along the sequence and each shard
         attends from its own queries (k3jax/sharding/context_parallel.py). ``impl``: "xla" or "pallas" (the module
-        docstring)."""
+        docstring). ``rows``: None, or a ``RowSplit`` (whole sequences per device, no context): the Pallas kernel
+        then runs per device on its rows (k3jax/sharding/row_split.py); the XLA path ignores it."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         N, Hn, Hr, V = self.dims
@@ -126,8 +127,10 @@ class MLA(nnx.Module):
             kv_b = lora.merged(self, "kv_b").astype(cdt)         # the kernel up-projects each key block itself
             flash = functools.partial(backends.mla_flash, scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
             args = (q.astype(acc), c_kv, k_rope.astype(acc), kv_b[..., :Hn], kv_b[..., Hn:])
-            if context is None:
+            if context is None and rows is None:
                 o, max_logit = flash(*args, segment_ids=segment_ids)
+            elif context is None:
+                o, max_logit = rows.latent_flash(flash, *args, segment_ids=segment_ids)
             else:   # per shard over the gathered latent, queries mirror-balanced (k3jax/sharding/context_parallel.py)
                 o, max_logit = context.latent_flash(flash, *args, segment_ids=segment_ids)
             return self.output(x, o), max_logit

@@ -104,15 +104,16 @@ class DecoderLayer(nnx.Module):
             if block is not None and target in lora.targets:
                 add_adapters(block, **kw, shared_a=target == "experts" and lora.experts_shared_a)
 
-    def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None, context=None):
+    def mixer(self, h, cfg: K3Config, run: RunConfig, segment_ids=None, context=None, rows=None):
         """Token mixer on the normed input h → (y, aux). ``segment_ids`` [B, T]: packed documents, each mixed on
-        its own (``k3jax.ops.segments``). ``context``: a ``ContextParallel`` (the sequence split over devices)."""
+        its own (``k3jax.ops.segments``). ``context``: a ``ContextParallel`` (the sequence split over devices).
+        ``rows``: a ``RowSplit`` (whole sequences per device), where MLA's flash kernel runs per device."""
         docs = {} if segment_ids is None else {"segment_ids": segment_ids}
         if context is not None:
             docs["context"] = context
         if hasattr(self, "mla"):
             y, max_logit = self.mla(h, norm_eps=cfg.mla_norm_eps, block_size=run.mla_block_size, impl=run.mla_impl,
-                                    **docs)
+                                    rows=rows, **docs)
             return y, {"mla_max_logit": max_logit}
         y, _ = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, **docs)
         return y, {}

@@ -41,6 +41,12 @@ def context_of(dispatch):
     return getattr(dispatch, "context", None)
 
 
+def rows_of(dispatch):
+    """The ``RowSplit`` (k3jax/sharding/row_split.py: whole sequences per device) an uncached call runs its MLA
+    flash kernel under: an ``ExpertParallel``'s, or None."""
+    return getattr(dispatch, "rows", None)
+
+
 # The leaves stacked over the groups, sliced per group: Params, and routed experts held packed (frozen, not Params).
 STACKED = (nnx.Param, PackedExperts)
 
@@ -159,12 +165,12 @@ class K3Model(nnx.Module):
         if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
             raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal tokens' {tuple(tokens.shape)}")
 
-        context = context_of(dispatch)
+        context, rows = context_of(dispatch), rows_of(dispatch)
         if context is not None:
             context.check(tokens.shape[1])
 
         def mixer(l, layer, x):
-            return layer.mixer(x, self.cfg, self.run, segment_ids, context)
+            return layer.mixer(x, self.cfg, self.run, segment_ids, context, rows)
 
         return self._walk(tokens, mixer, dispatch, scan=self.run.layer_stack == "scan", remat=self.run.remat,
                           taps=tuple(taps), dropout=lora_dropout(self.run, dropout_key))

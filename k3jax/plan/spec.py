@@ -175,8 +175,9 @@ def run_settings(cfg: K3Config, spec: PlanSpec) -> RunConfig:
         spec = replace(spec, remat=PLAN_REMAT_AUTO[0])
     sizes = place.axis_sizes(place.parse_mesh(spec.mesh))
     if spec.mode not in SERVING:
+        rows = spec.strategy is not None and place.kernel_rows(spec.strategy, sizes, spec.batch)
         run = train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32",
-                                 platform=spec.platform, mesh=sizes)
+                                 platform=spec.platform, mesh=sizes, rows=rows)
         return run if spec.packed_kernel is None else run.replace(packed_kernel=spec.packed_kernel)
     run = default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
     return with_kernels(run, spec.kernels, spec.platform, context=sizes["context"] > 1,

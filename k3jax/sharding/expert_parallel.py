@@ -68,6 +68,7 @@ from k3jax.ops.lora_experts import experts_lora
 from k3jax.ops.norms import acc_dtype
 from k3jax.ops.packed_experts import PackedWeight, experts_packed, num_experts
 from k3jax.sharding.mesh import axis_sizes
+from k3jax.sharding.row_split import RowSplit
 from k3jax.sharding.rules import mesh_axes_of
 
 # The GPU/TPU exchange primitive. Module-level so a CPU test can substitute an all_to_all emulation of its
@@ -284,6 +285,10 @@ class ExpertParallel:
                              f"(batch → {self.token_axes})")
         self.n_shards = axis_sizes(mesh).get(self.expert_axis, 1)
         self.n_token_shards = math.prod(axis_sizes(mesh)[a] for a in self.token_axes)
+        # whole rows per device (no context axis, no small-batch rule): the MLA flash kernel runs per device on them
+        # (k3jax/sharding/row_split.py; ``placement.kernel_rows`` says when)
+        self.rows = None if context is not None or replicate_tokens or not self.token_axes else \
+            RowSplit(mesh, self.token_axes, mesh_axes_of("heads", rules, mesh))
         self.dropped: list[int] = []
 
     def constrain_tokens(self, x, batch_dim: int = 0):

@@ -185,6 +185,14 @@ def expert_dispatch(strategy: str, mesh, *, batch: int | None = None, **kw):
     return ExpertParallel(mesh, strategy, context=context, **kw)
 
 
+def kernel_rows(strategy: str, mesh, batch: int) -> bool:
+    """Whether a model call on ``mesh`` over ``batch`` rows (no cache) holds whole sequences on each device under a
+    row split its ``expert_dispatch`` carries (``ExpertParallel.rows``: no context axis, the batch divides the token
+    axes, the experts sharded), so the MLA flash kernel can run per device (k3jax/sharding/row_split.py)."""
+    return (not uses_context(strategy, mesh) and bool(mesh_axes_of("experts", strategy, mesh))
+            and bool(token_axes(strategy, mesh)) and batch % token_parallel(strategy, mesh) == 0)
+
+
 def cache_rules(strategy: str, context=None):
     """The rules a cache is placed by: ``strategy``'s, with a ``ContextParallel``'s split of its rows ("batch")
     and positions ("seq") when given."""
@@ -290,5 +298,5 @@ def bytes_per_device(tree) -> int:
 
 
 __all__ = ["batch_sharding", "bytes_per_device", "cache_rules", "cache_shardings", "check_strategy",
-           "default_strategy", "expert_dispatch", "format_mesh", "opt_specs", "parse_mesh", "resolve_mesh",
-           "small_batch", "state_shardings", "token_axes", "token_parallel", "uses_context"]
+           "default_strategy", "expert_dispatch", "format_mesh", "kernel_rows", "opt_specs", "parse_mesh",
+           "resolve_mesh", "small_batch", "state_shardings", "token_axes", "token_parallel", "uses_context"]

@@ -151,7 +151,7 @@ def _prepare(tc: TrainConfig, log) -> _Run:
         ContextParallel(mesh, strategy, batch=tc.batch // tc.micro_batches).check(tc.seq_len, "--seq-len")
     data = tdata.prepare(tc, cfg, n_dev, log)
     dist.agree({"data": _data_identity(data)}, what="data", flag=lambda _: "--data (its contents)")
-    settings = run_settings(tc, cfg, mesh=mesh)
+    settings = run_settings(tc, cfg, mesh=mesh, rows=place.kernel_rows(strategy, mesh, tc.batch // tc.micro_batches))
     return _Run(tc=tc, cfg=cfg, settings=settings, mesh=mesh, strategy=strategy, log=log, data=data,
                 train_toks=data.train_toks, eval_set=data.eval_set, vocab=data.vocab, held_entropy=data.held_entropy,
                 meta={"train": tc.resume_key(), "run": run_record(settings),

@@ -427,13 +427,14 @@ def keeps_packed(tc: TrainConfig, cfg: K3Config) -> bool:
 
 
 def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32", platform: str | None = None,
-                 mesh=None) -> RunConfig:
+                 mesh=None, rows: bool = False) -> RunConfig:
     """Which run settings a training run's model runs with — the one answer for `k3 train` (the loop), `k3 plan`'s
     train programs and `k3 ablate`'s arms: the config's own run settings (``config.default_run``) with the run's
     QAT mode, compute dtype, layer stack, remat policy and LoRA adapters, parameters in ``param_dtype`` (fp32
     master weights; a plan's LoRA base is held in bf16, its adapters are fp32 whatever the base: layers/lora.py),
     and ``--kernels`` for ``platform`` (None: the one being compiled for) over ``mesh`` (a Mesh or its axis sizes;
-    None: one device) — ``config.with_kernels``."""
+    None: one device; ``rows``: its dispatch splits whole sequences by row, ``sharding.placement.kernel_rows``) —
+    ``config.with_kernels``."""
     run = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype=param_dtype,
                       layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
     if platform is None:
@@ -441,7 +442,7 @@ def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32"
         platform = kernel_target()
     sizes = {} if mesh is None else dict(getattr(mesh, "shape", mesh))
     return with_kernels(run, tc.kernels, platform, context=sizes.get("context", 1) > 1,
-                        devices=math.prod(sizes.values()) if sizes else 1)
+                        devices=math.prod(sizes.values()) if sizes else 1, rows=rows)
 
 
 __all__ = ["BALANCE_MODES", "CORPUS_BYTES", "HELDOUT_FRAC", "MUON_LAYOUTS", "OPTIMIZERS", "RESUME_KEYS", "SETTINGS",

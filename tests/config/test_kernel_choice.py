@@ -39,6 +39,10 @@ def test_auto_falls_back_per_op_and_pallas_refuses_naming_the_kernel():
         with_kernels(BASE, "pallas", "tpu", devices=64)
     # under context parallelism both run inside the sequence's shard_map, one call per device
     assert _kernels(with_kernels(BASE, "pallas", "tpu", context=True, devices=64)) == KERNEL_FIELDS["pallas"]
+    # whole sequences per device under a row split (no cache): the MLA flash kernel runs per device; KDA stays XLA
+    run = with_kernels(BASE, "auto", "tpu", devices=64, rows=True)
+    assert (run.kda_impl, run.mla_impl) == ("chunked", "pallas")
+    assert kernel_refusal("mla_impl", "gpu", devices=8, rows=True) is None
     # on a CPU the interpreter's jnp is partitioned like any other op
     assert with_kernels(BASE, "pallas", "cpu", devices=8).mla_impl == "pallas"
     assert kernel_refusal("packed_kernel", "tpu", context=True, devices=512) is None
