@@ -20,7 +20,7 @@ from jax import lax
 
 from k3jax.ops.grouped_matmul import match_varying, varying_struct
 from k3jax.ops.segments import runs
-from pallas_kernels.mla.flash_bwd_kernel import backward_blocks, flash_bwd_pallas, query_block_bounds
+from pallas_kernels.mla.flash_bwd_kernel import backward_blocks, backward_costs, flash_bwd_pallas, query_block_bounds
 from pallas_kernels.mla.flash_kernel import cost, flash_fwd_pallas
 from pallas_kernels.mla.flash_reference import cdiv, flash_backward, key_block_bounds
 from pallas_kernels.mxfp4_matmul.api import interpret_mode
@@ -115,11 +115,14 @@ def _backward_pallas(q, c_kv, k_rope, w_uk, w_uv, run, krun, qoff, o, lse, d_out
     if run is not None:
         runp, krunp = _pad(run, Tp, 1, "edge"), _pad(krun, Sp, 1, "edge")
     ins = (q, c_kv, k_rope, w_uk, w_uv, run, krun, qoff, d_out)
+    off = S - T if cfg.qoff_static is None else cfg.qoff_static                 # charged as _forward's
+    ests = backward_costs(B * causal_pairs(T, S, bq, bk, off), B=B, N=N, T=T, S=S, R=c_kv.shape[2], Hn=Hn, Hr=H - Hn,
+                          V=w_uv.shape[-1], bq=bq, bk=bk, itemsize=jnp.dtype(dt).itemsize, qoff=off)
     dqn, dqr, dwk, dwv, dc, dkr = flash_bwd_pallas(
         qh[..., :Hn], qh[..., Hn:], doh, col(lse), col(delta), _pad(c_kv.astype(dt), Sp, 1),
         _pad(k_rope.astype(dt), Sp, 1), w_uk.astype(dt).transpose(1, 0, 2), w_uv.astype(dt).transpose(1, 0, 2),
         flat, kflat, runp, krunp, scale=cfg.scale, S=S, bq=bq, bk=bk, interpret=cfg.interpret,
-        out_struct=lambda shape, dtype: varying_struct(shape, dtype, *ins))
+        out_struct=lambda shape, dtype: varying_struct(shape, dtype, *ins), cost_estimates=ests)
     dq = jnp.concatenate([dqn, dqr], axis=-1)[:, :, :T].transpose(0, 2, 1, 3)
     # inside shard_map: latent rows / weights shared by the shards' queries sum their cotangents
     return (match_varying(dq, q).astype(q.dtype), match_varying(dc[:, :S], c_kv).astype(c_kv.dtype),

@@ -153,6 +153,36 @@ def backward_blocks(bq: int, bk: int, itemsize: int) -> tuple[int, int]:
     return bq, bk
 
 
+def backward_costs(pairs: int, *, B, N, T, S, R, Hn, Hr, V, bq, bk, itemsize: int, qoff: int) -> tuple:
+    """The ``pl.CostEstimate`` of ``mla_flash_dq`` and of ``mla_flash_dkv`` for ``pairs`` visited (row, query block,
+    key block) triples (per head) at the backward's blocks, counted from each kernel's body and index maps:
+
+    dq, per pair and head: the key block's up-projection (kn, v), the scores, do·vᵀ, the latent sums g += ds·c and
+    u += p·c, dq_rope += ds·k_rope; per (row, query block, head): dq_nope = g·w_uk and the two weight gradients.
+    Bytes: the key block's latent rows re-read per pair and head; q, do, lse and Δ once per (row, query block, head);
+    each head's weights read once and its dw written once (index maps constant across (b, i, j)).
+    dkv, per (row, key block, head): the up-projection once, the fold into dc_kv at its last step; per pair and head:
+    the scores, dv += pᵀ·do, do·vᵀ, dk_nope += dsᵀ·qn, dk_rope += dsᵀ·qr. Bytes: q, do, lse and Δ re-read per pair
+    and head; the latent block read once per (row, key block); the head's weights per (row, key block, head) (the
+    pipeline fetches them for a key block no query sees too); dc_kv and dk_rope written once. The key blocks visited
+    are those up to the last query's position ``qoff`` + T - 1 (as ``pairs``, documents not counted)."""
+    nq, nk = -(-T // bq), -(-S // bk)
+    seen = min(max((T - 1 + qoff) // bk + 1, 0), nk)                         # key blocks some query block visits
+    up = 2 * bk * R * (Hn + V)
+    q_rows = bq * (Hn + Hr + V) * itemsize + 2 * bq * 4                     # qn, qr, do, lse, Δ of one query block
+    dq = pl.CostEstimate(
+        flops=N * (pairs * (up + 2 * bq * bk * (Hn + Hr + V + 2 * R + Hr)) + B * nq * 2 * bq * R * (2 * Hn + V)),
+        transcendentals=N * pairs * bq * bk,
+        bytes_accessed=N * (pairs * bk * (R + Hr) * itemsize + B * nq * (q_rows + bq * (Hn + Hr) * 4)
+                            + R * (Hn + V) * (itemsize + 4)))
+    dkv = pl.CostEstimate(
+        flops=N * (B * seen * 2 * up + pairs * 2 * bq * bk * (Hn + Hr + 2 * V + Hn + Hr)),
+        transcendentals=N * pairs * bq * bk,
+        bytes_accessed=N * (pairs * q_rows + B * nk * R * (Hn + V) * itemsize)
+        + B * nk * bk * (R + Hr) * (itemsize + 4))
+    return dq, dkv
+
+
 def query_block_bounds(bounds, nk: int):
     """[B, nk, 2] int32 from ``key_block_bounds`` [B, nq, 2]: key block j is visited by query blocks i0 ≤ i < i1
     (an interval: lo and hi never decrease with i). i0 = i1 when no query block sees it."""
@@ -166,12 +196,13 @@ def query_block_bounds(bounds, nk: int):
 
 
 def flash_bwd_pallas(qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, bounds, kbounds, run=None, krun=None, *,
-                     scale: float, S: int, bq: int, bk: int, interpret, out_struct=None):
+                     scale: float, S: int, bq: int, bk: int, interpret, out_struct=None, cost_estimates=(None, None)):
     """Raw launch of both kernels. qn [B, N, Tp, Hn], qr [B, N, Tp, Hr], do [B, N, Tp, V] (operand dtype), lse and
     delta [B, N, Tp, 1] fp32, c_kv [B, Sp, R], k_rope [B, Sp, Hr], w_uk [N, R, Hn], w_uv [N, R, V]; bounds: the
     forward's flat (lo, hi) per (row, query block) then the B rows' q offsets; kbounds: flat (i0, i1) per (row,
     key block) then the same B offsets.
-    run [B, Tp] / krun [B, Sp]: document runs or None. Returns fp32 dq_nope [B, N, Tp, Hn], dq_rope [B, N, Tp, Hr],
+    run [B, Tp] / krun [B, Sp]: document runs or None. ``cost_estimates``: the two kernels' (``backward_costs``).
+    Returns fp32 dq_nope [B, N, Tp, Hn], dq_rope [B, N, Tp, Hr],
     dw_uk [N, R, Hn], dw_uv [N, R, V], dc_kv [B, Sp, R], dk_rope [B, Sp, Hr]."""
     from jax.experimental.pallas import tpu as pltpu
 
@@ -186,8 +217,9 @@ def flash_bwd_pallas(qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, bounds, k
     seg_args = [run[..., None], krun[:, None, :]] if segments else []
     args = [qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, *seg_args]
 
-    def params(*sem):
-        return {} if interpret else {"compiler_params": pltpu.CompilerParams(dimension_semantics=sem)}
+    def params(est, *sem):
+        kw = {} if est is None else {"cost_estimate": est}
+        return kw if interpret else kw | {"compiler_params": pltpu.CompilerParams(dimension_semantics=sem)}
 
     # dq: grid (n, b, i, j)
     def key(n, b, i, j, bd):
@@ -208,7 +240,8 @@ def flash_bwd_pallas(qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, bounds, k
             scratch_shapes=[pltpu.VMEM((bq, R), f32), pltpu.VMEM((bq, R), f32), pltpu.VMEM((bq, Hr), f32)]),
         out_shape=[out_struct((B, N, Tp, Hn), f32), out_struct((B, N, Tp, Hr), f32), out_struct((N, R, Hn), f32),
                    out_struct((N, R, V), f32)],
-        interpret=interpret, name="mla_flash_dq", **params("parallel", "arbitrary", "arbitrary", "arbitrary"),
+        interpret=interpret, name="mla_flash_dq",
+        **params(cost_estimates[0], "parallel", "arbitrary", "arbitrary", "arbitrary"),
     )(bounds, *args)
 
     # dkv: grid (b, j, n, i)
@@ -232,9 +265,10 @@ def flash_bwd_pallas(qn, qr, do, lse, delta, c_kv, k_rope, w_uk, w_uv, bounds, k
             scratch_shapes=[pltpu.VMEM((bk, Hn), qn.dtype), pltpu.VMEM((bk, V), qn.dtype), pltpu.VMEM((bk, Hn), f32),
                             pltpu.VMEM((bk, V), f32)]),
         out_shape=[out_struct((B, Sp, R), f32), out_struct((B, Sp, Hr), f32)],
-        interpret=interpret, name="mla_flash_dkv", **params("parallel", "parallel", "arbitrary", "arbitrary"),
+        interpret=interpret, name="mla_flash_dkv",
+        **params(cost_estimates[1], "parallel", "parallel", "arbitrary", "arbitrary"),
     )(kbounds, *args)
     return dqn, dqr, dwk, dwv, dc, dkr
 
 
-__all__ = ["BWD_TILE_BYTES", "backward_blocks", "flash_bwd_pallas", "query_block_bounds"]
+__all__ = ["BWD_TILE_BYTES", "backward_blocks", "backward_costs", "flash_bwd_pallas", "query_block_bounds"]

@@ -16,7 +16,7 @@ from k3jax.ops.segments import runs
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.mla import flash as flash_api
 from pallas_kernels.mla.flash import causal_pairs, mla_flash
-from pallas_kernels.mla.flash_bwd_kernel import BWD_TILE_BYTES, backward_blocks, query_block_bounds
+from pallas_kernels.mla.flash_bwd_kernel import BWD_TILE_BYTES, backward_blocks, backward_costs, query_block_bounds
 from pallas_kernels.mla.flash_kernel import pair_flops
 from pallas_kernels.mla.flash_reference import build_kv, key_block_bounds, mla_attention_dense, pairs_visited
 from pallas_kernels.platform import target_platform
@@ -246,6 +246,46 @@ def test_cost_counts_the_causal_pairs(T, S, bq, bk, off):
     flops = want * pair_flops(bq, bk, **K3)
     if (T, bq) == (2048, 512):  # per head: 4 query blocks x (2, 4, 6, 8) key blocks of 256
         assert want == 20 and flops == 20 * (2 * 256 * 512 * 256 + 2 * 512 * 256 * 320)
+
+
+@pytest.mark.parametrize("T,S,bq,bk,off", [(20, 20, 8, 16, 0), (100, 300, 16, 32, 150), (64, 64, 16, 16, 0),
+                                           (40, 96, 8, 16, 56)])
+def test_backward_costs_count_each_kernels_grid(T, S, bq, bk, off):
+    """``backward_costs`` equals a walk over each backward kernel's grid: per step, the dots its body runs when the
+    step is inside its visible range, and the blocks its index maps fetch when they change (dq: grid (n, b, i, j),
+    key blocks clamped to [lo, hi); dkv: grid (b, j, n, i), query blocks clamped to [i0, i1))."""
+    B, N, R, Hn, Hr, V, it = 2, 3, 16, 8, 4, 8, 2
+    bounds = np.asarray(key_block_bounds(B, T, S, bq, bk, jnp.int32(off)))
+    nq, nk = bounds.shape[1], -(-S // bk)
+    qb = np.asarray(query_block_bounds(jnp.asarray(bounds), nk))
+    up, q_rows = 2 * bk * R * (Hn + V), bq * (Hn + Hr + V) * it + 2 * bq * 4
+    fl = by = 0                                                           # dq
+    for _n in range(N):
+        by += R * (Hn + V) * (it + 4)                                     # the head's weights in, dw out
+        for b in range(B):
+            for i in range(nq):
+                lo, hi = bounds[b, i]
+                by += q_rows + bq * (Hn + Hr) * 4                         # q, do, lse, Δ in; dq out
+                for j in range(nk):
+                    if lo <= j < hi:
+                        fl += up + 2 * bq * bk * (Hn + Hr) + 2 * bq * bk * V + 2 * 2 * bq * bk * R + 2 * bq * bk * Hr
+                        by += bk * (R + Hr) * it
+                fl += 2 * bq * R * Hn * 2 + 2 * bq * R * V
+    fl2 = by2 = 0                                                         # dkv
+    for b in range(B):
+        for j in range(nk):
+            i0, i1 = qb[b, j]
+            by2 += bk * (R + Hr) * (it + 4)                               # latent block in, dc_kv / dk_rope out
+            for _n in range(N):
+                by2 += R * (Hn + V) * it
+                fl2 += 2 * up if i0 < i1 else 0                           # up-projection, then the fold
+                for _i in range(i0, i1):
+                    fl2 += 2 * bq * bk * (2 * Hn + 2 * Hr + 2 * V)
+                    by2 += q_rows
+    pairs = B * causal_pairs(T, S, bq, bk, off)
+    dq, dkv = backward_costs(pairs, B=B, N=N, T=T, S=S, R=R, Hn=Hn, Hr=Hr, V=V, bq=bq, bk=bk, itemsize=it, qoff=off)
+    assert (dq.flops, dq.bytes_accessed) == (fl, by)
+    assert (dkv.flops, dkv.bytes_accessed) == (fl2, by2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
