@@ -46,23 +46,27 @@ from k3jax.ops.mx import BLOCK_SIZE
 SCHEDULES = ("grid", "loop", "tpu")
 
 
-def gmm_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: int, itemsize: int) -> dict:
+def gmm_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: int, itemsize: int,
+             weight_fetches: float | None = None) -> dict:
     """{"flops", "bytes_accessed"} of the forward kernels y [T·bm, N] = x [T·bm, K] @ W_gᵀ (dense: one expert,
-    T = M/bm)."""
+    T = M/bm). ``weight_fetches``: how many times an expert's whole weights are read when they stay resident
+    (``kernel.resident_weights``); None: once per row tile."""
     _check(schedule)
     column_reads = 1 if schedule == "tpu" or (schedule == "grid" and K == bk) else N // bn
     rows = tiles * column_reads * bm * K * itemsize
-    weights = tiles * N * (K // 2 + K // BLOCK_SIZE)
+    weights = (tiles if weight_fetches is None else weight_fetches) * N * (K // 2 + K // BLOCK_SIZE)
     out = tiles * bm * N * (4 if schedule == "grid" else itemsize)
     return {"flops": 2 * tiles * bm * N * K, "bytes_accessed": rows + weights + out}
 
 
-def gmm_t_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: int, itemsize: int) -> dict:
-    """{"flops", "bytes_accessed"} of the transposed kernels dx [T·bm, K] = g [T·bm, N] @ W_g."""
+def gmm_t_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: int, itemsize: int,
+               weight_fetches: float | None = None) -> dict:
+    """{"flops", "bytes_accessed"} of the transposed kernels dx [T·bm, K] = g [T·bm, N] @ W_g; ``weight_fetches`` as
+    ``gmm_cost``'s."""
     _check(schedule)
     reads_of_g = 1 if schedule == "tpu" else K // bk
     rows = tiles * reads_of_g * bm * N * itemsize
-    weights = tiles * N * (K // 2 + K // BLOCK_SIZE)
+    weights = (tiles if weight_fetches is None else weight_fetches) * N * (K // 2 + K // BLOCK_SIZE)
     return {"flops": 2 * tiles * bm * N * K, "bytes_accessed": rows + weights + tiles * bm * K * itemsize}
 
 
@@ -91,21 +95,29 @@ def expected_tiles(rows: float, groups: float, bm: int) -> float:
 
 
 def charged_cost(fn, schedule: str, tiles: int, expected: float | None, bm: int, bn: int, bk: int, N: int, K: int,
-                 itemsize: int, *, static_grid: bool = False) -> dict:
+                 itemsize: int, *, static_grid: bool = False, resident_groups: int | None = None) -> dict:
     """The integer {"flops", "bytes_accessed"} a kernel's estimate carries: ``fn`` (``gmm_cost`` / ``gmm_t_cost``)
     over all ``tiles`` static tiles when ``expected`` is None, else over u = min(expected, tiles - 1) used tiles (the
     last static tile is never used), plus on the TPU schedule what unused tiles cost. The dynamic grid
     (``kernel.visited_tiles``) visits one tile only when none is used (one block of each input, its output written):
     E[bytes] = E[used]·per tile + P(none used)·that visit <= this. The static grid (``static_grid``, the megacore
     one, ``kernel.static_tpu_grid``) visits every unused tile: they fetch one block of each input between them
-    (per core: <= this plus one block per extra core) and each writes its output block, (tiles - u) of them."""
+    (per core: <= this plus one block per extra core) and each writes its output block, (tiles - u) of them.
+    ``resident_groups``: the call's G experts when each stays resident (TPU, ``kernel.resident_weights``): the used
+    tiles come grouped by expert, so an expert's weights are read once per run of its tiles, at most min(G, used
+    tiles) runs, plus one read for the unused tiles' block and (static grid) one where the megacore's second core
+    starts inside a run."""
+    fetch = None
+    if resident_groups is not None:
+        n = tiles if expected is None else min(max(expected, 0.0), tiles - 1)
+        fetch = min(resident_groups, n) + (2 if static_grid else 1)
     if expected is None:
-        c = fn(schedule, tiles, bm, bn, bk, N, K, itemsize)
+        c = fn(schedule, tiles, bm, bn, bk, N, K, itemsize, weight_fetches=fetch)
     else:
         used = min(max(expected, 0.0), tiles - 1)
-        c = fn(schedule, used, bm, bn, bk, N, K, itemsize)
+        c = fn(schedule, used, bm, bn, bk, N, K, itemsize, weight_fetches=fetch)
         if schedule == "tpu":
-            weight_block = bn * bk // 2 + bn * K // BLOCK_SIZE
+            weight_block = 0 if fetch is not None else bn * bk // 2 + bn * K // BLOCK_SIZE
             rows_in, rows_out = (bm * bn, bm * K) if fn is gmm_t_cost else (bm * K, bm * N)
             writes = tiles - used if static_grid else 1
             extra = weight_block + (rows_in + writes * rows_out) * itemsize

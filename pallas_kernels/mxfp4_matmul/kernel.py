@@ -80,11 +80,13 @@ class BlockSizes:
 
 
 def estimate(fn, schedule: str, rows: int, bs: BlockSizes, N: int, K: int, itemsize: int,
-              expected_tiles: float | None = None, static_grid: bool = False) -> pl.CostEstimate:
+              expected_tiles: float | None = None, static_grid: bool = False,
+              groups: int | None = None) -> pl.CostEstimate:
     """The ``pl.CostEstimate`` of one call (cost.py): ``rows`` = T·bm padded rows (the static grid), charged as
-    ``cost.charged_cost`` says: every tile, or ``expected_tiles`` of them (the caller's routing expectation)."""
+    ``cost.charged_cost`` says: every tile, or ``expected_tiles`` of them (the caller's routing expectation).
+    ``groups``: the experts of a call whose weights stay resident (``resident_weights``), None: blocked."""
     c = cost.charged_cost(fn, schedule, rows // bs.block_m, expected_tiles, bs.block_m, bs.block_n, bs.block_k, N, K,
-                          itemsize, static_grid=static_grid)
+                          itemsize, static_grid=static_grid, resident_groups=groups)
     return pl.CostEstimate(flops=c["flops"], transcendentals=0, bytes_accessed=c["bytes_accessed"])
 
 
@@ -281,9 +283,58 @@ def tpu_grid(tile_group, groups: int, static_grid: bool | None, transposed: bool
     return T, TPU_SEMANTICS["static_t" if transposed else "static"], True
 
 
-def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, acc_ref, *, bk: int, nk: int):
-    k = pl.program_id(2)
+# Resident expert weights (``resident_weights``): a tile's whole packed expert [N, K/2] (and its scales [N, K/32]) is
+# one block, indexed by the expert alone, so consecutive row tiles of one expert fetch it once between them and the
+# kernel slices its (j, k) sub-block in VMEM. Blocked, a [bn, bk/2] weight block changes every grid step and each row
+# tile re-reads its expert's weights whole: T·N·K/2 bytes against G·N·K/2 (training: T = 335 row tiles over G = 14
+# experts per call at K3's v5p-512 frozen step, where weights were ~60% of the kernels' HBM bytes; experiments/LOG.md).
+# Only the static grid (row tiles dominate: training, prefill) keeps them: on the dynamic grid (decode) a used tile
+# reads its expert's weights once either way, and the visit it makes when no tile is used would fetch a whole expert
+# instead of one block. An expert fits when its packed bytes are at most ``RESIDENT_EXPERT_BYTES``; the call then
+# asks Mosaic for ``RESIDENT_VMEM_LIMIT`` of scoped VMEM (default 16 MiB on v5p; the block is double-buffered; v5p
+# has 64 MiB of VMEM per core, v6e 128 MiB: jax._src.tpu_info).
+RESIDENT_EXPERT_BYTES = 8 * 1024 * 1024
+RESIDENT_VMEM_LIMIT = 48 * 1024 * 1024
+
+
+def resident_weights(N: int, half: int, static: bool, resident: bool | None = None) -> bool:
+    """Whether a TPU call on the static grid or not (``static``) keeps each expert's packed weights [N, K/2 = half]
+    resident (the comment above); ``resident``: force it (tests), None: on the static grid when they fit."""
+    return static and N * half <= RESIDENT_EXPERT_BYTES if resident is None else resident
+
+
+def weight_specs(bn: int, bk: int, N: int, half: int, scale_cols: int, groups_of_scale: int, resident: bool, order):
+    """(packed, scale) BlockSpecs of a TPU call whose grid step (t, a, b, tg) maps to weight block (expert, middle =
+    the N block, k) through ``order(a, b) -> (middle, k)``: blocked [bn, bk/2] / [bn, K/32], or resident [N, K/2] /
+    [N, K/32] at (expert, 0, 0)."""
+    def blocks(t, a, b, tg):
+        return tile_blocks(t, *order(a, b), tg)
+
+    if resident:
+        return (pl.BlockSpec((None, N, half), lambda t, a, b, tg: (blocks(t, a, b, tg)[0], 0, 0)),
+                pl.BlockSpec((None, N, scale_cols),
+                             lambda t, a, b, tg: (scale_block(blocks(t, a, b, tg), groups_of_scale)[0], 0, 0)))
+    return (pl.BlockSpec((None, bn, bk // 2), blocks),
+            pl.BlockSpec((None, bn, scale_cols),        # whole K/32: see the module docstring
+                         lambda t, a, b, tg: scale_block(blocks(t, a, b, tg), groups_of_scale)))
+
+
+def weight_rows(mid, bn: int, resident: bool):
+    """The rows of the weight / scale block a step reads: the N block ``mid`` of a resident expert, or all of a
+    blocked one."""
+    return pl.ds(pl.multiple_of(mid * bn, bn), bn) if resident else slice(None)
+
+
+def tpu_params(semantics, resident: bool):
+    return pltpu.CompilerParams(dimension_semantics=semantics,
+                                **({"vmem_limit_bytes": RESIDENT_VMEM_LIMIT} if resident else {}))
+
+
+def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, acc_ref, *, bn: int, bk: int,
+                nk: int, resident: bool):
+    j, k = pl.program_id(1), pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
+    rows = weight_rows(j, bn, resident)
 
     @pl.when(k == 0)
     def _init():
@@ -291,12 +342,13 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
 
     @pl.when(used & (k == 0))
     def _expand():
-        scale_ref[...] = expand_scale_by_dot(s_ref[...])
+        scale_ref[...] = expand_scale_by_dot(s_ref[rows, :])
 
     @pl.when(used)
     def _compute():
         kh = k_lanes(k, bk, nk)
-        acc_ref[...] += _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[...], scale_ref[:, kh])
+        acc_ref[...] += _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[rows, kh if resident else slice(None)],
+                                      scale_ref[:, kh])
 
     @pl.when(k == nk - 1)
     def _write():  # after the last k step's _compute (the pl.when blocks run in program order)
@@ -305,7 +357,7 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
 
 def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool,
                   expected_tiles: float | None = None, static_grid: bool | None = None,
-                  groups: int | None = None) -> jax.Array:
+                  groups: int | None = None, resident: bool | None = None) -> jax.Array:
     """Grouped kernel, TPU schedule (also the dense kernel on TPU: one expert, every tile used).
 
     Args as ``mxfp4_gmm_loop``; used tiles must come first (as ``api.group_tile_metadata`` lays them out). Needs
@@ -317,6 +369,8 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
     scratch; returns [T*bm, N] in x's dtype. ``expected_tiles``: the used tiles the cost estimate charges (None:
     all T; ``cost.charged_cost``). ``groups``: the experts of one layer when ``packed`` / ``scale`` are a stack of
     layers flattened to [L·G, ...] (``api.layer_groups``; the grid's choice counts one layer's), None: G.
+    ``resident``: keep each expert's weights resident in VMEM (``resident_weights``; None: on the static grid when
+    they fit).
     """
     Mp, half = xe.shape
     G, N, _ = packed.shape
@@ -325,15 +379,10 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
     nj, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, False, interpret)
     T = Mp // bm if static else None  # row_tile
+    res = resident_weights(N, half, static, resident)
 
     def x_map(t, j, k, tg):  # a row tile's whole K/2: resident across j and k, fetched once per tile
         return row_tile(t, tg, T), 0
-
-    def w_map(t, j, k, tg):
-        return tile_blocks(t, j, k, tg)
-
-    def s_map(t, j, k, tg):
-        return scale_block(tile_blocks(t, j, k, tg), scale.shape[0])
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -341,18 +390,18 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
         in_specs=[
             pl.BlockSpec((bm, half), x_map),
             pl.BlockSpec((bm, half), x_map),
-            pl.BlockSpec((None, bn, bk // 2), w_map),
-            pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32: see the module docstring
+            *weight_specs(bn, bk, N, half, scale.shape[-1], scale.shape[0], res, lambda j, k: (j, k)),
         ],
         out_specs=pl.BlockSpec((bm, bn), lambda t, j, k, tg: (t, j)),
         scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, bn), jnp.float32)],
     )
     return pl.pallas_call(
-        functools.partial(_tpu_kernel, bk=bk, nk=nk),
+        functools.partial(_tpu_kernel, bn=bn, bk=bk, nk=nk, resident=res),
         out_shape=varying_struct((Mp, N), xe.dtype, tile_group, xe, xo, packed, scale),
         grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        cost_estimate=estimate(cost.gmm_cost, "tpu", Mp, bs, N, 2 * half, xe.dtype.itemsize, expected_tiles, static),
+        compiler_params=tpu_params(semantics, res),
+        cost_estimate=estimate(cost.gmm_cost, "tpu", Mp, bs, N, 2 * half, xe.dtype.itemsize, expected_tiles, static,
+                               groups=G if res else None),
         interpret=interpret,
         name="mxfp4_gmm_tpu_fwd",
     )(tile_group.astype(jnp.int32), xe, xo, packed, scale)

@@ -24,10 +24,13 @@ from pallas_kernels.mxfp4_matmul.kernel import (
     expand_scale,
     expand_scale_by_dot,
     k_lanes,
+    resident_weights,
     row_tile,
-    scale_block,
     tile_blocks,
     tpu_grid,
+    tpu_params,
+    weight_rows,
+    weight_specs,
 )
 
 
@@ -93,10 +96,11 @@ def mxfp4_gmm_t_loop(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     )(tile_group, g, packed, scale)
 
 
-def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, ae_ref, ao_ref, *, bk: int,
-                  nn: int, nk: int):
+def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref, ae_ref, ao_ref, *, bn: int,
+                  bk: int, nn: int, nk: int, resident: bool):
     n, k = pl.program_id(1), pl.program_id(2)
     used = tile_group_ref[pl.program_id(0)] >= 0
+    rows = weight_rows(n, bn, resident)
 
     @pl.when((n == 0) & (k == 0))
     def _init():
@@ -105,12 +109,12 @@ def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref
 
     @pl.when(used & (k == 0))
     def _expand():
-        scale_ref[...] = expand_scale_by_dot(s_ref[...])
+        scale_ref[...] = expand_scale_by_dot(s_ref[rows, :])
 
     @pl.when(used)
     def _compute():
         kh = k_lanes(k, bk, nk)
-        pe, po = _tile_product_t(g_ref[...], p_ref[...], scale_ref[:, kh])
+        pe, po = _tile_product_t(g_ref[...], p_ref[rows, kh if resident else slice(None)], scale_ref[:, kh])
         ae_ref[:, kh] += pe
         ao_ref[:, kh] += po
 
@@ -122,7 +126,7 @@ def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref
 
 def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
                     expected_tiles: float | None = None, static_grid: bool | None = None,
-                    groups: int | None = None) -> tuple[jax.Array, jax.Array]:
+                    groups: int | None = None, resident: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
 
     The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
@@ -132,7 +136,8 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     Mosaic constraint). The two grids as there (``static_grid``): the dynamic one visits the used tiles only and
     leaves the other rows unwritten, the static one splits the tiles over a megacore's two cores (N and K are
     reductions here: "arbitrary") and writes zeros for unused tiles. Args and returns as ``mxfp4_gmm_t_loop``; used
-    tiles must come first. ``groups``: as ``kernel.mxfp4_gmm_tpu``'s (a flattened stack of layers).
+    tiles must come first. ``groups``, ``resident``: as ``kernel.mxfp4_gmm_tpu``'s (a flattened stack of layers;
+    each expert's weights resident in VMEM, sliced per (n, k) step).
     """
     Mp, N = g.shape
     G, _, half = packed.shape
@@ -141,15 +146,10 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     nn, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, True, interpret)
     T = Mp // bm if static else None  # row_tile
+    res = resident_weights(N, half, static, resident)
 
     def g_map(t, n, k, tg):
         return row_tile(t, tg, T), tile_blocks(t, n, k, tg)[1]
-
-    def w_map(t, n, k, tg):
-        return tile_blocks(t, n, k, tg)
-
-    def s_map(t, n, k, tg):
-        return scale_block(tile_blocks(t, n, k, tg), scale.shape[0])
 
     out_block = pl.BlockSpec((bm, half), lambda t, n, k, tg: (t, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -157,8 +157,7 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
         grid=(extent, nn, nk),
         in_specs=[
             pl.BlockSpec((bm, bn), g_map),
-            pl.BlockSpec((None, bn, bk // 2), w_map),
-            pl.BlockSpec((None, bn, scale.shape[-1]), s_map),  # whole K/32, as in mxfp4_gmm_tpu
+            *weight_specs(bn, bk, N, half, scale.shape[-1], scale.shape[0], res, lambda n, k: (n, k)),
         ],
         out_specs=(out_block, out_block),
         scratch_shapes=[pltpu.VMEM((bn, half), jnp.float32), pltpu.VMEM((bm, half), jnp.float32),
@@ -166,11 +165,12 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     )
     out = varying_struct((Mp, half), g.dtype, tile_group, g, packed, scale)
     return pl.pallas_call(
-        functools.partial(_tpu_t_kernel, bk=bk, nn=nn, nk=nk),
+        functools.partial(_tpu_t_kernel, bn=bn, bk=bk, nn=nn, nk=nk, resident=res),
         out_shape=(out, out),
         grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        cost_estimate=estimate(cost.gmm_t_cost, "tpu", Mp, bs, N, 2 * half, g.dtype.itemsize, expected_tiles, static),
+        compiler_params=tpu_params(semantics, res),
+        cost_estimate=estimate(cost.gmm_t_cost, "tpu", Mp, bs, N, 2 * half, g.dtype.itemsize, expected_tiles, static,
+                               groups=G if res else None),
         interpret=interpret,
         name="mxfp4_gmm_tpu_bwd_x",
     )(tile_group.astype(jnp.int32), g, packed, scale)

@@ -91,6 +91,38 @@ def test_static_grid_charge_is_the_grids_traffic(transposed):
     assert got["flops"] == 2 * used * bm * N * K
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "transposed"])
+def test_resident_weights_charge_is_the_grids_traffic(transposed):
+    """Resident expert weights on the static grid at w1's shapes (tiles of experts 0, 0, 1, 1, 1, 2, then two
+    unused): the weight and scale blocks are indexed by the expert alone, so a run of one expert's tiles fetches them
+    once, and the unused tiles' (expert 0) once more. charged_cost(resident_groups=3, static_grid=True) declares that
+    traffic plus one more expert's weights (where the megacore's second core starts inside a run; this walk is one
+    core's order), and the weights' share falls from once per tile to once per expert."""
+    (N, K), (bm, bn, bk) = SHAPES["w13"], BLOCKS
+    tg = [0, 0, 1, 1, 1, 2, -1, -1]
+    tiles, used, isz = len(tg), 6, 2
+    on = lambda t: tg[t] >= 0  # noqa: E731
+    row = lambda t: t if on(t) else tiles - 1  # noqa: E731
+    expert = lambda t, *_: ("w", max(tg[t], 0))  # noqa: E731   kernel.tile_blocks: an unused tile names expert 0
+    grid = (tiles, N // bn, K // bk)
+    weights = [(N * K // 2, expert), (N * K // 32, lambda t, *_: ("s",) + expert(t)[1:])]
+    if transposed:
+        operands = [(bm * bn * isz, lambda t, n, k: (row(t), n if on(t) else 0)), *weights]
+        outputs = [(bm * K // 2 * isz, lambda t, n, k: ("dxe", t)), (bm * K // 2 * isz, lambda t, n, k: ("dxo", t))]
+    else:
+        operands = [(bm * K // 2 * isz, lambda t, j, k: ("xe", row(t))),
+                    (bm * K // 2 * isz, lambda t, j, k: ("xo", row(t))), *weights]
+        outputs = [(bm * bn * isz, lambda t, j, k: (t, j))]
+    fn = cost.gmm_t_cost if transposed else cost.gmm_cost
+    walked = _walk(grid, operands, outputs)
+    got = cost.charged_cost(fn, "tpu", tiles, used, bm, bn, bk, N, K, isz, static_grid=True, resident_groups=3)
+    assert got["bytes_accessed"] == walked + N * (K // 2 + K // 32)
+    blocked = cost.charged_cost(fn, "tpu", tiles, used, bm, bn, bk, N, K, isz, static_grid=True)
+    assert blocked["bytes_accessed"] - got["bytes_accessed"] == \
+        (used - 3 - 2) * N * (K // 2 + K // 32) + bn * bk // 2 + bn * K // 32    # and no unused-tile weight block
+    assert got["flops"] == blocked["flops"] == 2 * used * bm * N * K
+
+
 @pytest.mark.parametrize("K", [512, 2048], ids=["one-k-step", "four-k-steps"])
 def test_grid_schedule_rereads_rows_per_column_tile_unless_one_k_step(K):
     """The dense grid schedule (row blocks (bm, bk/2) at (i, k)): rows fetched once per column tile, except with a

@@ -181,7 +181,9 @@ def test_unselected_experts_and_unused_tiles_are_skipped(platform):
 def test_static_and_dynamic_tpu_grids_agree():
     """The TPU kernels' two grids (kernel.static_tpu_grid): the static (megacore) one over all T tiles and the
     dynamic one over the used tiles give the used tiles' rows bit for bit, forward and transposed (two N and two K
-    steps, an empty expert, unused tail tiles); the static grid writes zeros for unused tiles."""
+    steps, an empty expert, unused tail tiles); the static grid writes zeros for unused tiles. Each grid with the
+    experts' weights resident in VMEM (one block per expert, sliced per step: ``kernel.resident_weights``) and
+    blocked: the same bits."""
     from pallas_kernels.mxfp4_matmul import kernel, kernel_t
 
     rng = np.random.default_rng(7)  # NumPy inputs: no eager jax op to compile (the test's budget is the kernels)
@@ -196,13 +198,21 @@ def test_static_and_dynamic_tpu_grids_agree():
     def run(xe, xo, g):
         return [jax.tree.leaves((kernel.mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs, **kw),
                                  kernel_t.mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs, **kw)))
-                for kw in ({"interpret": True, "static_grid": True}, {"interpret": True, "static_grid": False})]
+                for kw in ({"interpret": True, "static_grid": True, "resident": True},
+                           {"interpret": True, "static_grid": False, "resident": False},
+                           {"interpret": True, "static_grid": True, "resident": False},
+                           {"interpret": True, "static_grid": False, "resident": True})]
 
-    static, dynamic = run(xe, xo, g)  # y, dx even, dx odd
+    static, dynamic, *others = run(xe, xo, g)  # y, dx even, dx odd
     for s, d in zip(static, dynamic, strict=True):
         np.testing.assert_array_equal(np.asarray(s)[used], np.asarray(d)[used])
         np.testing.assert_array_equal(np.asarray(s)[~used], 0.0)
         assert np.abs(np.asarray(s)[used]).sum() > 0
+    for other in others:
+        for s, o in zip(static, other, strict=True):
+            np.testing.assert_array_equal(np.asarray(s)[used], np.asarray(o)[used])
+    assert kernel.resident_weights(64, 32, True) and not kernel.resident_weights(64, 32, False)
+    assert not kernel.resident_weights(3584, 4096, True)      # 14 MiB of packed bytes: blocked
 
 
 def test_the_tpu_grid_follows_rows_per_expert():
