@@ -298,8 +298,9 @@ RESIDENT_VMEM_LIMIT = 48 * 1024 * 1024
 
 
 def resident_weights(N: int, half: int, static: bool, resident: bool | None = None) -> bool:
-    """Whether a TPU call on the static grid or not (``static``) keeps each expert's packed weights [N, K/2 = half]
-    resident (the comment above); ``resident``: force it (tests), None: on the static grid when they fit."""
+    """Whether a TPU call whose shapes ask for the static grid or not (``static``: ``static_tpu_grid``, or the
+    caller's ``static_grid``) keeps each expert's packed weights [N, K/2 = half] resident (the comment above);
+    ``resident``: force it (tests), None: on the static grid when they fit."""
     return static and N * half <= RESIDENT_EXPERT_BYTES if resident is None else resident
 
 
@@ -379,7 +380,9 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
     nj, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, False, interpret)
     T = Mp // bm if static else None  # row_tile
-    res = resident_weights(N, half, static, resident)
+    # the grid the shapes ask for (the TPU interpreter inside shard_map runs a decode call on the static grid too)
+    res = resident_weights(N, half, static_tpu_grid(tile_group.shape[0], G) if static_grid is None else static_grid,
+                           resident)
 
     def x_map(t, j, k, tg):  # a row tile's whole K/2: resident across j and k, fetched once per tile
         return row_tile(t, tg, T), 0

@@ -26,6 +26,7 @@ from pallas_kernels.mxfp4_matmul.kernel import (
     k_lanes,
     resident_weights,
     row_tile,
+    static_tpu_grid,
     tile_blocks,
     tpu_grid,
     tpu_params,
@@ -146,7 +147,9 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     nn, nk = N // bn, 2 * half // bk
     extent, semantics, static = tpu_grid(tile_group, G, static_grid, True, interpret)
     T = Mp // bm if static else None  # row_tile
-    res = resident_weights(N, half, static, resident)
+    # the grid the shapes ask for (the TPU interpreter inside shard_map runs a decode call on the static grid too)
+    res = resident_weights(N, half, static_tpu_grid(tile_group.shape[0], G) if static_grid is None else static_grid,
+                           resident)
 
     def g_map(t, n, k, tg):
         return row_tile(t, tg, T), tile_blocks(t, n, k, tg)[1]
