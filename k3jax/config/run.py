@@ -129,6 +129,15 @@ def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: i
     return None
 
 
+def _lora_refusal(fld: str, run: RunConfig) -> str | None:
+    """Why the MLA kernel cannot serve a run whose LoRA dropout acts on the attention adapters: it takes W_UK / W_UV
+    merged with their adapter (``layers.lora.merged``), which leaves no adapter input to drop."""
+    lora = run.lora
+    if fld == "mla_impl" and lora is not None and lora.dropout > 0 and "attn" in lora.targets:
+        return "it takes kv_b merged with its LoRA adapter, and LoRA dropout acts on the attention adapters"
+    return None
+
+
 def kernel_choice(kernels: str, platform: str) -> str:
     """"pallas" or "xla": what ``kernels`` (``KERNELS``) prefers on ``platform`` ('cpu', 'gpu' or 'tpu', the platform
     being run or compiled for): auto is Pallas on a GPU or TPU and XLA on a CPU; pallas on a CPU runs the kernels in
@@ -154,7 +163,7 @@ def with_kernels(run: RunConfig, kernels: str, platform: str, *, context: bool =
     if choice == "pallas":
         for fld in fields:
             why = None if fld in given else \
-                kernel_refusal(fld, platform, context=context, devices=devices, rows=rows)
+                kernel_refusal(fld, platform, context=context, devices=devices, rows=rows) or _lora_refusal(fld, run)
             if why and kernels == "pallas":
                 raise InputError(f"--kernels pallas: the {_KERNEL_NAMES[fld]} kernel cannot run here: {why}; "
                                  f"use --kernels auto or xla")

@@ -5,6 +5,7 @@ silent fallback), and the fields left out of an ablation arm's settings at their
 import pytest
 
 from k3jax.config import KERNELS, RunConfig, with_kernels
+from k3jax.config.lora import LoRAConfig
 from k3jax.config.run import KERNEL_FIELDS, LATER_RUN_FIELDS, kernel_refusal
 from k3jax.errors import InputError
 
@@ -43,6 +44,14 @@ def test_auto_falls_back_per_op_and_pallas_refuses_naming_the_kernel():
     run = with_kernels(BASE, "auto", "tpu", devices=64, rows=True)
     assert (run.kda_impl, run.mla_impl) == ("chunked", "pallas")
     assert kernel_refusal("mla_impl", "gpu", devices=8, rows=True) is None
+    # LoRA dropout on the attention adapters: the MLA kernel takes kv_b merged, so auto keeps MLA on XLA
+    drop = BASE.replace(lora=LoRAConfig(dropout=0.1))
+    assert with_kernels(drop, "auto", "tpu", devices=64, rows=True).mla_impl == "xla"
+    assert with_kernels(drop, "auto", "gpu").mla_impl == "xla"
+    assert with_kernels(BASE.replace(lora=LoRAConfig(dropout=0.1, targets=("experts",))), "auto", "gpu").mla_impl == \
+        "pallas"
+    with pytest.raises(InputError, match="MLA latent-attention kernel cannot run here: it takes kv_b merged"):
+        with_kernels(drop, "pallas", "gpu")
     # on a CPU the interpreter's jnp is partitioned like any other op
     assert with_kernels(BASE, "pallas", "cpu", devices=8).mla_impl == "pallas"
     assert kernel_refusal("packed_kernel", "tpu", context=True, devices=512) is None
