@@ -1,6 +1,6 @@
-"""The smallest slice for K3: prefill 8K, decode (B = 1 at 8K; B = 64 at 128K) and frozen-experts
-fine-tune plans of kimi-k3 over v5p-{64, 128, 256, 512} and v6e-{64, 128, 256}, each through the deviceless TPU
-compiler (`k3 plan --compile --json`), one libtpu process at a time.
+"""The smallest slice for K3: prefill 8K, decode (B = 1 at 8K; B = 64 at 128K) and the fine-tuning plans
+(frozen-experts, QAT ``train``, QLoRA ``lora``) of kimi-k3 over v5p-{64, 128, 256, 512} and v6e-{64, 128, 256},
+each through the deviceless TPU compiler (`k3 plan --compile --json`), one libtpu process at a time.
 
     .venv/bin/python experiments/slice_table.py                       # run what is missing, then print the table
     .venv/bin/python experiments/slice_table.py --only decode1 --slices v5p-64
@@ -19,8 +19,9 @@ Meshes (documented in the LOG beside the table):
   tensor; routed experts over expert x tensor), tensor 8 past 256 chips (expert 64); on v6e (32 GB): tensor 8 x
   expert N/8. Decode B = 64 needs the token axes (expert) to divide 64 or exceed it (the small-batch rule then
   replicates the rows and the cache).
-- frozen-experts: fsdp N/64 x expert 64 (``zero3_ep_tp``; on 64 chips expert 64 alone, ``ep``), 4,096 tokens per
-  chip on v5p and 1,024 on v6e (the LOG's earlier plans), one sequence per chip.
+- frozen-experts, train, lora: fsdp N/64 x expert 64 (``zero3_ep_tp``; on 64 chips expert 64 alone, ``ep``),
+  4,096 tokens per chip on v5p and 1,024 on v6e (the LOG's earlier plans), one sequence per chip; remat by the
+  plan's default (auto: the first policy that fits).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "experiments" / "runs" / "slices"
 SLICES = {"v5p-64": "v5p:4x4x4", "v5p-128": "v5p:4x4x8", "v5p-256": "v5p:4x8x8", "v5p-512": "v5p:8x8x8",
           "v6e-64": "v6e:8x8", "v6e-128": "v6e:8x16", "v6e-256": "v6e:16x16"}
-PLANS = ("prefill8k", "decode1", "decode64", "frozen")
+PLANS = ("prefill8k", "decode1", "decode64", "frozen", "train", "lora")
+TRAIN_MODES = {"frozen": "frozen-experts", "train": "train", "lora": "lora"}
 
 
 def _serving_mesh(chip: str, n: int) -> tuple[int, int]:
@@ -50,9 +52,9 @@ def plan_argv(plan: str, slice_name: str, serving_mesh: str = "planner") -> list
     chip, n = slice_name.split("-")
     n = int(n)
     argv = ["--preset", "kimi-k3", "--compile", "--target", f"tpu:{SLICES[slice_name]}", "--json"]
-    if plan == "frozen":
+    if plan in TRAIN_MODES:
         mesh = "expert=64" if n == 64 else f"fsdp={n // 64},expert=64"
-        return argv + ["--mesh", mesh, "--mode", "frozen-experts", "--batch", str(n),
+        return argv + ["--mesh", mesh, "--mode", TRAIN_MODES[plan], "--batch", str(n),
                        "--seq-len", "4096" if chip == "v5p" else "1024"]
     tensor, expert = _serving_mesh(chip, n)
     if serving_mesh == "fixed":
