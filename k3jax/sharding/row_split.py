@@ -43,9 +43,10 @@ class RowSplit:
         self.head_axes = tuple(a for a in head_axes if sizes.get(a, 1) > 1)
 
     def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None):
-        """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=])`` → (o, max_logit) run per device on its rows (e.g. ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv
-        [B, T, R], k_rope [B, T, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None. Returns (o
-        [B, T, N, V], max logit [B, N]), split like q."""
+        """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=])`` → (o, max_logit) run per device on its rows (e.g.
+        ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, T, R], k_rope
+        [B, T, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None. Returns (o [B, T, N, V], max logit
+        [B, N]), split like q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         docs = segment_ids is not None
 

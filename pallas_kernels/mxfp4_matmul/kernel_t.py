@@ -131,14 +131,15 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     """Transposed grouped kernel, TPU schedule: grid (tiles, N/bn, K/bk), both reductions' axes sequential.
 
     The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
-    fp32 VMEM scratch from the tile's first step and written in g's dtype at its last), so each weight block
-    [bn, bk/2] is fetched once per row tile (resident: each expert once per run of its tiles), the cotangent block
-    [bm, bn] once per (tile, n), and the scale block (bn, K/32) once per (tile, n) and spread into the fp32 scratch
-    at k == 0 as in ``mxfp4_gmm_tpu`` (the same Mosaic constraint). The two grids as there (``static_grid``): the dynamic one visits the used tiles only and
-    leaves the other rows unwritten, the static one splits the tiles over a megacore's two cores (N and K are
-    reductions here: "arbitrary") and writes zeros for unused tiles. Args and returns as ``mxfp4_gmm_t_loop``; used
-    tiles must come first. ``groups``, ``resident``: as ``kernel.mxfp4_gmm_tpu``'s (a flattened stack of layers;
-    each expert's weights resident in VMEM, sliced per (n, k) step).
+    fp32 VMEM scratch from the tile's first step and written in g's dtype at its last), so each weight block [bn,
+    bk/2] is fetched once per row tile (resident: each expert once per run of its tiles), the cotangent block [bm,
+    bn] once per (tile, n), and the scale block (bn, K/32) once per (tile, n) and spread into the fp32 scratch at k
+    == 0 as in ``mxfp4_gmm_tpu`` (the same Mosaic constraint). The two grids as there (``static_grid``): the dynamic
+    one visits the used tiles only and leaves the other rows unwritten, the static one splits the tiles over a
+    megacore's two cores (N and K are reductions here: "arbitrary") and writes zeros for unused tiles. Args and
+    returns as ``mxfp4_gmm_t_loop``; used tiles must come first. ``groups``, ``resident``: as
+    ``kernel.mxfp4_gmm_tpu``'s (a flattened stack of layers; each expert's weights resident in VMEM, sliced per (n,
+    k) step).
     """
     Mp, N = g.shape
     G, _, half = packed.shape
