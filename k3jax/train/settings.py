@@ -433,8 +433,7 @@ def run_settings(tc: TrainConfig, cfg: K3Config, *, param_dtype: str = "float32"
     QAT mode, compute dtype, layer stack, remat policy and LoRA adapters, parameters in ``param_dtype`` (fp32
     master weights; a plan's LoRA base is held in bf16, its adapters are fp32 whatever the base: layers/lora.py),
     and ``--kernels`` for ``platform`` (None: the one being compiled for) over ``mesh`` (a Mesh or its axis sizes;
-    None: one device; ``rows``: its dispatch splits whole sequences by row, ``sharding.placement.kernel_rows``) —
-    ``config.with_kernels``."""
+    None: one device; ``rows``: whole sequences split by row, ``placement.kernel_rows``) — ``config.with_kernels``."""
     run = default_run(cfg, qat=tc.qat, compute_dtype=tc.compute_dtype, param_dtype=param_dtype,
                       layer_stack=tc.layer_stack, remat=tc.remat, lora=tc.lora)
     if platform is None:

@@ -13,6 +13,7 @@ from k3jax.config import DTYPES, KERNELS, LAYER_STACKS, QAT_MODES, REMAT_POLICIE
 from k3jax.optim import balance, dist_muon, optimizer
 from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.spec import PLAN_REMAT_AUTO, TRAIN_MODES, PlanSpec, run_settings, train_config, with_defaults
+from k3jax.sharding import placement as place
 from k3jax.sharding import rules
 from k3jax.train import settings as ts
 from k3jax.train.settings import TrainConfig
@@ -106,8 +107,10 @@ def test_plan_train_programs_run_k3_trains_settings(mode):
     tc = train_config(spec)
     lora = mode == "lora"
     sizes = dict(fsdp=2, expert=2)          # the plan's --kernels on its (TPU) target, over its mesh
+    rows = place.kernel_rows(spec.strategy, sizes, spec.batch)   # whole sequences per device: the MLA kernel
+    assert rows and run_settings(cfg, spec).mla_impl == "pallas"
     assert run_settings(cfg, spec) == ts.run_settings(tc, cfg, param_dtype="bfloat16" if lora else "float32",
-                                                      platform=spec.platform, mesh=sizes)
+                                                      platform=spec.platform, mesh=sizes, rows=rows)
     assert ts.optim_config(tc) == OptimConfig(total_steps=1000, state_dtype=spec.opt_state_dtype,
                                               muon_layout=spec.muon_layout, mode="adamw" if lora else "per_head")
     assert ts.step_spec(tc) == (StepSpec(balance="off", qk_clip=False) if lora else StepSpec())
