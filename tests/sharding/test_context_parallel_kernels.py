@@ -1,8 +1,9 @@
 """Context parallelism with the Pallas kernels (k3jax/sharding/context_parallel.py) on simulated CPU devices: the
 chunked-KDA kernel as each shard's core (vs the XLA chunked core, same split), and MLA flash attention per shard over
 the gathered latent, contiguous and mirror-balanced (vs one device's attention over the built keys), forward and
-gradients, with packed documents. The kernels run in the TPU interpreter (``pltpu.InterpretParams``): the one that
-keeps the varying mesh axes inside ``shard_map``."""
+gradients, with packed documents; and the flash kernel per device under a row split (no context axis,
+k3jax/sharding/row_split.py). The kernels run in the TPU interpreter (``pltpu.InterpretParams``): the one that keeps
+the varying mesh axes inside ``shard_map``."""
 
 import functools
 import math
@@ -17,6 +18,7 @@ from k3jax.ops import kda as kda_ops
 from k3jax.ops.attention import causal_attention
 from k3jax.sharding.context_parallel import ContextParallel, causal_block_pairs
 from k3jax.sharding.mesh import make_mesh
+from k3jax.sharding.row_split import RowSplit
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.kda import kda_chunk
 from pallas_kernels.mla.flash import causal_pairs, mla_flash
@@ -169,6 +171,25 @@ def test_latent_flash_split_with_an_xla_flash(n, balance, T, grads):
     as the per-shard flash: 4 shards balanced with odd halves (5 tokens per shard: 2 kept, 3 swapped), contiguous,
     and 2 shards."""
     _latent_flash(n, _attention, balance, 2, T, docs=True, grads=grads)
+
+
+@pytest.mark.parametrize("axes,rows,heads", [({"data": 2}, ("data",), ()), ({"tensor": 2}, (), ("tensor",))],
+                         ids=["rows", "heads"])
+def test_latent_flash_per_device_under_a_row_split(axes, rows, heads):
+    """Without a context axis (whole sequences per device, k3jax/sharding/row_split.py): the Pallas flash kernel (TPU
+    schedule and Pallas backward, in the TPU interpreter) per device on its rows or its heads, with packed documents,
+    20 tokens in blocks of 8: one device's output, max logit and the gradients of all five inputs (the weights' summed
+    over the rows by shard_map)."""
+    B, T = 2, 20
+    args, ct = _mla_inputs(B, T)
+    seg = _docs(B, T)
+    mesh = make_mesh(axes)
+    flash = functools.partial(mla_flash, scale=SCALE, block_q=8, block_k=8, platform="tpu",
+                              interpret=pltpu.InterpretParams())
+    want = _grads(lambda *a: _attention(*a, segment_ids=seg), args, ct)
+    with jax.set_mesh(mesh):
+        got = _grads(lambda *a: RowSplit(mesh, rows, heads).latent_flash(flash, *a, segment_ids=seg), args, ct)
+    _close(got, want, ("q", "c_kv", "k_rope", "w_uk", "w_uv"))
 
 
 def test_causal_block_pairs_count_the_kernels_pairs_and_balance():
