@@ -30,7 +30,7 @@ LOGICAL_AXES = (
     "experts",  # routed experts
     "expert_mlp",  # routed expert hidden f
     "latent",  # LatentMoE latent width
-    "norm",  # norm gains and 1-D vectors that are never sharded
+    "norm",  # norm gains and 1-D vectors that are never sharded (the QB router bias [E] too)
     "layers",  # the stacked axis of the repeating layer group (k3jax/model/layout.py)
     "lora_rank",  # a LoRA adapter's rank r (k3jax/layers/lora.py): never sharded
 )

@@ -21,14 +21,15 @@ class AttnResQuery(nnx.Module):
         self.gain = param(jnp.ones((d,), dtype), ("norm",))
         self.query = param(jnp.zeros((d,), dtype), ("norm",))
 
-    def __call__(self, sources, eps: float):
-        """AttnRes mix of ``sources`` (a list of [..., D] arrays) → [..., D] in at-least-fp32."""
-        return attn_res(sources, self.query[...], self.gain[...], eps)
+    def __call__(self, sources, eps: float, with_ms: bool = False):
+        """AttnRes mix of ``sources`` (a list of [..., D] arrays) → [..., D] in at-least-fp32 (``with_ms``: and its
+        mean square [..., 1], ``ops.attn_res``)."""
+        return attn_res(sources, self.query[...], self.gain[...], eps, with_ms=with_ms)
 
-    def masked(self, blocks, count, part, eps: float):
+    def masked(self, blocks, count, part, eps: float, with_ms: bool = False):
         """The mix of ``blocks[:count] + [part]`` for a block buffer [NB, ..., D] and a traced ``count`` (the
         scanned stack, ``ops.attn_res.attn_res_masked``)."""
-        return attn_res_masked(blocks, count, part, self.query[...], self.gain[...], eps)
+        return attn_res_masked(blocks, count, part, self.query[...], self.gain[...], eps, with_ms=with_ms)
 
 
 __all__ = ["AttnResQuery"]

@@ -64,7 +64,9 @@ class MoE(nnx.Module):
         E, F = num_experts, expert_hidden
         P = latent if latent is not None else d
         self.router = param(normal(rngs, (d, E), dtype), ("embed", "experts"))
-        self.bias = param(jnp.zeros((E,), acc_dtype(dtype)), ("experts",))
+        # the QB bias is read whole by every device's top-k and updated replicated (k3jax/sharding/qb.py): split over
+        # experts, the scores it is added to were split too and gathered again at every layer
+        self.bias = param(jnp.zeros((E,), acc_dtype(dtype)), ("norm",))
         self.experts = Experts(num_experts=E, width=P, hidden=F, width_axis="latent" if latent else "embed",
                                dtype=dtype, rngs=rngs)
         if num_shared:

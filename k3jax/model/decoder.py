@@ -69,7 +69,7 @@ class DecoderLayer(nnx.Module):
             self.mlp = GLU(d=d, hidden=cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, carry, l, mixer, cfg: K3Config, run: RunConfig, dispatch, pin=unpinned,
-                 dropout: LoraDropout | None = None):
+                 dropout: LoraDropout | None = None, mix_gram: bool = False):
         """Layer l on the residual carry (``residual.Stream`` / ``Blocks`` / ``Buffer``; l traced for a ``Buffer``)
         → (the new carry, (token mixer aux, FFN aux)). Pre-norm sublayers: the token mixer reads the carry's mix
         through ``attn_res`` (AttnRes commits its block at l mod S = 0 first), the FFN through ``mlp_res``, and each
@@ -79,16 +79,19 @@ class DecoderLayer(nnx.Module):
         the caller; the layer is handed back because under remat it is this one merged inside the checkpoint.
         ``dispatch``: the FFN's (``ffn``). ``pin``: constrains stream arrays to the token sharding. ``dropout``: the
         forward's LoRA dropout (training), folded with l here and in scope around the mixer and the FFN, so that
-        every layer's adapters draw their own masks (k3jax/layers/lora.py); None: none."""
+        every layer's adapters draw their own masks (k3jax/layers/lora.py); None: none. ``mix_gram``: each norm
+        takes its mean square from the AttnRes mix before it (the Gram form, ``k3jax.ops.attn_res``; short pieces)."""
         eps, size, cdt = cfg.rms_norm_eps, cfg.attn_res_block_size, jnp.dtype(run.compute_dtype)
         drop = None if dropout is None else dropout.fold(l)
-        x, carry, mark = carry.enter(getattr(self, "attn_res", None), l, size, eps, pin)
+        x, carry, mark = carry.enter(getattr(self, "attn_res", None), l, size, eps, pin, with_ms=mix_gram)
+        x, ms = x if mix_gram else (x, None)
         with dropout_scope(drop):
-            a, ax = mixer(self, rms_norm(x, self.input_norm[...], eps, out_dtype=cdt))
+            a, ax = mixer(self, rms_norm(x, self.input_norm[...], eps, out_dtype=cdt, ms=ms))
         carry = carry.add(a, pin)
-        x = carry.ffn_input(getattr(self, "mlp_res", None), mark, eps)
+        x = carry.ffn_input(getattr(self, "mlp_res", None), mark, eps, with_ms=mix_gram)
+        x, ms = x if mix_gram else (x, None)
         with dropout_scope(drop):
-            f, fx = self.ffn(rms_norm(x, self.post_norm[...], eps, out_dtype=cdt), cfg, run, dispatch)
+            f, fx = self.ffn(rms_norm(x, self.post_norm[...], eps, out_dtype=cdt, ms=ms), cfg, run, dispatch)
         return carry.add(f, pin), (ax, fx)
 
     def add_lora(self, lora: LoRAConfig, rngs: nnx.Rngs) -> None:

@@ -49,6 +49,9 @@ def rows_of(dispatch):
 
 # The leaves stacked over the groups, sliced per group: Params, and routed experts held packed (frozen, not Params).
 STACKED = (nnx.Param, PackedExperts)
+# ``extend`` pieces of at most this many positions per row take the norms' mean squares off the AttnRes mixes: a
+# decode step (1) and a speculative verify (the draft's tokens + 1, at most 8: the latent-decode kernel's query limit)
+GRAM_POSITIONS = 8
 
 
 def remat_policy(remat: str):
@@ -77,11 +80,12 @@ def stream_value(carry):
     return sum(carry.blocks, carry.part)
 
 
-def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin, dropout=None):
+def _layer_step(mixer, cfg: K3Config, run: RunConfig, dispatch, pin, dropout=None, mix_gram: bool = False):
     """``step(layer, carry, l)``: ``DecoderLayer.__call__`` with ``mixer(l, layer, x)`` bound to l, the unit that
-    ``K3Model._checkpointed`` wraps; ``dropout``: the forward's ``LoraDropout`` (the layer folds in l) or None."""
+    ``K3Model._checkpointed`` wraps; ``dropout``: the forward's ``LoraDropout`` (the layer folds in l) or None;
+    ``mix_gram``: the norms read their mean square off the AttnRes mixes (``DecoderLayer.__call__``)."""
     def step(layer, carry, l):
-        return layer(carry, l, partial(mixer, l), cfg, run, dispatch, pin, dropout=dropout)
+        return layer(carry, l, partial(mixer, l), cfg, run, dispatch, pin, dropout=dropout, mix_gram=mix_gram)
     return step
 
 
@@ -176,7 +180,7 @@ class K3Model(nnx.Module):
                           taps=tuple(taps), dropout=lora_dropout(self.run, dropout_key))
 
     def _walk(self, tokens, mixer, dispatch, *, scan: bool = False, remat: str = "none", side: dict | None = None,
-              taps: tuple = (), dropout: LoraDropout | None = None):
+              taps: tuple = (), dropout: LoraDropout | None = None, mix_gram: bool = False):
         """The layer stack on tokens [B, T]: each layer is ``DecoderLayer.__call__`` on the residual carry
         (k3jax/model/residual.py) with ``mixer(l, layer, normed x) → (y, aux)`` bound to its index (with ``scan``, l
         is traced inside the repeating group: the mixer must not index by it).
@@ -202,7 +206,8 @@ class K3Model(nnx.Module):
         residual stream [B, T, D] and the AttnRes block sums to its token sharding at every layer boundary.
 
         ``dropout``: a training forward's ``LoraDropout`` (``lora_dropout``), handed to every layer, unrolled or
-        scanned; each folds in its index (``DecoderLayer.__call__``).
+        scanned; each folds in its index (``DecoderLayer.__call__``). ``mix_gram``: every layer's norms take their
+        mean square from the AttnRes mix before them (``k3jax.ops.attn_res``; ``extend`` sets it for short pieces).
 
         ``taps`` (layer indices): the stream's value after each of these layers (``stream_value``) is put in
         ``aux["taps"]`` [B, T, len(taps), D], in the order given (in the scanned group a tap is a select into a
@@ -218,7 +223,7 @@ class K3Model(nnx.Module):
         h = pin(self.embed[...][tokens].astype(acc_dtype(jnp.dtype(run.compute_dtype))))
         carry = Blocks(h) if cfg.uses_attn_res else Stream(h)
 
-        step = _layer_step(mixer, cfg, run, dispatch, pin, dropout)
+        step = _layer_step(mixer, cfg, run, dispatch, pin, dropout, mix_gram)
 
         tapped = {}
 
@@ -234,7 +239,8 @@ class K3Model(nnx.Module):
             carry = unrolled(self.layers(), carry)
         else:
             carry = unrolled(zip(lay.pre, self.pre, strict=True), carry)
-            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side, taps, tapped, dropout)
+            carry, per_layer = self._scan_groups(carry, mixer, dispatch, remat, pin, side, taps, tapped, dropout,
+                                                 mix_gram)
             _collect(aux, *per_layer)
             carry = unrolled(zip(lay.post, self.post, strict=True), carry)
         if taps:
@@ -278,7 +284,8 @@ class K3Model(nnx.Module):
         return wrapped
 
     def _scan_groups(self, carry, mixer, dispatch, remat: str = "none", pin=unpinned, side: dict | None = None,
-                     taps: tuple = (), tapped: dict | None = None, dropout: LoraDropout | None = None):
+                     taps: tuple = (), tapped: dict | None = None, dropout: LoraDropout | None = None,
+                     mix_gram: bool = False):
         """The repeating group as one lax.scan (see ``_walk``) on the carry of the layers before it → (the carry
         after it, in the same form, and the per-layer aux dicts in layer order); with ``side``, the scan carries
         ``side["groups"]`` and leaves its final value there. ``taps`` inside the group are carried in a buffer
@@ -311,7 +318,7 @@ class K3Model(nnx.Module):
             outs = []
             for j, layer in enumerate(grp.layers):
                 step = _layer_step(mixer if sides is None else _on_slot(mixer, sides, j, g), cfg, self.run,
-                                   dispatch, pin, dropout)    # the layer folds its traced index into the key
+                                   dispatch, pin, dropout, mix_gram)   # the layer folds its traced index into the key
                 step = self._checkpointed(step, "full") if per_layer else step
                 core, ax_fx = step(layer, core, lay.start + g * lay.period + j)
                 outs.append(ax_fx)
@@ -378,7 +385,13 @@ class K3Model(nnx.Module):
 
         ``taps`` (layer indices, e.g. a draft model's): one more value at the end, the residual-stream value after
         each tapped layer at every position of the piece, [B, T, len(taps), D] in the stream's dtype
-        (``stream_value``; all T positions also with ``last_only``)."""
+        (``stream_value``; all T positions also with ``last_only``).
+
+        A piece of at most ``GRAM_POSITIONS`` positions (a decode step, a speculative verify) takes each norm's mean
+        square from the AttnRes mix before it (``k3jax.ops.attn_res``, ``with_ms``): the same value in exact
+        arithmetic, one all-reduce fewer per norm where the width is split (the ``serve`` layout); a longer piece
+        (prefill) mixes as the forward does, where the Gram matrix's N² products per position would cost more than
+        the reduction they save."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, T] integer ids, got shape {tokens.shape}")
         T = tokens.shape[1]
@@ -396,7 +409,8 @@ class K3Model(nnx.Module):
             return y, {}
 
         side = None if group_caches is None else {"groups": tuple(group_caches)}
-        h, aux = self._walk(tokens, mixer, dispatch, scan=side is not None, side=side, taps=tuple(taps))
+        h, aux = self._walk(tokens, mixer, dispatch, scan=side is not None, side=side, taps=tuple(taps),
+                            mix_gram=T <= GRAM_POSITIONS)
         if last_only:
             h = jnp.take_along_axis(h, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
         out = (self._logits(h), new) if side is None else (self._logits(h), new, side["groups"])
@@ -413,4 +427,4 @@ class K3Model(nnx.Module):
         return (logits, aux) if return_aux else logits
 
 
-__all__ = ["K3Model", "lora_dropout"]
+__all__ = ["GRAM_POSITIONS", "K3Model", "lora_dropout"]

@@ -13,7 +13,9 @@ commit and a mark of where the layer stands), ``add`` (a sublayer's output into 
 FFN's input, given the mark: the buffer form reads the blocks ``enter`` found plus the commit). Sums stay in the
 stream's at-least-fp32 dtype; ``pin(x, batch_dim)`` constrains a stream array to the token sharding (``_walk`` in
 network.py). The list and the buffer form mix the same sources (``ops.attn_res``: ``attn_res`` vs
-``attn_res_masked``).
+``attn_res_masked``). With ``with_ms`` the two readers return (x, its mean square [..., 1] or None), the mean square
+from the mix's Gram matrix where x is an AttnRes mix (``ops.attn_res``), None where x is a stream value (the norm then
+takes its own).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ class Stream(NamedTuple):
 
     h: jax.Array
 
-    def enter(self, query, l, size, eps: float, pin=unpinned):
-        return self.h, self, None
+    def enter(self, query, l, size, eps: float, pin=unpinned, with_ms: bool = False):
+        return ((self.h, None) if with_ms else self.h), self, None
 
     def add(self, y, pin=unpinned) -> Stream:
         return Stream(pin(self.h + y.astype(self.h.dtype)))
 
-    def ffn_input(self, query, mark, eps: float):
-        return self.h
+    def ffn_input(self, query, mark, eps: float, with_ms: bool = False):
+        return (self.h, None) if with_ms else self.h
 
 
 class Blocks(NamedTuple):
@@ -51,8 +53,11 @@ class Blocks(NamedTuple):
     part: jax.Array | None
     blocks: tuple = ()
 
-    def enter(self, query, l: int, size: int, eps: float, pin=unpinned):
-        h = self.part if not self.blocks else query([*self.blocks, self.part], eps)
+    def enter(self, query, l: int, size: int, eps: float, pin=unpinned, with_ms: bool = False):
+        if not self.blocks:
+            h = (self.part, None) if with_ms else self.part
+        else:
+            h = query([*self.blocks, self.part], eps, with_ms)
         if l % size == 0:
             return h, Blocks(None, (*self.blocks, self.part)), None
         return h, self, None
@@ -62,8 +67,8 @@ class Blocks(NamedTuple):
             return Blocks(pin(y.astype(self.blocks[-1].dtype)), self.blocks)
         return Blocks(pin(self.part + y.astype(self.part.dtype)), self.blocks)
 
-    def ffn_input(self, query, mark, eps: float):
-        return query([*self.blocks, self.part], eps)
+    def ffn_input(self, query, mark, eps: float, with_ms: bool = False):
+        return query([*self.blocks, self.part], eps, with_ms)
 
     def buffered(self, n: int, pin=unpinned) -> Buffer:
         """The buffer form with room for ``n`` committed blocks (the commits of the whole stack)."""
@@ -80,9 +85,9 @@ class Buffer(NamedTuple):
     part: jax.Array
     buf: jax.Array
 
-    def enter(self, query, l, size: int, eps: float, pin=unpinned):
+    def enter(self, query, l, size: int, eps: float, pin=unpinned, with_ms: bool = False):
         nb = (l + size - 1) // size                       # blocks committed before layer l
-        h = query.masked(self.buf, nb, self.part, eps)
+        h = query.masked(self.buf, nb, self.part, eps, with_ms)
         commit = l % size == 0
         # a commit writes slot nb; otherwise slot nb gets its own value back: one slot of traffic, where a select
         # between the updated and the old buffer read and wrote all NB of them at every layer (the frozen-experts
@@ -96,9 +101,9 @@ class Buffer(NamedTuple):
     def add(self, y, pin=unpinned) -> Buffer:
         return Buffer(pin(self.part + y.astype(self.part.dtype)), self.buf)
 
-    def ffn_input(self, query, mark, eps: float):
+    def ffn_input(self, query, mark, eps: float, with_ms: bool = False):
         nb, commit = mark                                 # layer l's commit included
-        return query.masked(self.buf, nb + commit, self.part, eps)
+        return query.masked(self.buf, nb + commit, self.part, eps, with_ms)
 
     def listed(self, n: int) -> Blocks:
         """The list form of the first ``n`` committed blocks."""

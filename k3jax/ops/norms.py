@@ -11,9 +11,11 @@ def acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def rms_norm(x, w, eps: float, *, out_dtype=None):
-    """w ⊙ x · (mean_i x_i² + eps)^(-1/2) over the last axis; returns ``out_dtype`` (default x.dtype)."""
+def rms_norm(x, w, eps: float, *, out_dtype=None, ms=None):
+    """w ⊙ x · (mean_i x_i² + eps)^(-1/2) over the last axis; returns ``out_dtype`` (default x.dtype). ``ms``
+    [..., 1]: that mean square when the caller has it already (an AttnRes mix's, ``attn_res(with_ms=True)``)."""
     acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    ms = jnp.mean(xf * xf, axis=-1, keepdims=True) if ms is None else ms.astype(acc)
+    y = xf * lax.rsqrt(ms + eps)
     return (y * w.astype(acc)).astype(out_dtype or x.dtype)

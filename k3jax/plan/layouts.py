@@ -34,6 +34,7 @@ from dataclasses import replace
 
 from k3jax.config import K3Config
 from k3jax.errors import InputError
+from k3jax.model.network import GRAM_POSITIONS
 from k3jax.plan.estimate import estimate_arguments
 from k3jax.plan.floor import bytes_floor
 from k3jax.plan.hardware import CHIPS, Target, axis_links, collective_hops, collective_latency_s, topology_dims
@@ -67,14 +68,19 @@ def candidate_meshes(devices: int) -> list[tuple[str, str, str]]:
 
 def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> list[tuple[str, tuple, float]]:
     """[(kind, mesh axes, bytes per device)] of the activation collectives of one step, every layer's, at the
-    mode's local tokens (the small-batch rule: every row). Each carries one residual-width activation
-    [tokens, d] in BF16 (the projections' partial sums are of that order; at decode the latency dominates):
-      attention  the input projections' partial sums over the width's axes (when ``embed`` is split); the output
-                 projection's over the heads' and the width's axes
-      FFN        the same over the hidden's (``mlp``) and the width's axes (dense layer and shared experts)
-      MoE        LatentMoE down / up: their partial sums over the width's axes, one each (when split); the routed
-                 experts: the small-batch rule's one psum over the experts' and their hidden's axes, else the
-                 dispatch and combine all-to-alls over the expert axis (A latent rows per token)."""
+    mode's local tokens (the small-batch rule: every row), as XLA combines them. Each carries one residual-width
+    activation [tokens, d] in BF16 (the partial sums are of that order or smaller; at decode the latency dominates):
+      norms      with the width split (``embed``), each sublayer's input reduces over it: the AttnRes mix's logits,
+                 then the norm's sum of squares over the mix — one all-reduce for both in a piece of at most
+                 ``GRAM_POSITIONS`` positions, whose norms read the mix's Gram matrix (``k3jax.ops.attn_res``) —
+                 or, without AttnRes, the norm's own
+      attention  the input projections' partial sums over the width's axes; the output projection's over the
+                 heads' axes (its output keeps the width split)
+      FFN        the input projections' over the width's axes — at a MoE layer one all-reduce with the router's and
+                 the LatentMoE down projection's (they contract the same input); the output projection's over the
+                 hidden's (``mlp``) axes. LatentMoE up maps the routed sum onto the width split locally.
+      MoE        the small-batch rule's one psum over the experts' and their hidden's axes, else the dispatch and
+                 combine all-to-alls over the expert axis (A latent rows per token)."""
     spec = with_defaults(spec)[0]
     ax = lambda name: mesh_axes_of(name, strategy, sizes)  # noqa: E731
     emb, heads, mlp, experts, emlp = ax("embed"), ax("heads"), ax("mlp"), ax("experts"), ax("expert_mlp")
@@ -83,20 +89,18 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
     tokens = rows * spec.seq_len
     act = tokens * cfg.hidden_size * ACTIVATION_BYTES
     union = lambda *a: tuple(dict.fromkeys(x for t in a for x in t))  # noqa: E731
+    norms = 2 if cfg.uses_attn_res and spec.seq_len > GRAM_POSITIONS else 1   # reductions before a projection
     out = []
     for layer in range(cfg.num_layers):
-        if emb:
-            out.append(("all-reduce", emb, act))
-        if heads or emb:
-            out.append(("all-reduce", union(heads, emb), act))
-        if emb:
-            out.append(("all-reduce", emb, act))
-        if mlp or emb:
-            out.append(("all-reduce", union(mlp, emb), act))
-        if not cfg.is_moe(layer):
+        moe = cfg.is_moe(layer)
+        if emb:                                           # per sublayer: its mix and norm, its input projections
+            out += [("all-reduce", emb, act)] * (2 * (norms + 1))
+        if heads:
+            out.append(("all-reduce", heads, act))
+        if mlp and (not moe or cfg.num_shared_experts):
+            out.append(("all-reduce", mlp, act))
+        if not moe:
             continue
-        if emb and cfg.is_latent_moe:
-            out += [("all-reduce", emb, act), ("all-reduce", emb, act)]
         if small and (experts or emlp):
             out.append(("all-reduce", union(experts, emlp), act))
         elif experts:

@@ -274,9 +274,8 @@ class ExpertParallel:
                 raise ValueError("replicate_tokens (the small-batch rule) and context parallelism exclude each "
                                  "other: under context parallelism the sequence takes the token axes")
             self.token_axes = context.row_axes
-        # the axes the rules split a float expert stack's width P over (its "latent" — or, for the standard MoE,
-        # "embed": every column maps the two alike — less the expert and tensor axes): the stacks enter the
-        # shard_map split as stored and are all-gathered inside (``_gather_width``)
+        # the axes the rules split a float expert stack's width P over ("latent" — "embed" for the standard MoE: alike
+        # less the expert and tensor axes): the stacks enter the shard_map split, all-gathered inside (_gather_width)
         self.width_axes = tuple(a for a in mesh_axes_of("latent", rules, mesh)
                                 if a != self.expert_axis and a not in self.tensor_axes)
         if self.expert_axis in axis_sizes(mesh) and axis_sizes(mesh)[self.expert_axis] > 1 \
@@ -306,8 +305,10 @@ class ExpertParallel:
         own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner may instead
         move the tokens onto the weight's D split and make every device's partial scores for all tokens of the
         mesh: ``f32[2097152, 896]``, 7.5 GB per MoE layer and chip in XLA:CPU's plan of the v5p-512 step on cpu:512
-        (experiments/LOG.md, 2026-12-02)."""
-        return jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(self.mesh, P()))
+        (LOG, 2026-12-02). Under the small-batch rule (all rows on every device) ``w`` stays as stored: with D split
+        (``serve``) its partial scores' all-reduce joins LatentMoE down's; pinned, it was gathered (LOG, 2026-12-07)."""
+        return w if self.replicate_tokens else \
+            jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(self.mesh, P()))
 
     def _record(self, n):
         self.dropped.append(int(n))

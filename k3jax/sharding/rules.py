@@ -74,7 +74,7 @@ _TABLE = {
     "mlp":        (None,  None,             None,     _T,       _T,         _T,          _T),
     "experts":    (None,  None,             _E,       _E,       _E,         _E,          _E),
     "expert_mlp": (None,  None,             None,     _T,       _T,         _T,          _T),
-    "latent":     (None,  "fsdp",           None,     None,     "fsdp",     _Z3,         _E),
+    "latent":     (None,  "fsdp",           None,     None,     "fsdp",     _Z3,         None),
     "norm":       (None,  None,             None,     None,     None,       None,        None),
     "layers":     (None,  None,             None,     None,     None,       None,        None),
     "lora_rank":  (None,  None,             None,     None,     None,       None,        None),
@@ -86,9 +86,12 @@ _TABLE = {
 #   all chips through their width instead: embed → expert (7168 splits 2 .. 1024 ways), so wq [embed, heads, h] is
 #   [expert, tensor, -]. At decode the activations are [B, d]: per layer the projections' partial sums are
 #   all-reduced over expert and the output projection's over tensor x expert — O(1) collectives per block.
-# - latent → expert, as embed (ExpertParallel reads the float stacks' width split from "latent": both map alike):
-#   the LatentMoE down [embed, latent] and up [latent, embed] split 16 ways on tensor 4 x expert 16 (their first
-#   dimension takes expert, the other has nothing left: tensor is not theirs).
+# - latent replicated: the LatentMoE down [embed, latent] and up [latent, embed] both split by their embed over
+#   expert, so down's partial sums meet in the all-reduce of the router's and the shared experts' (one per MoE layer
+#   at decode) and up maps the routed sum, whole on every chip after the experts' psum, straight onto the stream's
+#   width split with no collective. With latent → expert, up took expert by its latent (the first dimension wins)
+#   and its output was all-reduced over expert at every layer (experiments/LOG.md, 2026-12-07). The routed stacks'
+#   latent lost the contested expert axis to "experts" either way (ExpertParallel's width split of them is empty).
 # - q_lora, kv_lora replicated: q_b [q_lora, heads, h] and kv_b [kv_lora, heads, h] are split over tensor by their
 #   heads, and q_a / kv_a over expert by their embed; splitting the low ranks as well would add an all-reduce per
 #   MLA layer to save ~14 MB of reads per MLA layer and chip. kv_lora also places the latent cache's last dimension

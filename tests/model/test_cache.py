@@ -173,3 +173,33 @@ def test_bad_requests_name_the_value(bad, match):
     toks = np.ones((2, 8), np.int32)
     with pytest.raises(C.CacheError, match=match):
         bad(ctx, toks)
+
+
+def test_short_pieces_take_the_norms_mean_square_from_the_mix(monkeypatch):
+    """A decode step (a piece of at most ``GRAM_POSITIONS`` positions) takes each norm's mean square from the AttnRes
+    mix's Gram matrix (one all-reduce fewer per norm where the width is split): the logits and the cache equal the
+    plain form's within fp32 rounding. Every layer's mixes ran the Gram form (layer 0's token mixer reads the
+    embedding, no mix); the output mix before the final norm runs the plain one."""
+    from functools import partial
+
+    from k3jax.model import network
+    from k3jax.ops import attn_res as ar
+
+    cfg, run, params = _setup("k3-tiny")
+    toks = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
+    cache = C.init_cache(cfg, 2, 16, run)
+    _, cache = C.prefill(params, toks[:, :10], np.array([10, 7]), cache, cfg, run)
+    seen = []
+    monkeypatch.setattr(ar, "_mixed", lambda z, v, gram, with_ms, f=ar._mixed: seen.append(with_ms) or
+                        f(z, v, gram, with_ms))
+    step = lambda: jax.jit(partial(C.advance, cfg=cfg, run=run, absorbed=True, last_only=True))  # noqa: E731
+    args = (params, jnp.asarray(toks[:, 10:11]), jnp.array([1, 1], jnp.int32), cache)
+    gram_logits, gram_cache = step()(*args)
+    assert seen[:-1] == [True] * (2 * cfg.num_layers - 1) and seen[-1] is False   # the output mix: plain
+    monkeypatch.setattr(network, "GRAM_POSITIONS", 0)
+    seen.clear()
+    logits, new_cache = step()(*args)              # a new trace: jit caches by the function
+    assert seen and not any(seen)
+    assert_close(gram_logits, logits, TOL["fp32_shallow"], name="logits")
+    for a, b in zip(jax.tree.leaves(gram_cache), jax.tree.leaves(new_cache), strict=True):
+        assert_close(a, b, TOL["fp32_shallow"], atol_floor=1e-30, name="cache")

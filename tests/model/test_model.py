@@ -87,9 +87,9 @@ def _record_attn_res(monkeypatch):
     counts = []
     real = ar_block.attn_res
 
-    def spy(srcs, q, g, eps):
+    def spy(srcs, q, g, eps, **kw):
         counts.append(len(srcs))
-        return real(srcs, q, g, eps)
+        return real(srcs, q, g, eps, **kw)
 
     monkeypatch.setattr(ar_block, "attn_res", spy)
     return counts

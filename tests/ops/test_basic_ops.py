@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.activations import situ, situ_glu, swiglu
-from k3jax.ops.attn_res import attn_res
+from k3jax.ops.attn_res import attn_res, attn_res_masked
 from k3jax.ops.norms import rms_norm
 from k3jax.reference import model as ref
 from k3jax.testing import TOL, assert_close
@@ -73,3 +73,35 @@ def test_attn_res_zero_query_is_uniform_mean():
 def test_attn_res_single_source_is_identity():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)), jnp.float32)
     np.testing.assert_array_equal(attn_res([x], jnp.ones(8), jnp.ones(8), 1e-5), x)
+
+
+@pytest.mark.parametrize("n_src", [1, 2, 9])
+def test_attn_res_mean_square_from_the_gram_matrix(n_src, x64):
+    """``with_ms``: the mix the plain form gives, and its mean square over D (α^T G α / D) against the float64
+    reference's mix squared; the norm that takes it equals the norm of the mix, forward and gradients; the masked
+    (scanned) form with empty slots agrees."""
+    rng = np.random.default_rng(10 + n_src)
+    srcs = [rng.normal(size=(2, 5, 32)) * (i + 1) for i in range(n_src)]
+    q, g, w = rng.normal(size=32), 1 + 0.1 * rng.normal(size=32), rng.normal(size=32)
+    want = np.stack([ref.attn_res([s[b] for s in srcs], q, g, 1e-5) for b in range(2)])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    h, ms = attn_res([f32(s) for s in srcs], f32(q), f32(g), 1e-5, with_ms=True)
+    np.testing.assert_array_equal(h, attn_res([f32(s) for s in srcs], f32(q), f32(g), 1e-5))
+    assert ms.shape == (2, 5, 1)
+    assert_close(ms, np.mean(want**2, axis=-1, keepdims=True), TOL["fp32_shallow"])
+    assert_close(rms_norm(h, f32(w), 1e-5, ms=ms), ref.rms_norm(want, w, 1e-5), TOL["fp32_shallow"])
+
+    def normed(vs, gram):
+        out = attn_res(vs, f32(q), f32(g), 1e-5, with_ms=gram)
+        h, ms = out if gram else (out, None)
+        return jnp.sum(jnp.sin(rms_norm(h, f32(w), 1e-5, ms=ms)))
+    grads = [jax.grad(normed)([f32(s) for s in srcs], gram) for gram in (False, True)]
+    for a, b in zip(*grads, strict=True):
+        assert_close(b, a, TOL["fp32_grad"])
+    # the buffer form: n_src slots, the first n_src - 1 committed, the last one empty (zeros)
+    blocks = jnp.zeros((n_src, 2, 5, 32), jnp.float32)
+    for i, s in enumerate(srcs[:-1]):
+        blocks = blocks.at[i].set(f32(s))
+    hm, msm = attn_res_masked(blocks, n_src - 1, f32(srcs[-1]), f32(q), f32(g), 1e-5, with_ms=True)
+    assert_close(hm, want, TOL["attn_res"])
+    assert_close(msm, ms, TOL["fp32_shallow"])

@@ -82,8 +82,8 @@ def test_lora_spec_over_the_plan_defaults():
 
 def test_estimate_by_hand_for_kimi_k3():
     """The closed form at full size, against a count by hand: under ep over 64 devices every tensor with an experts
-    dimension (the routed experts, the router [D, E] and its bias [E], 92 MoE layers) splits 64 ways and everything
-    else is replicated; train keeps fp32 master + Muon momentum (AdamW: two moments)."""
+    dimension (the routed experts and the router [D, E], 92 MoE layers) splits 64 ways and everything else —
+    the router's QB bias [E] too — is replicated; train keeps fp32 master + Muon momentum (AdamW: two moments)."""
     cfg = get_preset("kimi-k3")
     spec = plan_spec.PlanSpec(mode="train", mesh="expert=64", batch=64, seq_len=4096, opt_state_dtype="float32")
     sizes, strategy = plan_spec.check(cfg, hardware.parse_target("cpu:64"), spec)
@@ -91,7 +91,7 @@ def test_estimate_by_hand_for_kimi_k3():
     n_total = 2_779_484_476_000  # docs/checkpoint.md §12.1, the k3jax tree (A_log unpadded)
     moe_layers = cfg.num_layers - cfg.first_k_dense_replace
     n_experts = moe_layers * cfg.num_experts * (3 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size
-                                                + cfg.hidden_size + 1)
+                                                + cfg.hidden_size)
     per_device = n_total - n_experts + n_experts / 64
     assert est["weights"] == pytest.approx(4 * per_device, rel=1e-9)
     assert 8 * per_device <= est["weights"] + est["optimizer"] <= 12 * per_device
