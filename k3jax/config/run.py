@@ -115,13 +115,13 @@ _KERNEL_NAMES = {"kda_impl": "KDA chunk", "mla_impl": "MLA latent-attention", "p
 def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: int = 1,
                    rows: bool = False) -> str | None:
     """Why the Pallas kernel behind run field ``fld`` cannot run for a command on ``platform`` over ``devices``
-    devices (``context``: the mesh splits sequences; ``rows``: the command only runs whole sequences, no cache, and
-    its dispatch splits them by row, ``sharding.placement.kernel_rows``), or None. Without a context axis the KDA and
+    devices (``context``: the mesh splits sequences; ``rows``: the command runs whole sequences, its dispatch splits
+    them — and any cache — by row, ``sharding.placement.kernel_rows``), or None. Without a context axis the KDA and
     MLA kernels are called outside ``shard_map``, and a Mosaic or Triton call is not partitioned by the compiler: on
     a GPU or TPU they run on one device (on a CPU the interpreter's jnp is partitioned like any other). Under context
     parallelism they run inside the sequence's ``shard_map``, one call per device
-    (k3jax/sharding/context_parallel.py); under a row split the MLA flash kernel runs inside one over the rows
-    (k3jax/sharding/row_split.py); the packed-expert kernel inside expert parallelism's."""
+    (k3jax/sharding/context_parallel.py); under a row split the MLA kernels (flash, and decode on a cache) run
+    inside one over the rows (k3jax/sharding/row_split.py); the packed-expert kernel inside expert parallelism's."""
     if fld == "mla_impl" and rows:
         return None
     if fld in ("kda_impl", "mla_impl") and platform != "cpu" and devices > 1 and not context:

@@ -146,7 +146,7 @@ class MLA(nnx.Module):
         return self.output(x, o), max_logit
 
     def extend(self, x, cache: dict, *, start, lengths, norm_eps: float, block_size: int, absorbed: bool,
-               layer=None, context=None, impl: str = "xla"):
+               layer=None, context=None, impl: str = "xla", rows=None):
         """Append a right-padded piece to the latent cache and attend over it (prefill pieces and decode steps).
 
         x [B, T, D] normed input of the new tokens; cache {"c_kv": [B, S, R], "k_rope": [B, S, Hr]} (both in the
@@ -168,6 +168,8 @@ class MLA(nnx.Module):
         diagonal; padding queries (t ≥ lengths) may see stale cache rows (finite) and their outputs are unused.
         With a stacked cache the kernel reads the layer's [B, S, ·] slice, a copy of it (one read and one write of
         B · S · (R + Hr) values per call; the kernel then reads its blocks).
+        rows: None, or a ``RowSplit`` (the rows and their caches split over devices, no context): both kernels run
+        per device inside its ``shard_map`` (k3jax/sharding/row_split.py).
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
@@ -178,8 +180,8 @@ class MLA(nnx.Module):
         t = jnp.arange(T, dtype=jnp.int32)[None, :]
         pos = start[:, None] + t                                                       # [B, T]
         dest = jnp.where(t < lengths[:, None], pos, S)                                # padding → out of range: dropped
-        rows = jnp.arange(B)[:, None]
-        at = (rows, dest) if layer is None else (layer, rows, dest)
+        row_ids = jnp.arange(B)[:, None]
+        at = (row_ids, dest) if layer is None else (layer, row_ids, dest)
         new = {"c_kv": cache["c_kv"].at[at].set(c_kv.astype(cache["c_kv"].dtype), mode="drop"),
                "k_rope": cache["k_rope"].at[at].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")}
         kv_b = lora.merged(self, "kv_b")                    # the absorbed form reads W_UK / W_UV blocks whole
@@ -188,15 +190,18 @@ class MLA(nnx.Module):
                                    big_block=big, absorbed=absorbed)
         lay = (lambda c: c) if layer is None else (lambda c: jax.lax.dynamic_index_in_dim(c, layer, 0, False))
         if impl == "pallas" and absorbed and T <= MAX_DECODE_QUERIES and context is None:
-            o = backends.mla_decode(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn],
-                                    kv_b[..., Hn:], q_pos=pos, kv_len=start + lengths, scale=1.0 / math.sqrt(Hn + Hr),
-                                    layer=layer)
+            decode = functools.partial(backends.mla_decode, scale=1.0 / math.sqrt(Hn + Hr))
+            args = (q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:])
+            kw = dict(q_pos=pos, kv_len=start + lengths, layer=layer)
+            o = decode(*args, **kw) if rows is None else rows.latent_decode(decode, *args, **kw)
         elif impl == "pallas" and T > MAX_DECODE_QUERIES:      # a prefill piece: the flash kernel over the cache
             acc = acc_dtype(x.dtype)
             w = kv_b.astype(x.dtype)                            # as __call__: the kernel up-projects each key block
             flash = functools.partial(backends.mla_flash, scale=1.0 / math.sqrt(Hn + Hr), block_size=block_size)
             args = (q.astype(acc), lay(new["c_kv"]), lay(new["k_rope"]).astype(acc), w[..., :Hn], w[..., Hn:])
-            if context is None:
+            if rows is not None:
+                o, _ = rows.latent_flash(flash, *args, q_offset=start)
+            elif context is None:
                 o, _ = flash(*args, q_offset=start)
             else:
                 context.check(T, "piece length")

@@ -122,17 +122,18 @@ class DecoderLayer(nnx.Module):
         return y, {}
 
     def mixer_cached(self, h, cfg: K3Config, run: RunConfig, cache: dict, *, start, lengths, absorbed: bool,
-                     layer=None, context=None):
+                     layer=None, context=None, rows=None):
         """Token mixer on a right-padded piece that continues the layer's cache → (y, the updated layer cache).
 
         start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row. layer: None,
         or the index of this layer's slice in a cache stacked over the scanned groups (``model.cache``): MLA
         writes and reads its latent in the stack in place; KDA's state and tails are small and are sliced out and
-        written back. context: a ``ContextParallel`` (the piece split over devices), or None."""
+        written back. context: a ``ContextParallel`` (the piece split over devices), or None. rows: a ``RowSplit``
+        (rows and caches split over devices), where MLA's kernels run per device, or None."""
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
                                    block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context,
-                                   impl=run.mla_impl)
+                                   impl=run.mla_impl, rows=rows)
         mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
         y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
                           lengths=lengths, start=start, context=context)

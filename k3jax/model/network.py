@@ -399,7 +399,7 @@ class K3Model(nnx.Module):
         tokens = jnp.where(real, tokens, 0)                                 # padding ids are never looked up
         new = dict(layer_caches) if isinstance(layer_caches, dict) else list(layer_caches)
         context = context_of(dispatch) if T > 1 else None          # one decode token is not split
-        kw = dict(start=start, lengths=lengths, absorbed=absorbed, context=context)
+        kw = dict(start=start, lengths=lengths, absorbed=absorbed, context=context, rows=rows_of(dispatch))
 
         def mixer(l, layer, h, cache=None, g=None):
             if g is not None:                                   # a stacked layer: its slice of the carried cache

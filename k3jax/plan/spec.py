@@ -61,6 +61,7 @@ from k3jax.optim.optimizer import OptimConfig
 from k3jax.plan.hardware import LIBTPU_HINT, Target, libtpu_installed
 from k3jax.sharding import placement as place
 from k3jax.sharding.context_parallel import ContextParallel
+from k3jax.sharding.rules import STRATEGIES
 from k3jax.train.settings import TrainConfig
 from k3jax.train.settings import run_settings as train_run_settings
 
@@ -174,14 +175,14 @@ def run_settings(cfg: K3Config, spec: PlanSpec) -> RunConfig:
     if spec.remat == "auto":
         spec = replace(spec, remat=PLAN_REMAT_AUTO[0])
     sizes = place.axis_sizes(place.parse_mesh(spec.mesh))
+    rows = spec.strategy in STRATEGIES and place.kernel_rows(spec.strategy, sizes, spec.batch)  # else check() says
     if spec.mode not in SERVING:
-        rows = spec.strategy is not None and place.kernel_rows(spec.strategy, sizes, spec.batch)
         run = train_run_settings(train_config(spec), cfg, param_dtype="bfloat16" if spec.mode == "lora" else "float32",
                                  platform=spec.platform, mesh=sizes, rows=rows)
         return run if spec.packed_kernel is None else run.replace(packed_kernel=spec.packed_kernel)
     run = default_run(cfg, layer_stack="scan", remat="none", compute_dtype="bfloat16", param_dtype="bfloat16")
     return with_kernels(run, spec.kernels, spec.platform, context=sizes["context"] > 1,
-                        devices=math.prod(sizes.values()), packed_kernel=spec.packed_kernel)
+                        devices=math.prod(sizes.values()), rows=rows, packed_kernel=spec.packed_kernel)
 
 
 def check(cfg: K3Config, target: Target, spec: PlanSpec) -> tuple[dict, str]:

@@ -186,9 +186,10 @@ def expert_dispatch(strategy: str, mesh, *, batch: int | None = None, **kw):
 
 
 def kernel_rows(strategy: str, mesh, batch: int) -> bool:
-    """Whether a model call on ``mesh`` over ``batch`` rows (no cache) holds whole sequences on each device under a
-    row split its ``expert_dispatch`` carries (``ExpertParallel.rows``: no context axis, the batch divides the token
-    axes, the experts sharded), so the MLA flash kernel can run per device (k3jax/sharding/row_split.py)."""
+    """Whether a model call on ``mesh`` over ``batch`` rows holds whole sequences on each device under a row split
+    its ``expert_dispatch`` carries (``ExpertParallel.rows``: no context axis, the batch divides the token axes, the
+    experts sharded), so the MLA kernels can run per device (k3jax/sharding/row_split.py) — a cached call's caches
+    are split by the same rows (``cache_shardings``)."""
     return (not uses_context(strategy, mesh) and bool(mesh_axes_of("experts", strategy, mesh))
             and bool(token_axes(strategy, mesh)) and batch % token_parallel(strategy, mesh) == 0)
 

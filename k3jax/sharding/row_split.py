@@ -2,6 +2,7 @@
 
     rows = RowSplit(mesh, ("fsdp", "expert"))                 # rows over those axes, heads over ``head_axes``
     o, max_logit = rows.latent_flash(flash, q, c_kv, k_rope, w_uk, w_uv, segment_ids=seg)
+    o = rows.latent_decode(decode, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos=pos, kv_len=n)   # serving
 
 A Pallas call (Mosaic on TPU, Triton on GPU) is not partitioned by the compiler: outside ``shard_map`` it runs on one
 device. When the mesh splits only the batch (each device holds whole rows: training's token axes, no ``context``),
@@ -12,6 +13,11 @@ transpose (the kernel's backward marks them as not varying over the rows: ``matc
 row and head, so no collective is needed. Under a context axis the sequence is split and the kernels run in
 ``ContextParallel`` instead (k3jax/sharding/context_parallel.py); the small-batch rule (every row on every device)
 has no row split.
+
+Serving (``K3Model.extend``) splits its caches by the same rows (``placement.cache_shardings``), so a decode step
+runs the split-KV decode kernel per device (``latent_decode``) and a prefill piece the flash kernel with its rows'
+offsets (``latent_flash(q_offset=)``). Without it the 64-row, 128K-token decode plan on v5p-64 ran XLA's blockwise
+absorbed attention, ~37 GB of its 131 GB per chip per step for 15.4 GB of cache (experiments/LOG.md, 2026-12-07).
 
 Why this matters: without it the plans' training steps ran MLA through XLA's blockwise attention, whose [N, T, bk]
 fp32 score blocks go through HBM (~1.4 TB of the frozen-experts step's 28.5 TB per chip on v5p-512;
@@ -42,24 +48,47 @@ class RowSplit:
         self.row_axes = tuple(a for a in row_axes if sizes.get(a, 1) > 1)
         self.head_axes = tuple(a for a in head_axes if sizes.get(a, 1) > 1)
 
-    def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None):
-        """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=])`` → (o, max_logit) run per device on its rows (e.g.
-        ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, T, R], k_rope
-        [B, T, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None. Returns (o [B, T, N, V], max logit
-        [B, N]), split like q."""
+    def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None, q_offset=None):
+        """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=][, q_offset=])`` → (o, max_logit) run per device on its
+        rows (e.g. ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, S, R],
+        k_rope [B, S, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None, q_offset [B] or None (a
+        prefill piece over its rows' caches: query t of row b sits at position q_offset[b] + t). Returns (o
+        [B, T, N, V], max logit [B, N]), split like q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
-        docs = segment_ids is not None
+        extra = {k: v for k, v in (("segment_ids", segment_ids), ("q_offset", q_offset)) if v is not None}
 
-        def local(q, c, r, wk, wv, *seg):
-            kw = dict(segment_ids=seg[0]) if docs else {}
-            return flash(q, c, r, wk, wv, **kw)
+        def local(q, c, r, wk, wv, *more):
+            return flash(q, c, r, wk, wv, **dict(zip(extra, more, strict=True)))
 
         in_specs = (P(b, None, h, None), P(b, None, None), P(b, None, None), P(None, h, None), P(None, h, None))
-        args = (q, c_kv, k_rope, w_uk, w_uv)
-        if docs:
-            in_specs, args = (*in_specs, P(b, None)), (*args, jnp.asarray(segment_ids, jnp.int32))
+        in_specs += tuple(P(b, None) if k == "segment_ids" else P(b) for k in extra)
+        args = (q, c_kv, k_rope, w_uk, w_uv, *(jnp.asarray(v, jnp.int32) for v in extra.values()))
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=(P(b, None, h, None), P(b, h)))
         return fn(*args)
+
+    def latent_decode(self, decode, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, q_pos, kv_len, layer=None):
+        """``decode(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, q_pos=, kv_len=, layer=)`` → o run per device on its
+        rows' caches (``layers.backends.mla_decode`` with its scale: the split-KV decode kernel, each latent read
+        once for the device's heads): q_nope [B, T, N, Hn], q_rope [B, T, N, Hr], c_kv [B, S, R] / k_rope [B, S, Hr]
+        — or both stacked over layers [L, B, S, ·] with ``layer`` an int32 index —, w_uk [R, N, Hn], w_uv [R, N, V],
+        q_pos [B, T], kv_len [B]. The caches are split by their rows as the rows are (``placement.cache_shardings``).
+        Returns o [B, T, N, V], split like q."""
+        b, h = _spec(self.row_axes), _spec(self.head_axes)
+        stacked = layer is not None
+        cache = P(None, b, None, None) if stacked else P(b, None, None)
+
+        def local(qn, qr, c, r, wk, wv, pos, n, *lay):
+            return decode(qn, qr, c, r, wk, wv, q_pos=pos, kv_len=n, layer=lay[0] if stacked else None)
+
+        in_specs = (P(b, None, h, None), P(b, None, h, None), cache, cache, P(None, h, None), P(None, h, None),
+                    P(b, None), P(b)) + ((P(),) if stacked else ())
+        args = (q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, jnp.asarray(q_pos, jnp.int32),
+                jnp.asarray(kv_len, jnp.int32)) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
+        # check_vma off: the kernel's index maps read each row's block count (a scalar-prefetched, row-varying
+        # value) at the grid's row index (unvarying), which the varying-axes check refuses inside the TPU interpreter
+        # ("dynamic_slice requires varying manual axes to match"); nothing inside is a collective
+        return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=P(b, None, h, None),
+                             check_vma=False)(*args)
 
 
 __all__ = ["RowSplit"]

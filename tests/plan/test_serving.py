@@ -44,13 +44,13 @@ def params():
     return pack_params(p)
 
 
-def _program(params, mesh_axes, mode, batch, *, small=False, packed_kernel="auto"):
+def _program(params, mesh_axes, mode, batch, *, small=False, packed_kernel="auto", run=RUN):
     sizes, strategy = place.resolve_mesh(mesh_axes, devices=8)
     mesh = make_mesh(sizes)
     spec = plan_spec.PlanSpec(mode=mode, mesh=mesh_axes, batch=batch, seq_len=T if mode == "prefill" else 1,
                               context=CONTEXT, capacity_factor=-1.0, strategy=strategy)
     ep = ExpertParallel(mesh, strategy, replicate_tokens=small, packed_kernel=packed_kernel)
-    fn, args = aot.serving_program(TINY, spec, mesh, strategy, run=RUN, params=params, dispatch=ep, small=small)
+    fn, args = aot.serving_program(TINY, spec, mesh, strategy, run=run, params=params, dispatch=ep, small=small)
     put = partial(jax.tree.map, lambda x, a: jax.device_put(x, a.sharding))
     own = partial(jax.tree.map, jnp.copy)  # the program donates its cache: never the caller's arrays
     # the plan's program takes the scanned cache layout
@@ -61,10 +61,10 @@ def _tokens(batch, width, seed):
     return np.random.default_rng(seed).integers(0, TINY.vocab_size, (batch, width)).astype(np.int32)
 
 
-def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel="auto"):
+def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel="auto", run=RUN):
     """STEPS greedy decode steps with the plan's decode program on the mesh from ``mine`` and on one device (the
-    flat cache layout) from ``ref``."""
-    step = _program(params, mesh_axes, "decode", batch, small=small, packed_kernel=packed_kernel)
+    flat cache layout, ``RUN``) from ``ref``."""
+    step = _program(params, mesh_axes, "decode", batch, small=small, packed_kernel=packed_kernel, run=run)
     for s in range(STEPS):
         ids = np.asarray(jnp.argmax(last, -1), np.int32)
         got, mine = step(params, ids[:, None], mine)
@@ -77,19 +77,23 @@ def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel
     assert np.asarray(mine["lengths"]).tolist() == [T + STEPS] * batch
 
 
-@pytest.mark.parametrize("mesh_axes", ["data=2,expert=4",
-                                       pytest.param("expert=4,tensor=2", marks=pytest.mark.slow)])
-def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes):
+@pytest.mark.parametrize("mesh_axes,mla", [("data=2,expert=4", "xla"), ("expert=4,tensor=2", "pallas"),
+                                           pytest.param("expert=4,tensor=2", "xla", marks=pytest.mark.slow)])
+def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes, mla):
     """The batch split over the token axes (data x expert: 8 rows, one per device; ep_tp: 4 ways, KDA heads and
-    their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache."""
+    their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache. ``pallas``:
+    MLA's kernels per device under the row split (k3jax/sharding/row_split.py; interpreted), the flash kernel on the
+    prefill piece and the split-KV decode kernel on each step, against one device's XLA path."""
     batch = place.token_parallel(place.resolve_mesh(mesh_axes, devices=8)[1], place.parse_mesh(mesh_axes))
     tokens = _tokens(batch, T, 0)
-    got, cache = _program(params, mesh_axes, "prefill", batch)(params, tokens, C.init_cache(TINY, batch, CONTEXT, RUN))
+    run = RUN.replace(mla_impl=mla)
+    got, cache = _program(params, mesh_axes, "prefill", batch, run=run)(params, tokens,
+                                                                         C.init_cache(TINY, batch, CONTEXT, RUN))
     ref, ref_cache = C.prefill(params, tokens, None, C.init_cache(TINY, batch, CONTEXT, RUN), TINY, RUN,
                                last_only=True)
     err = assert_close(got, ref, TOL["fp32_mesh_vs_single"], name="prefill logits")
     print(f"{mesh_axes} B={batch}: prefill rel-RMS {err:.2e}")
-    _decode_both(params, mesh_axes, cache, ref_cache, ref, batch, small=False)
+    _decode_both(params, mesh_axes, cache, ref_cache, ref, batch, small=False, run=run)
 
 
 # the kernel's case in the slow pass (214 s in CI: the TPU interpreter inside shard_map runs the static grid over
