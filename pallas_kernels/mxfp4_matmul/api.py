@@ -17,6 +17,7 @@ layout), on GPU the loop schedule, on CPU (interpret mode) the grid / loop sched
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -268,13 +269,23 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, block_m: int | None = None, bloc
     if act_quant is not None:
         x = mx.fake_quant_mxfp8(x, axis=-1, rule=act_quant)
     platform = target_platform(platform)
-    # block_m on TPU follows the rows per group, ceil(M / G): every group's rows are padded to whole tiles and the
-    # grid has ceil(M/bm) + min(G, M) + 1 of them, so decode's few rows per expert (B = 64 over expert = 16: 1,024
-    # rows on 56 local experts) take 32-row tiles, not 256 (15,616 padded rows, 15x the real ones; experiments/LOG.md)
-    bs = block_sizes(platform, -(-x.shape[0] // packed.shape[0]), packed.shape[1], x.shape[1], block_m, block_n,
-                     block_k)
     expected = expected_load_of(expected_rows, expected_groups, packed.shape[0])
+    bs = block_sizes(platform, rows_per_group(x.shape[0], packed.shape[0], expected), packed.shape[1], x.shape[1],
+                     block_m, block_n, block_k)
     return _gmm(x, packed, scale, group_sizes, bs, platform, interpret_mode(interpret, x, packed, scale), expected)
+
+
+def rows_per_group(M: int, G: int, expected: tuple[float, float] | None) -> int:
+    """The rows per group block_m follows on TPU (``block_sizes``): every group's rows are padded to whole tiles and
+    the grid has ceil(M/bm) + min(G, M) + 1 of them, so decode's few rows per expert take small tiles, not 256 (B = 64
+    over expert = 16: 1,024 rows on 56 local experts; at 256, 15,616 padded rows, 15x the real ones). Without an
+    expectation the worst case's ceil(M / G); with the routing's (``expected_load_of``) its rows per used group:
+    the tile-padded buffers shrink with bm (the B = 64 decode: 32-row tiles and 2,848 padded rows for 1,024 → 16 and
+    1,936, its expected 1.6 rows per used expert; experiments/LOG.md, 2026-12-07). Any bm is exact: only the padding
+    moves."""
+    if expected is None or expected[1] <= 0:
+        return -(-M // G)
+    return max(1, math.ceil(expected[0] / expected[1]))
 
 
 def expected_load_of(rows: float | None, groups: float | None, G: int) -> tuple[float, float] | None:

@@ -134,10 +134,10 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=jnp.fl
     if group_sizes.shape != (G,):
         raise ValueError(f"group_sizes {group_sizes.shape} must be [G] = [{G}]")
     platform = target_platform(platform)
-    rows = -(-x.shape[0] // G)  # block_m follows the rows per group, as in mxfp4_gmm: the same for the three
+    expected = api.expected_load_of(expected_rows, expected_groups, G)
+    rows = api.rows_per_group(x.shape[0], G, expected)  # block_m as in mxfp4_gmm: the same for the three kernels
     bs13 = api.block_sizes(platform, rows, F, x.shape[1], block_m, block_n, block_k)
     bs2 = api.block_sizes(platform, rows, x.shape[1], F, block_m, block_n, block_k)
-    expected = api.expected_load_of(expected_rows, expected_groups, G)
     w1, w3, w2 = (w[:2] for w in ws)
     return _ffn(x, w1, w3, w2, group_sizes, layer, act, act_quant, acc, bs13, bs2, platform,
                 api.interpret_mode(interpret, x, *w1, *w3, *w2), expected)

@@ -245,6 +245,29 @@ def test_the_tpu_grid_follows_rows_per_expert():
 
 
 
+def test_block_m_follows_the_expected_rows_per_used_expert():
+    """On TPU, block_m follows the rows per group: the worst case's ceil(M / G) without an expectation, the routing
+    expectation's rows per used expert with one (decode at B = 64 on v5p-64: 1,024 rows over 56 local experts of
+    which ~40 get ~1.6 rows: 32-row tiles → 16); training's many rows per expert keep 256. Exact either way: a call
+    with the expectation (16-row tiles) gives the bits of the one without (64-row tiles), forward and VJP."""
+    from pallas_kernels.mxfp4_matmul.api import block_sizes, expected_load_of, rows_per_group
+
+    def bm(M, G, expected=None):
+        return block_sizes("tpu", rows_per_group(M, G, expected), 768, 3584, None, None, None).block_m
+
+    assert (bm(1024, 56), bm(1024, 56, expected_load_of(64.0, 40.0, 56))) == (32, 16)
+    assert bm(85760, 14, expected_load_of(81920.0, 14.0, 14)) == bm(85760, 14) == 256
+    k = jax.random.split(jax.random.key(3), 2)
+    packed, scale = _weights(k[0], (4, 256, 256))
+    x = _x(k[1], 256, 256, jnp.float32)
+    gs = jnp.array([3, 0, 200, 1], jnp.int32)
+    calls = [jax.vjp(lambda x, e=e: mxfp4_gmm(x, packed, scale, gs, platform="tpu", interpret=True, block_n=128,
+                                                block_k=256, expected_rows=e), x) for e in (None, 8.0)]
+    outs = [(y, vjp(y)[0]) for y, vjp in calls]
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def _dimension_semantics(params) -> tuple:
     """A pallas_call's TPU dimension_semantics: its CompilerParams, or (older jax) inside a dict of them."""
     if isinstance(params, dict):
