@@ -168,8 +168,8 @@ class MLA(nnx.Module):
         diagonal; padding queries (t ≥ lengths) may see stale cache rows (finite) and their outputs are unused.
         With a stacked cache the kernel reads the layer's [B, S, ·] slice, a copy of it (one read and one write of
         B · S · (R + Hr) values per call; the kernel then reads its blocks).
-        rows: None, or a ``RowSplit`` (the rows and their caches split over devices, no context): both kernels run
-        per device inside its ``shard_map`` (k3jax/sharding/row_split.py).
+        rows: None, or a ``RowSplit`` (the rows and their caches split over devices, no context): attention runs per
+        device inside its ``shard_map`` (k3jax/sharding/row_split.py), kernels or XLA, on the caches as placed.
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
@@ -210,9 +210,10 @@ class MLA(nnx.Module):
             context.check(T, "piece length")
             o = context.latent_attention(attend, q[..., :Hn], q[..., Hn:], lay(new["c_kv"]), lay(new["k_rope"]),
                                          kv_b[..., :Hn], kv_b[..., Hn:], q_pos=pos, kv_len=start + lengths)
-        else:
-            o = attend(q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:],
-                       q_pos=pos, kv_len=start + lengths, layer=layer)
+        else:                                    # under a row split per device, as the caches are split
+            args = (q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:])
+            kw = dict(q_pos=pos, kv_len=start + lengths, layer=layer)
+            o = attend(*args, **kw) if rows is None else rows.latent_decode(attend, *args, **kw)
         return self.output(x, o), new
 
 

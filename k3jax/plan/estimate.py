@@ -110,7 +110,8 @@ def _leaf_bytes(x, logical: tuple, rules, sizes: dict, small: bool, name: str, l
 def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> dict:
     """Bytes of a prefill / decode plan's hybrid cache (``model.cache.cache_shapes`` for --batch rows of --context
     positions, the scanned layout): ``global``, ``per_device`` under the cache's shardings
-    (``placement.cache_shardings``: the small-batch rule replicates it), and the per-device split into the KDA
+    (``placement.cache_shardings``: the small-batch rule replicates it; the latent's rows may take the heads' axis,
+    ``placement.cache_leaf_rules``), and the per-device split into the KDA
     state + conv tails and the MLA latent."""
 
     spec = with_defaults(spec)[0]
@@ -123,8 +124,10 @@ def cache_bytes(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str) -> di
     shapes = cache_shapes(cfg, spec.batch, spec.context, run_settings(cfg, spec), stacked=True)
     out = {"global": 0.0, "per_device": 0.0, "kda_per_device": 0.0, "mla_per_device": 0.0}
     for path, x in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        name = key_names(path)[-1]
-        n = _leaf_bytes(x, cache_leaf_axes(key_names(path), x.ndim), rules, sizes, small, path_str(path))
+        names = key_names(path)
+        name, logical, fixed = names[-1], cache_leaf_axes(names, x.ndim), small or context is not None
+        n = _leaf_bytes(x, logical, place.cache_leaf_rules(strategy, sizes, rules, names, logical, x.shape, fixed),
+                        sizes, small, path_str(path))
         out["global"] += math.prod(x.shape) * x.dtype.itemsize
         out["per_device"] += n
         if name in ("c_kv", "k_rope"):

@@ -33,6 +33,7 @@ from k3jax.pytree import key_names, path_str
 from k3jax.sharding.context_parallel import ContextParallel
 from k3jax.sharding.expert_parallel import ExpertParallel
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes, mesh_shape
+from k3jax.sharding.row_split import latent_cache_rows
 from k3jax.sharding.rules import STRATEGIES, get_rules, leaf_axes, logical_to_spec, mesh_axes_of, param_specs
 
 
@@ -202,19 +203,38 @@ def cache_rules(strategy: str, context=None):
     return {**get_rules(strategy), "batch": context.batch_axes, "seq": context.seq_axes}
 
 
+LATENT_CACHE = ("c_kv", "k_rope")  # the MLA latent cache's leaves: read by every head
+
+
+def cache_leaf_rules(strategy: str, mesh, rules, names: tuple, logical: tuple, shape: tuple, fixed: bool):
+    """The rules one cache leaf is placed by: ``rules`` (``cache_rules``), except that the MLA latent's rows take
+    ``row_split.latent_cache_rows`` (the heads' axis too, where the batch divides) unless the rows are ``fixed`` (the
+    small-batch rule, a context split). The one home of that choice for ``cache_shardings`` and the plans' cache
+    bytes (``plan.estimate.cache_bytes``)."""
+    if names[-1] not in LATENT_CACHE or fixed:
+        return rules
+    heads = latent_cache_rows(mesh, token_axes(strategy, mesh), mesh_axes_of("heads", strategy, mesh),
+                              shape[logical.index("batch")])
+    return {**get_rules(rules), "batch": heads}
+
+
 def cache_shardings(strategy: str, mesh, shapes, replicated: bool = False, context=None):
     """NamedSharding per leaf of an inference cache (``k3jax.model.cache.cache_shapes``, either layout) from the
     cache's logical axes (``cache.CACHE_AXES``) under the rules: rows over the token axes (``replicated``: the
     small-batch rule, on every device), the latent cache's positions over ``context``, the KDA state and conv tails
-    over the heads' axes; a mesh axis the rows already took is not reused. ``context``: a ``ContextParallel`` whose
+    over the heads' axes; a mesh axis the rows already took is not reused. The latent cache's rows take the heads'
+    axis too where the batch divides (``row_split.latent_cache_rows``: the latent is read once, not once per head
+    shard). ``context``: a ``ContextParallel`` whose
     split places the rows (its batch axes) and the positions (its sequence axes: a context-parallel prefill)."""
     rules = cache_rules(strategy, context)
 
     def one(path, x):
-        logical = cache_leaf_axes(key_names(path), x.ndim)
+        names = key_names(path)
+        logical = cache_leaf_axes(names, x.ndim)
         if replicated:
             logical = tuple(None if a == "batch" else a for a in logical)
-        return NamedSharding(mesh, logical_to_spec(logical, x.shape, rules, mesh, name=path_str(path)))
+        leaf_rules = cache_leaf_rules(strategy, mesh, rules, names, logical, x.shape, replicated or context is not None)
+        return NamedSharding(mesh, logical_to_spec(logical, x.shape, leaf_rules, mesh, name=path_str(path)))
 
     return jax.tree_util.tree_map_with_path(one, shapes)
 

@@ -27,6 +27,8 @@ declares no cost estimate, so a plan would not count its bytes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -36,6 +38,19 @@ from k3jax.sharding.mesh import axis_sizes
 
 def _spec(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def latent_cache_rows(mesh, row_axes: tuple[str, ...], head_axes: tuple[str, ...], batch: int) -> tuple[str, ...]:
+    """The mesh axes an MLA latent cache's rows are split over when the rows are over ``row_axes`` and the heads
+    over ``head_axes``: the rows' axes and, where ``batch`` divides, the heads' one axis too. The latent is shared by
+    every head, so a cache split by rows alone is read whole by each head shard (kimi-k3 decode at B = 64 on tensor 4:
+    15.4 GB per chip and step for 3.9 GB of cache); split by the heads' axis as well each latent is read once, and
+    the decode kernel exchanges queries and outputs over that axis instead (``RowSplit.latent_decode``)."""
+    sizes = axis_sizes(mesh)
+    rows = tuple(a for a in row_axes if sizes.get(a, 1) > 1)
+    heads = tuple(a for a in head_axes if sizes.get(a, 1) > 1 and a not in rows)
+    ways = math.prod(sizes[a] for a in (*rows, *heads))
+    return (*rows, *heads) if len(heads) == 1 and batch % ways == 0 else rows
 
 
 class RowSplit:
@@ -52,16 +67,25 @@ class RowSplit:
         """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=][, q_offset=])`` → (o, max_logit) run per device on its
         rows (e.g. ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, S, R],
         k_rope [B, S, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None, q_offset [B] or None (a
-        prefill piece over its rows' caches: query t of row b sits at position q_offset[b] + t). Returns (o
-        [B, T, N, V], max logit [B, N]), split like q."""
+        prefill piece over its rows' caches, split by ``latent_cache_rows`` as ``latent_decode`` reads them: query t
+        of row b sits at position q_offset[b] + t). Returns (o [B, T, N, V], max logit [B, N]), split like q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         extra = {k: v for k, v in (("segment_ids", segment_ids), ("q_offset", q_offset)) if v is not None}
+        cache_rows = self.row_axes if q_offset is None or segment_ids is not None else \
+            latent_cache_rows(self.mesh, self.row_axes, self.head_axes, q.shape[0])
+        c, swap = _spec(cache_rows), cache_rows != self.row_axes
 
         def local(q, c, r, wk, wv, *more):
-            return flash(q, c, r, wk, wv, **dict(zip(extra, more, strict=True)))
+            if swap:                                          # my cache slice's rows, every head (latent_decode)
+                q = jax.lax.all_to_all(q, h, 0, 2, tiled=True)
+            o, mx = flash(q, c, r, wk, wv, **dict(zip(extra, more, strict=True)))
+            if swap:
+                o, mx = jax.lax.all_to_all(o, h, 2, 0, tiled=True), jax.lax.all_to_all(mx, h, 1, 0, tiled=True)
+            return o, mx
 
-        in_specs = (P(b, None, h, None), P(b, None, None), P(b, None, None), P(None, h, None), P(None, h, None))
-        in_specs += tuple(P(b, None) if k == "segment_ids" else P(b) for k in extra)
+        w = P(None, None, None) if swap else P(None, h, None)
+        in_specs = (P(b, None, h, None), P(c, None, None), P(c, None, None), w, w)
+        in_specs += tuple(P(b, None) if k == "segment_ids" else P(c) for k in extra)
         args = (q, c_kv, k_rope, w_uk, w_uv, *(jnp.asarray(v, jnp.int32) for v in extra.values()))
         fn = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=(P(b, None, h, None), P(b, h)))
         return fn(*args)
@@ -71,17 +95,26 @@ class RowSplit:
         rows' caches (``layers.backends.mla_decode`` with its scale: the split-KV decode kernel, each latent read
         once for the device's heads): q_nope [B, T, N, Hn], q_rope [B, T, N, Hr], c_kv [B, S, R] / k_rope [B, S, Hr]
         — or both stacked over layers [L, B, S, ·] with ``layer`` an int32 index —, w_uk [R, N, Hn], w_uv [R, N, V],
-        q_pos [B, T], kv_len [B]. The caches are split by their rows as the rows are (``placement.cache_shardings``).
+        q_pos [B, T], kv_len [B]. The caches are split by ``latent_cache_rows`` (``placement.cache_shardings``): by
+        the rows' axes, or by the heads' axis too — then each device swaps its rows' queries for its cache rows' over
+        that axis (an all-to-all), attends with every head (W_UK / W_UV whole) and swaps the outputs back.
         Returns o [B, T, N, V], split like q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         stacked = layer is not None
-        cache = P(None, b, None, None) if stacked else P(b, None, None)
+        cache_rows = latent_cache_rows(self.mesh, self.row_axes, self.head_axes, q_nope.shape[0])
+        c = _spec(cache_rows)
+        cache = P(None, c, None, None) if stacked else P(c, None, None)
+        swap = cache_rows != self.row_axes                   # the cache's rows are split over the heads' axis too
 
         def local(qn, qr, c, r, wk, wv, pos, n, *lay):
-            return decode(qn, qr, c, r, wk, wv, q_pos=pos, kv_len=n, layer=lay[0] if stacked else None)
+            if swap:                                          # rows of my cache slice, every head
+                qn, qr = (jax.lax.all_to_all(x, h, 0, 2, tiled=True) for x in (qn, qr))
+            o = decode(qn, qr, c, r, wk, wv, q_pos=pos, kv_len=n, layer=lay[0] if stacked else None)
+            return jax.lax.all_to_all(o, h, 2, 0, tiled=True) if swap else o
 
-        in_specs = (P(b, None, h, None), P(b, None, h, None), cache, cache, P(None, h, None), P(None, h, None),
-                    P(b, None), P(b)) + ((P(),) if stacked else ())
+        w = P(None, None, None) if swap else P(None, h, None)
+        in_specs = (P(b, None, h, None), P(b, None, h, None), cache, cache, w, w, P(c, None), P(c)) + \
+            ((P(),) if stacked else ())
         args = (q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, jnp.asarray(q_pos, jnp.int32),
                 jnp.asarray(kv_len, jnp.int32)) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
         # check_vma off: the kernel's index maps read each row's block count (a scalar-prefetched, row-varying

@@ -77,14 +77,16 @@ def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel
     assert np.asarray(mine["lengths"]).tolist() == [T + STEPS] * batch
 
 
-@pytest.mark.parametrize("mesh_axes,mla", [("data=2,expert=4", "xla"), ("expert=4,tensor=2", "pallas"),
-                                           pytest.param("expert=4,tensor=2", "xla", marks=pytest.mark.slow)])
-def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes, mla):
+@pytest.mark.parametrize("mesh_axes,mla,batch", [("data=2,expert=4", "xla", 8), ("expert=4,tensor=2", "pallas", 8),
+                                                 pytest.param("expert=4,tensor=2", "xla", 4, marks=pytest.mark.slow),
+                                                 pytest.param("expert=4,tensor=2", "pallas", 4,
+                                                              marks=pytest.mark.slow)])
+def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes, mla, batch):
     """The batch split over the token axes (data x expert: 8 rows, one per device; ep_tp: 4 ways, KDA heads and
-    their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache. ``pallas``:
-    MLA's kernels per device under the row split (k3jax/sharding/row_split.py; interpreted), the flash kernel on the
-    prefill piece and the split-KV decode kernel on each step, against one device's XLA path."""
-    batch = place.token_parallel(place.resolve_mesh(mesh_axes, devices=8)[1], place.parse_mesh(mesh_axes))
+    their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache. MLA runs
+    per device under the row split (k3jax/sharding/row_split.py): ``pallas``, its kernels (interpreted; the flash
+    kernel on the prefill piece, the split-KV decode kernel on each step), against one device's XLA path. With 8
+    rows on expert 4 x tensor 2 the latent cache's rows take ``tensor`` too (``latent_cache_rows``), with 4 not."""
     tokens = _tokens(batch, T, 0)
     run = RUN.replace(mla_impl=mla)
     got, cache = _program(params, mesh_axes, "prefill", batch, run=run)(params, tokens,

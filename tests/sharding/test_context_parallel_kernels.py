@@ -18,7 +18,7 @@ from k3jax.ops import kda as kda_ops
 from k3jax.ops.attention import causal_attention
 from k3jax.sharding.context_parallel import ContextParallel, causal_block_pairs
 from k3jax.sharding.mesh import make_mesh
-from k3jax.sharding.row_split import RowSplit
+from k3jax.sharding.row_split import RowSplit, latent_cache_rows
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.kda import kda_chunk
 from pallas_kernels.mla.flash import causal_pairs, mla_flash
@@ -215,22 +215,24 @@ def test_causal_block_pairs_count_the_kernels_pairs_and_balance():
         assert charged == mirror[0]
 
 
-@pytest.mark.parametrize("stacked", [False, True], ids=["cache", "stacked-cache"])
-def test_latent_decode_and_cached_flash_per_device_under_a_row_split(stacked):
-    """Serving under a row split (rows and their caches over ``data``, heads over ``tensor``): the split-KV decode
+@pytest.mark.parametrize("B,stacked", [(4, False), (4, True), (2, False)],
+                         ids=["cache-over-heads", "stacked-cache-over-heads", "cache-over-rows"])
+def test_latent_decode_and_cached_flash_per_device_under_a_row_split(B, stacked):
+    """Serving under a row split (rows over ``data``, heads over ``tensor``; the caches' rows over both where B
+    divides — each device then swaps queries and outputs over ``tensor`` — else over ``data``): the split-KV decode
     kernel (TPU schedule, in the TPU interpreter) per device on a verify-sized piece of 3 queries per row with ragged
     cache lengths equals the float reference on one device; and the flash kernel on a prefill piece with per-row
     offsets equals one device's call."""
     from pallas_kernels.mla.decode import mla_decode
     from pallas_kernels.mla.decode_reference import mla_decode_reference
 
-    B, S, T = 4, 256, 3                                 # two key blocks of 128 (the TPU tile of an f32 cache)
+    S, T = 256, 3                                       # two key blocks of 128 (the TPU tile of an f32 cache)
     rng = np.random.default_rng(7)
     f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     c_kv, k_rope = f(2, B, S, R), f(2, B, S, HR)
     w_uk, w_uv = f(R, N, HN) / 4, f(R, N, V) / 4
     q_nope, q_rope = f(B, T, N, HN), f(B, T, N, HR)
-    kv_len = jnp.asarray([256, 140, 9, 97], jnp.int32)
+    kv_len = jnp.asarray([256, 140, 9, 97][:B], jnp.int32)
     q_pos = kv_len[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
     layer = jnp.int32(1) if stacked else None
     cache = (c_kv, k_rope) if stacked else (c_kv[1], k_rope[1])
@@ -240,6 +242,7 @@ def test_latent_decode_and_cached_flash_per_device_under_a_row_split(stacked):
                                 scale=SCALE)
     mesh = make_mesh({"data": 2, "tensor": 2})
     split = RowSplit(mesh, ("data",), ("tensor",))
+    assert latent_cache_rows(mesh, ("data",), ("tensor",), B) == (("data", "tensor") if B == 4 else ("data",))
     with jax.set_mesh(mesh):
         got = split.latent_decode(decode, q_nope, q_rope, *cache, w_uk, w_uv, q_pos=q_pos, kv_len=kv_len, layer=layer)
     assert_close(got, want, TOL["fp32_shallow"], name="decode under a row split")
@@ -248,7 +251,7 @@ def test_latent_decode_and_cached_flash_per_device_under_a_row_split(stacked):
     flash = functools.partial(mla_flash, scale=SCALE, block_q=8, block_k=8, platform="tpu",
                               interpret=pltpu.InterpretParams())
     q = jnp.concatenate([f(B, 12, N, HN), f(B, 12, N, HR)], axis=-1)
-    start = jnp.asarray([200, 0, 5, 244], jnp.int32)
+    start = jnp.asarray([200, 0, 5, 244][:B], jnp.int32)
     one = flash(q, c_kv[0], k_rope[0], w_uk, w_uv, q_offset=start)
     with jax.set_mesh(mesh):
         per = split.latent_flash(flash, q, c_kv[0], k_rope[0], w_uk, w_uv, q_offset=start)
