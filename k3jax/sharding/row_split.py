@@ -15,9 +15,12 @@ row and head, so no collective is needed. Under a context axis the sequence is s
 has no row split.
 
 Serving (``K3Model.extend``) splits its caches by the same rows (``placement.cache_shardings``), so a decode step
-runs the split-KV decode kernel per device (``latent_decode``) and a prefill piece the flash kernel with its rows'
-offsets (``latent_flash(q_offset=)``). Without it the 64-row, 128K-token decode plan on v5p-64 ran XLA's blockwise
-absorbed attention, ~37 GB of its 131 GB per chip per step for 15.4 GB of cache (experiments/LOG.md, 2026-12-07).
+runs the split-KV decode kernel per device (``latent_decode``; the XLA path too) and a prefill piece the flash kernel
+with its rows' offsets (``latent_flash(q_offset=)``). Without it the 64-row, 128K-token decode plan on v5p-64 ran
+XLA's blockwise absorbed attention, ~37 GB of its 131 GB per chip per step for 15.4 GB of cache. Where the batch
+divides, the latent's rows are split over the heads' axis as well (``latent_cache_rows``): each device then swaps
+its rows' queries for its cache rows' over that axis, attends with every head and swaps the outputs back, so each
+latent is read once instead of once per head shard (experiments/LOG.md, 2026-12-07).
 
 Why this matters: without it the plans' training steps ran MLA through XLA's blockwise attention, whose [N, T, bk]
 fp32 score blocks go through HBM (~1.4 TB of the frozen-experts step's 28.5 TB per chip on v5p-512;
@@ -67,8 +70,9 @@ class RowSplit:
         """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=][, q_offset=])`` → (o, max_logit) run per device on its
         rows (e.g. ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, S, R],
         k_rope [B, S, Hr], w_uk [R, N, Hn], w_uv [R, N, V], segment_ids [B, T] or None, q_offset [B] or None (a
-        prefill piece over its rows' caches, split by ``latent_cache_rows`` as ``latent_decode`` reads them: query t
-        of row b sits at position q_offset[b] + t). Returns (o [B, T, N, V], max logit [B, N]), split like q."""
+        prefill piece over its rows' caches, split by ``latent_cache_rows`` and swapped as ``latent_decode`` does:
+        query t of row b sits at position q_offset[b] + t). Returns (o [B, T, N, V], max logit [B, N]), split like
+        q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         extra = {k: v for k, v in (("segment_ids", segment_ids), ("q_offset", q_offset)) if v is not None}
         cache_rows = self.row_axes if q_offset is None or segment_ids is not None else \
@@ -119,9 +123,10 @@ class RowSplit:
                 jnp.asarray(kv_len, jnp.int32)) + ((jnp.asarray(layer, jnp.int32),) if stacked else ())
         # check_vma off: the kernel's index maps read each row's block count (a scalar-prefetched, row-varying
         # value) at the grid's row index (unvarying), which the varying-axes check refuses inside the TPU interpreter
-        # ("dynamic_slice requires varying manual axes to match"); nothing inside is a collective
+        # ("dynamic_slice requires varying manual axes to match"); the only collectives inside are the swap's
+        # all-to-alls, whose results vary as their inputs do
         return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=P(b, None, h, None),
                              check_vma=False)(*args)
 
 
-__all__ = ["RowSplit"]
+__all__ = ["RowSplit", "latent_cache_rows"]
