@@ -80,8 +80,10 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
       FFN        the input projections' over the width's axes — at a MoE layer one all-reduce with the router's and
                  the LatentMoE down projection's (they contract the same input); the output projection's over the
                  hidden's (``mlp``) axes. LatentMoE up maps the routed sum onto the width split locally.
-      MoE        the small-batch rule's one psum over the experts' and their hidden's axes, else the dispatch and
-                 combine all-to-alls over the expert axis (A latent rows per token)."""
+      MoE        the small-batch rule's one psum over the experts' and their hidden's axes — and, where the width is
+                 whole (the router [D, E] split by its experts), the scores and the chosen weights gathered over the
+                 experts' axes (two all-reduces: 463 compiled against 454 counted on v5p-512 expert=64,tensor=8) —,
+                 else the dispatch and combine all-to-alls over the expert axis (A latent rows per token)."""
     spec = with_defaults(spec)[0]
     ax = lambda name: mesh_axes_of(name, strategy, sizes)  # noqa: E731
     emb, heads, mlp, experts, emlp = ax("embed"), ax("heads"), ax("mlp"), ax("experts"), ax("expert_mlp")
@@ -104,6 +106,8 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
             continue
         if small and (experts or emlp):
             out.append(("all-reduce", union(experts, emlp), act))
+            if experts and not emb:
+                out += [("all-reduce", experts, tokens * cfg.num_experts * 4)] * 2
         elif experts:
             width = cfg.routed_expert_hidden_size if cfg.is_latent_moe else cfg.hidden_size
             moved = tokens * cfg.num_experts_per_token * width * ACTIVATION_BYTES

@@ -43,6 +43,10 @@ def test_kimi_k3_decode_on_v5p_64_ranks_the_serve_column_first():
     w2 = cfg.num_experts / 8 * cfg.routed_expert_hidden_size * cfg.moe_intermediate_size / 8 / 2
     assert layouts.relaid_bytes(cfg, t8, "ep_tp") == 2 * w2 * (cfg.num_layers - cfg.first_k_dense_replace)
     assert layouts.relaid_bytes(cfg, {**t8, "expert": 16, "tensor": 4}, "ep_tp") == 0
+    # ep_tp at B = 1: per MoE layer the routed psum and the router's scores and chosen weights gathered over the
+    # experts' axis (its width is whole, its experts split): 3 + 2 per MoE layer, 2 per dense one (heads, FFN hidden)
+    moe = cfg.num_layers - cfg.first_k_dense_replace
+    assert today["collectives_per_step"] == 2 * cfg.num_layers + 3 * moe
     assert "ms" in choice["why"]
 
 
