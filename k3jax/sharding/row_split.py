@@ -56,6 +56,17 @@ def latent_cache_rows(mesh, row_axes: tuple[str, ...], head_axes: tuple[str, ...
     return (*rows, *heads) if len(heads) == 1 and batch % ways == 0 else rows
 
 
+def _to_cache_rows(x, axis):
+    """[b, T, N/n, ·] (a device's rows, its heads) → [b/n, T, N, ·] (its cache slice's rows, every head): an
+    all-to-all over the heads' mesh ``axis``."""
+    return jax.lax.all_to_all(x, axis, 0, 2, tiled=True)
+
+
+def _to_query_rows(x, axis, heads_dim: int):
+    """The inverse of ``_to_cache_rows`` for an output whose heads are dimension ``heads_dim``."""
+    return jax.lax.all_to_all(x, axis, heads_dim, 0, tiled=True)
+
+
 class RowSplit:
     """The rows of a batch split over ``row_axes`` of ``mesh`` (whole sequences per device), heads over
     ``head_axes``; carried by ``ExpertParallel.rows`` (module docstring)."""
@@ -66,6 +77,12 @@ class RowSplit:
         self.row_axes = tuple(a for a in row_axes if sizes.get(a, 1) > 1)
         self.head_axes = tuple(a for a in head_axes if sizes.get(a, 1) > 1)
 
+    def _cache_split(self, batch: int):
+        """(the PartitionSpec entry of a latent cache's rows, whether they are split over the heads' axis too: then
+        queries and outputs swap rows for heads over that axis, ``_to_cache_rows`` / ``_to_query_rows``)."""
+        rows = latent_cache_rows(self.mesh, self.row_axes, self.head_axes, batch)
+        return _spec(rows), rows != self.row_axes
+
     def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None, q_offset=None):
         """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=][, q_offset=])`` → (o, max_logit) run per device on its
         rows (e.g. ``layers.backends.mla_flash`` with its scale and block bound): q [B, T, N, Hn+Hr], c_kv [B, S, R],
@@ -75,17 +92,13 @@ class RowSplit:
         q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         extra = {k: v for k, v in (("segment_ids", segment_ids), ("q_offset", q_offset)) if v is not None}
-        cache_rows = self.row_axes if q_offset is None or segment_ids is not None else \
-            latent_cache_rows(self.mesh, self.row_axes, self.head_axes, q.shape[0])
-        c, swap = _spec(cache_rows), cache_rows != self.row_axes
+        cached = q_offset is not None and segment_ids is None
+        c, swap = self._cache_split(q.shape[0]) if cached else (b, False)
 
         def local(q, c, r, wk, wv, *more):
-            if swap:                                          # my cache slice's rows, every head (latent_decode)
-                q = jax.lax.all_to_all(q, h, 0, 2, tiled=True)
+            q = _to_cache_rows(q, h) if swap else q
             o, mx = flash(q, c, r, wk, wv, **dict(zip(extra, more, strict=True)))
-            if swap:
-                o, mx = jax.lax.all_to_all(o, h, 2, 0, tiled=True), jax.lax.all_to_all(mx, h, 1, 0, tiled=True)
-            return o, mx
+            return (_to_query_rows(o, h, 2), _to_query_rows(mx, h, 1)) if swap else (o, mx)
 
         w = P(None, None, None) if swap else P(None, h, None)
         in_specs = (P(b, None, h, None), P(c, None, None), P(c, None, None), w, w)
@@ -105,16 +118,13 @@ class RowSplit:
         Returns o [B, T, N, V], split like q."""
         b, h = _spec(self.row_axes), _spec(self.head_axes)
         stacked = layer is not None
-        cache_rows = latent_cache_rows(self.mesh, self.row_axes, self.head_axes, q_nope.shape[0])
-        c = _spec(cache_rows)
+        c, swap = self._cache_split(q_nope.shape[0])
         cache = P(None, c, None, None) if stacked else P(c, None, None)
-        swap = cache_rows != self.row_axes                   # the cache's rows are split over the heads' axis too
 
         def local(qn, qr, c, r, wk, wv, pos, n, *lay):
-            if swap:                                          # rows of my cache slice, every head
-                qn, qr = (jax.lax.all_to_all(x, h, 0, 2, tiled=True) for x in (qn, qr))
+            qn, qr = (_to_cache_rows(qn, h), _to_cache_rows(qr, h)) if swap else (qn, qr)
             o = decode(qn, qr, c, r, wk, wv, q_pos=pos, kv_len=n, layer=lay[0] if stacked else None)
-            return jax.lax.all_to_all(o, h, 2, 0, tiled=True) if swap else o
+            return _to_query_rows(o, h, 2) if swap else o
 
         w = P(None, None, None) if swap else P(None, h, None)
         in_specs = (P(b, None, h, None), P(b, None, h, None), cache, cache, w, w, P(c, None), P(c)) + \
