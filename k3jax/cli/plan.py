@@ -307,7 +307,9 @@ def _print_compiled(p: dict, out) -> None:
           + "\n")
     if "cache" in p:
         c = p["cache"]
-        w(f"  cache at context {p['context']:,}{' (small-batch rule: replicated)' if p['small_batch'] else ''}: "
+        rule = " (small-batch rule: replicated)" if p["small_batch"] else \
+            " (rows split; every row's tokens on every chip)" if p.get("whole_rows") else ""
+        w(f"  cache at context {p['context']:,}{rule}: "
           f"{c['per_device'] / 1e9:,.2f} GB/device (KDA {c['kda_per_device'] / 1e9:,.2f}, MLA latent "
           f"{c['mla_per_device'] / 1e9:,.2f}), {c['global'] / 1e9:,.2f} GB in all\n")
     cap = p.get("capacity_bytes_per_device")

@@ -183,7 +183,7 @@ class KDA(nnx.Module):
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
     def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
-                 lengths=None, start=None, segment_ids=None, context=None):
+                 lengths=None, start=None, segment_ids=None, context=None, rows=None):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
@@ -193,7 +193,8 @@ class KDA(nnx.Module):
         windows restart at every document boundary (training and scoring; not with a cache). context: None, or a
         ``ContextParallel`` (T split over devices: the convs and the core run per shard and combine their states,
         k3jax/sharding/context_parallel.py; a cached piece then continues the cache from any ``start`` on the
-        shards' own chunk grids)."""
+        shards' own chunk grids). rows: None, or a ``RowSplit`` the cache's rows are split by: the core runs on them
+        between ``RowSplit.enter`` and ``leave`` (the stream may hold every row, k3jax/sharding/row_split.py)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if segment_ids is not None and (cache or lengths is not None or start is not None):
@@ -219,6 +220,9 @@ class KDA(nnx.Module):
         else:
             g = kda_ops.gate_safe(raw, self.dt_bias[...], self.A_log[...], self.gate_lower_bound)
         beta = jax.nn.sigmoid(mm("btd,dn->btn", x, self.w_beta))
+        if rows is not None:                                        # the caches' rows (module docstring)
+            us = [rows.enter(u, 2) for u in us]
+            g, beta = rows.enter(g, 2), rows.enter(beta, 2)
         if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged
             real = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
             g = jnp.where(real[:, :, None, None], g, 0.0)
@@ -252,6 +256,7 @@ class KDA(nnx.Module):
                 o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
                              gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
         o = o.astype(ct)
+        o = o if rows is None else rows.leave(o, 2)
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
         if hasattr(self, "w_gate"):
             gate = lora.proj(self, "w_gate", "btd,dnk->btnk", x, self.w_gate[...], ct)

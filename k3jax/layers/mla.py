@@ -169,11 +169,13 @@ class MLA(nnx.Module):
         With a stacked cache the kernel reads the layer's [B, S, ·] slice, a copy of it (one read and one write of
         B · S · (R + Hr) values per call; the kernel then reads its blocks).
         rows: None, or a ``RowSplit`` (the rows and their caches split over devices, no context): attention runs per
-        device inside its ``shard_map`` (k3jax/sharding/row_split.py), kernels or XLA, on the caches as placed.
+        device inside its ``shard_map`` (k3jax/sharding/row_split.py), kernels or XLA, on the caches as placed; with
+        the stream's rows whole, the queries enter the split and the outputs leave it (``RowSplit.enter`` / ``leave``).
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
         q, c_kv, k_rope = self.project(x, norm_eps)
+        q = q if rows is None else rows.enter(q, 2)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         S = cache["c_kv"].shape[-2]
@@ -214,7 +216,7 @@ class MLA(nnx.Module):
             args = (q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:])
             kw = dict(q_pos=pos, kv_len=start + lengths, layer=layer)
             o = attend(*args, **kw) if rows is None else rows.latent_decode(attend, *args, **kw)
-        return self.output(x, o), new
+        return self.output(x, o if rows is None else rows.leave(o, 2)), new
 
 
 __all__ = ["MAX_DECODE_QUERIES", "MLA", "MLADims", "big_key_block"]

@@ -129,14 +129,17 @@ class DecoderLayer(nnx.Module):
         or the index of this layer's slice in a cache stacked over the scanned groups (``model.cache``): MLA
         writes and reads its latent in the stack in place; KDA's state and tails are small and are sliced out and
         written back. context: a ``ContextParallel`` (the piece split over devices), or None. rows: a ``RowSplit``
-        (rows and caches split over devices), where MLA's kernels run per device, or None."""
+        (the caches' rows split over devices; the stream's too unless ``stream_whole``), where KDA's core and MLA's
+        attention run per row shard, or None."""
+        if rows is not None and rows.stream_whole:   # the projections see every row (``RowSplit.enter``)
+            h = rows.whole(h)
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
                                    block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context,
                                    impl=run.mla_impl, rows=rows)
         mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
         y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
-                          lengths=lengths, start=start, context=context)
+                          lengths=lengths, start=start, context=context, rows=rows)
         if layer is not None:
             new = jax.tree.map(lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), layer, 0),
                                cache, new)

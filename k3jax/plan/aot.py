@@ -105,15 +105,18 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
         raise ValueError("build_program compiles one remat policy; compile_plan resolves 'auto' (auto_remat)")
     run = run_settings(cfg, spec)
     small = spec.mode in STEP_MODES and place.small_batch(strategy, mesh, spec.batch)
+    whole = spec.mode in STEP_MODES and place.whole_rows(strategy, mesh, spec.batch)
     dispatch = place.expert_dispatch(strategy, mesh, batch=spec.batch, capacity_factor=spec.capacity_factor,
-                                     packed_kernel=run.packed_kernel, replicate_tokens=small)
+                                     packed_kernel=run.packed_kernel, replicate_tokens=whole,
+                                     cache_rows=whole and not small)
     context = getattr(dispatch, "context", None)               # the sequence split (k3jax/sharding/context_parallel)
     abstract = plan_params(cfg, spec)
     if spec.mode == "verify":
-        return verify_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small)
+        return verify_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small,
+                              whole=whole)
     if spec.mode in ("prefill", "decode"):
         return serving_program(cfg, spec, mesh, strategy, run=run, params=abstract, dispatch=dispatch, small=small,
-                               context=context)
+                               whole=whole, context=context)
     if spec.mode == "forward":
         p_sh = param_shardings(cfg, strategy, mesh, abstract)
         tok_sh = place.batch_sharding(strategy, mesh, 2) if context is None else context.sharding(2)
@@ -129,18 +132,20 @@ def build_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str):
 
 
 def serving_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool,
-                    context=None):
+                    whole: bool | None = None, context=None):
     """Prefill (tokens [B, T] into an empty cache of --context positions) or one decode step ([B, 1] at --context
     keys): ``model.cache.advance`` on the scanned cache layout (the repeating group compiled once) placed by
     ``CACHE_AXES`` under the rules (replicated by the small-batch rule ``small``) and donated, the last token's
-    logits out → (jitted fn(params, tokens, cache), abstract arguments). ``params``: the parameter tree (arrays or
+    logits out → (jitted fn(params, tokens, cache), abstract arguments). ``whole``: the tokens on every device
+    (``placement.whole_rows``; default ``small``). ``params``: the parameter tree (arrays or
     ShapeDtypeStructs), for its shardings. ``context``: a ``ContextParallel`` (a context-parallel prefill: the
     tokens and the latent cache's positions split over its sequence axes)."""
     T = spec.seq_len
     p_sh = param_shardings(cfg, strategy, mesh, params)
     shapes = cache_shapes(cfg, spec.batch, spec.context, run, stacked=True)  # the scanned group: one group compiled
     c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small, context=context)
-    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small) if context is None else context.sharding(2)
+    whole = small if whole is None else whole
+    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=whole) if context is None else context.sharding(2)
     decode = spec.mode == "decode"
 
     def step(p, tokens, cache):
@@ -243,6 +248,7 @@ def compile_plan(cfg: K3Config, target: Target, spec: PlanSpec, log=None, hlo_ou
     if spec.mode in CACHED:
         out["context"] = spec.context
         out["small_batch"] = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
+        out["whole_rows"] = spec.mode in STEP_MODES and place.whole_rows(strategy, sizes, spec.batch)
         out["cache"] = cache_bytes(cfg, spec, sizes, strategy)
     if spec.mode == "verify":
         out.update(draft_tokens=spec.draft_tokens, rollback=spec.rollback)

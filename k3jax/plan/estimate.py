@@ -86,8 +86,8 @@ def estimate_arguments(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str
             out["weights"] += 4 * n
             out["optimizer"] += state_per_label[label] * n
             out["gradient_bytes"] += 0 if label == "frozen" else 4 * n
-    small = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
-    ways = 1 if small else place.token_parallel(strategy, sizes)
+    whole = spec.mode in STEP_MODES and place.whole_rows(strategy, sizes, spec.batch)
+    ways = 1 if whole else place.token_parallel(strategy, sizes)
     out["tokens"] = 4 * spec.batch * (spec.seq_len + (spec.mode not in SERVING)) / ways
     out["cache"] = cache_bytes(cfg, spec, sizes, strategy)["per_device"] if spec.mode in CACHED else 0.0
     out["draft"] = 0.0

@@ -159,12 +159,12 @@ def experts_reached(tokens: float, num_experts: int, top_k: int) -> float:
 
 
 def expert_tokens(spec: PlanSpec, sizes: dict, strategy: str) -> float:
-    """Tokens of one step that reach one device's experts: the small-batch rule — every row; otherwise the device's
-    own tokens (B·T over the token and sequence axes) times the ways the expert exchange gathers them (the expert
-    axis), at most B·T."""
+    """Tokens of one step that reach one device's experts: every row where they sit whole on every device
+    (``placement.whole_rows``); otherwise the device's own tokens (B·T over the token and sequence axes) times the
+    ways the expert exchange gathers them (the expert axis), at most B·T."""
     spec = with_defaults(spec)[0]
     tokens = spec.batch * spec.seq_len
-    if spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch):
+    if spec.mode in STEP_MODES and place.whole_rows(strategy, sizes, spec.batch):
         return float(tokens)
     s = axis_sizes(sizes)
     seq = s["context"] if place.uses_context(strategy, sizes) else 1

@@ -8,8 +8,7 @@ target's collectives only).
     choice = choose_layout(cfg, target, spec)       # {"candidates": rows, "chosen": rows[0], "why": ...}
 
 Candidates on N chips (at most four; a pair whose mesh the rules cannot place on the model — a dimension that does
-not divide, ``spec.check`` —, or ``serve`` where the batch is too large for the small-batch rule, is listed with
-its error and never chosen):
+not divide, ``spec.check`` —, or ``serve`` for a prefill, is listed with its error and never chosen):
     tensor=4,expert=N/4  ep_tp   today's serving mesh (experiments/LOG.md's slice table): heads / FFN over tensor
     tensor=8,expert=N/8  ep_tp   the same with the non-expert weights split 8 ways
     tensor=4,expert=N/4  serve   non-expert weights over all N chips: heads over tensor, the width over expert
@@ -41,6 +40,7 @@ from k3jax.plan.floor import bytes_floor
 from k3jax.plan.hardware import CHIPS, Target, axis_links, collective_hops, collective_latency_s, topology_dims
 from k3jax.plan.spec import STEP_MODES, PlanSpec, check, with_defaults
 from k3jax.sharding import placement as place
+from k3jax.sharding.row_split import latent_cache_rows
 from k3jax.sharding.rules import mesh_axes_of
 
 # (tensor ways, rules column, why it is a candidate); the expert axis takes the rest of the chips
@@ -80,22 +80,40 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
       FFN        the input projections' over the width's axes — at a MoE layer one all-reduce with the router's and
                  the LatentMoE down projection's (they contract the same input); the output projection's over the
                  hidden's (``mlp``) axes. LatentMoE up maps the routed sum onto the width split locally.
-      MoE        the small-batch rule's one psum over the experts' and their hidden's axes — and, where the width is
-                 whole (the router [D, E] split by its experts), the scores and the chosen weights gathered over the
-                 experts' axes (two all-reduces: 463 compiled against 454 counted on v5p-512 expert=64,tensor=8) —,
-                 else the dispatch and combine all-to-alls over the expert axis (A latent rows per token)."""
+      MoE        with every row on every device (``placement.whole_rows``) one psum over the experts' and their
+                 hidden's axes — and, where the width is whole (the router [D, E] split by its experts), the scores
+                 and the chosen weights gathered over the experts' axes (two all-reduces: 463 compiled against 454
+                 counted on v5p-512 expert=64,tensor=8) —, else the dispatch and combine all-to-alls over the expert
+                 axis (A latent rows per token)
+      caches     where the caches' rows are split (``placement.kernel_rows``; not the small-batch rule) and the
+                 latent's rows take the heads' axis too (``row_split.latent_cache_rows``): per MLA layer three
+                 all-to-alls over that axis (the queries' two parts, the output) and W_UK / W_UV gathered whole over
+                 it; with the stream's rows whole each mixer's per-row output is all-gathered over the rows' axes
+                 (``RowSplit.leave``)."""
     spec = with_defaults(spec)[0]
     ax = lambda name: mesh_axes_of(name, strategy, sizes)  # noqa: E731
     emb, heads, mlp, experts, emlp = ax("embed"), ax("heads"), ax("mlp"), ax("experts"), ax("expert_mlp")
-    small = spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)
-    rows = spec.batch if small else spec.batch / place.token_parallel(strategy, sizes)
+    step = spec.mode in STEP_MODES
+    small = step and place.small_batch(strategy, sizes, spec.batch)
+    whole = step and place.whole_rows(strategy, sizes, spec.batch)
+    split = not small and place.kernel_rows(strategy, sizes, spec.batch)     # the caches' rows over the token axes
+    row_axes = place.token_axes(strategy, sizes)
+    swap = split and latent_cache_rows(sizes, row_axes, heads, spec.batch) != tuple(
+        a for a in row_axes if sizes[a] > 1)
+    rows = spec.batch if whole else spec.batch / place.token_parallel(strategy, sizes)
     tokens = rows * spec.seq_len
     act = tokens * cfg.hidden_size * ACTIVATION_BYTES
     union = lambda *a: tuple(dict.fromkeys(x for t in a for x in t))  # noqa: E731
     norms = 2 if cfg.uses_attn_res and spec.seq_len > GRAM_POSITIONS else 1   # reductions before a projection
     out = []
+    w_ukv = cfg.kv_lora_rank * cfg.mla_num_heads * ACTIVATION_BYTES   # W_UK / W_UV per head dim, gathered whole
     for layer in range(cfg.num_layers):
         moe = cfg.is_moe(layer)
+        if swap and cfg.is_mla(layer):
+            out += [("all-to-all", heads, act)] * 3
+            out += [("all-gather", heads, w_ukv * d) for d in (cfg.qk_nope_head_dim, cfg.v_head_dim)]
+        if split and whole:
+            out.append(("all-gather", row_axes, act))
         if emb:                                           # per sublayer: its mix and norm, its input projections
             out += [("all-reduce", emb, act)] * (2 * (norms + 1))
         if heads:
@@ -104,7 +122,7 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
             out.append(("all-reduce", mlp, act))
         if not moe:
             continue
-        if small and (experts or emlp):
+        if whole and (experts or emlp):
             out.append(("all-reduce", union(experts, emlp), act))
             if experts and not emb:
                 out += [("all-reduce", experts, tokens * cfg.num_experts * 4)] * 2
@@ -147,13 +165,13 @@ def estimate_layout(cfg: K3Config, target: Target, spec: PlanSpec) -> dict:
     InputError when the rules cannot place it."""
     sizes, strategy = check(cfg, target, spec)
     spec = with_defaults(replace(spec, strategy=strategy, platform=target.platform))[0]
-    # serve splits the width over the expert axis, which a batch too large for the small-batch rule splits its rows
-    # over as well: XLA then moves activations and weights around every projection (kimi-k3, B = 64 at 128K on
-    # v5p-64, expert=64 serve: 221.6 ms per step compiled, 218 GB of collectives per chip, against 20.2 ms
-    # estimated; experiments/LOG.md 2026-12-06 session 25). It is the small-batch column.
-    if strategy == "serve" and not (spec.mode in STEP_MODES and place.small_batch(strategy, sizes, spec.batch)):
-        raise InputError(f"--strategy serve: a column for decode batches small enough to sit whole on every chip; "
-                         f"--batch {spec.batch} splits its rows over the axis serve splits the width over")
+    # serve splits the width over the expert axis; a prefill splits its rows over it as well, and XLA then moves
+    # activations and weights around every projection (kimi-k3, B = 64 at 128K on v5p-64, expert=64 serve: 221.6 ms
+    # per step compiled, 218 GB of collectives per chip, against 20.2 ms estimated; experiments/LOG.md 2026-12-06
+    # session 25). Decode and verify keep every row whole on every chip under serve (``placement.whole_rows``).
+    if strategy == "serve" and spec.mode not in STEP_MODES:
+        raise InputError(f"--strategy serve: a column for decode and verify steps, whose rows sit whole on every "
+                         f"chip; --mode {spec.mode} splits its rows over the axis serve splits the width over")
     chip = target.chip or CHIPS["v5p"]
     floor = bytes_floor(cfg, spec, sizes, strategy)
     latency, volume = collective_seconds(layer_collectives(cfg, spec, sizes, strategy), sizes, chip,

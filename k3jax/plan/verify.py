@@ -68,10 +68,12 @@ def _sds(shapes, shardings):
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def verify_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool):
+def verify_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, params, dispatch, small: bool,
+                   whole: bool | None = None):
     """One verify step (module docstring) → (jitted fn(params, piece, cache, draft params, draft cache), abstract
     arguments with their shardings). ``params``: the target's parameter tree (arrays or ShapeDtypeStructs);
-    ``small``: the small-batch rule (rows and both caches on every device)."""
+    ``small``: the small-batch rule (rows and both caches on every device); ``whole``: the pieces on every device
+    (``placement.whole_rows``; default ``small``)."""
     spec = with_defaults(spec)[0]
     B, K = spec.batch, spec.draft_tokens
     T = K + 1
@@ -80,7 +82,7 @@ def verify_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, p
     p_sh = param_shardings(cfg, strategy, mesh, params)
     shapes = cache_shapes(cfg, B, spec.context, run, stacked=True)
     c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small)
-    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small)
+    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small if whole is None else whole)
     gdef, dparams, daxes = abstract_draft(dcfg, run.param_dtype)
     d_sh = jax.tree.map(lambda ps: NamedSharding(mesh, ps), draft_specs(dparams, daxes, strategy, mesh),
                         is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))

@@ -21,7 +21,8 @@ Per device (X = expert-axis size, El = E / X local experts, m local tokens, A = 
 Small batches (``replicate_tokens=True``, the small-batch rule of ``placement.small_batch``: fewer rows than the
 token axes' ways, e.g. one sequence decoded on 64 chips): every device holds every row, runs the slots routed to its
 own experts (the others take the pad id) and one psum over the expert and tensor axes combines them (``_replicated``:
-no exchange, no capacity, nothing dropped).
+no exchange, no capacity, nothing dropped). ``cache_rows=True`` too (``placement.whole_rows``: serve's decode at a
+batch that divides): the caches keep their rows split, ``rows`` a ``RowSplit`` with the stream whole.
 
 Context parallelism (``context=``, k3jax/sharding/context_parallel.py): the [B·T] rows are split over the batch
 axes and the sequence axes of the ``ContextParallel`` (a batch of one 1M-token sequence: T / devices rows per chip);
@@ -40,12 +41,10 @@ Bucket size C (rows one source shard may send one destination shard):
     capacity_factor = -1 (default): C = C_max, dropless.
 ``dispatch`` returns the dropped-assignment count (summed over all devices); ``__call__`` (the experts_fn the MoE
 layer calls) records it host-side in ``self.dropped`` (one int per executed call) through ``jax.debug.callback``
-whenever drops are possible; ``check()`` raises if anything was dropped. (The callback itself never raises: an
-exception inside a host callback aborts the XLA:CPU process.) Both paths keep the same rows under a capacity (the
-first C of each (source, destination) pair in sorted order): the ragged path sends at most C rows per pair into
-a receive buffer of X·C rows. At full K3 size the worst case is what does not fit: m = 4096 tokens per chip,
-A = 16, El = 14 on expert = 64 gives X·C_max = 3.7 M rows per MoE layer, 56x the balanced 65,536
-(``k3 plan --compile``, experiments/LOG.md).
+whenever drops are possible; ``check()`` raises if anything was dropped (the callback never raises: that aborts
+the XLA:CPU process). Both paths keep the first C rows of each (source, destination) pair in sorted order. At full
+K3 size the worst case does not fit: m = 4096, A = 16, El = 14 on expert = 64 gives X·C_max = 3.7 M rows per MoE
+layer, 56x the balanced 65,536 (experiments/LOG.md).
 """
 
 from __future__ import annotations
@@ -253,7 +252,7 @@ class ExpertParallel:
     """
 
     def __init__(self, mesh: jax.sharding.Mesh, rules="ep", *, capacity_factor: float = -1.0, impl: str = "auto",
-                 packed_kernel: str = "auto", replicate_tokens: bool = False, context=None):
+                 packed_kernel: str = "auto", replicate_tokens: bool = False, cache_rows: bool = False, context=None):
         if impl not in ("auto", "bucketed", "ragged"):
             raise ValueError(f"impl must be 'auto', 'bucketed' or 'ragged', got {impl!r}")
         if packed_kernel not in PACKED_KERNELS:
@@ -284,17 +283,19 @@ class ExpertParallel:
                              f"(batch → {self.token_axes})")
         self.n_shards = axis_sizes(mesh).get(self.expert_axis, 1)
         self.n_token_shards = math.prod(axis_sizes(mesh)[a] for a in self.token_axes)
-        # whole rows per device (no context axis, no small-batch rule): the MLA flash kernel runs per device on them
-        # (k3jax/sharding/row_split.py; ``placement.kernel_rows`` says when)
-        self.rows = None if context is not None or replicate_tokens or not self.token_axes else \
-            RowSplit(mesh, self.token_axes, mesh_axes_of("heads", rules, mesh))
+        # whole sequences per device (no context axis, the rows or the caches split): MLA's kernels run per device
+        self.rows = None if context is not None or (replicate_tokens and not cache_rows) or not self.token_axes \
+            else RowSplit(mesh, self.token_axes, mesh_axes_of("heads", rules, mesh), stream_whole=replicate_tokens)
         self.dropped: list[int] = []
 
     def constrain_tokens(self, x, batch_dim: int = 0):
-        """``x`` with its batch dimension pinned to the token axes (the rest replicated), when it divides; the
-        model calls this on its residual stream (``K3Model._walk``). Under context parallelism: its split."""
+        """``x`` with its batch dimension pinned to the token axes (the rest replicated), when it divides, or whole
+        (``cache_rows``); the model calls this on its residual stream (``K3Model._walk``). Under context parallelism:
+        its split."""
         if self.context is not None:
             return self.context.constrain_tokens(x, batch_dim)
+        if self.rows is not None and self.rows.stream_whole:
+            return jnp.moveaxis(self.rows.whole(jnp.moveaxis(x, batch_dim, 0)), 0, batch_dim)
         if self.replicate_tokens or not self.token_axes or x.shape[batch_dim] % self.n_token_shards:
             return x
         spec = P(*([None] * batch_dim), self.token_axes if len(self.token_axes) > 1 else self.token_axes[0])
@@ -302,11 +303,10 @@ class ExpertParallel:
 
     def replicate(self, w):
         """``w`` (a small weight: the router [D, E]) pinned whole on every device, so the MoE layer contracts its
-        own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner may instead
-        move the tokens onto the weight's D split and make every device's partial scores for all tokens of the
-        mesh: ``f32[2097152, 896]``, 7.5 GB per MoE layer and chip in XLA:CPU's plan of the v5p-512 step on cpu:512
-        (LOG, 2026-12-02). Under the small-batch rule (all rows on every device) ``w`` stays as stored: with D split
-        (``serve``) its partial scores' all-reduce joins LatentMoE down's; pinned, it was gathered (LOG, 2026-12-07)."""
+        own token rows locally. With D split over fsdp × expert (``zero3_ep_tp``) XLA's partitioner may instead move
+        the tokens onto the weight's D split: every device's partial scores for all tokens of the mesh, 7.5 GB per
+        MoE layer and chip on v5p-512 (LOG, 2026-12-02). With all rows on every device ``w`` stays as stored: with D
+        split (``serve``) its partial scores' all-reduce joins LatentMoE down's (LOG, 2026-12-07)."""
         return w if self.replicate_tokens else \
             jax.lax.with_sharding_constraint(w, jax.sharding.NamedSharding(self.mesh, P()))
 

@@ -154,6 +154,17 @@ def small_batch(strategy: str, mesh, batch: int, flag: str = "--batch") -> bool:
                      "replicates a batch of fewer rows than that)")
 
 
+def whole_rows(strategy: str, mesh, batch: int, flag: str = "--batch") -> bool:
+    """Whether a decode / verify step holds every row on every device: the small-batch rule (``small_batch``), or
+    the ``serve`` column at any batch. serve splits the model width over the token axis, so rows split over it as
+    well would move activations and weights around every projection (kimi-k3 at B = 64 on v5p-64: 221.6 ms per step
+    compiled; experiments/LOG.md, 2026-12-06); with the rows whole its projections reduce partial sums of [B, ·]
+    activations instead. Where the batch divides, the caches keep their rows split over the token axes and the
+    attention runs per row shard (``ExpertParallel(cache_rows=True)``, ``RowSplit.enter`` / ``leave``).
+    InputError as ``small_batch``."""
+    return small_batch(strategy, mesh, batch, flag) or strategy == "serve"
+
+
 def batch_sharding(strategy: str, mesh, ndim: int, batch_dim: int = 0, replicated: bool = False) -> NamedSharding:
     """The sharding of an [..., b, ...] token array whose dimension ``batch_dim`` is the batch (``replicated``: the
     small-batch rule's, every row on every device)."""
@@ -320,4 +331,5 @@ def bytes_per_device(tree) -> int:
 
 __all__ = ["batch_sharding", "bytes_per_device", "cache_rules", "cache_shardings", "check_strategy",
            "default_strategy", "expert_dispatch", "format_mesh", "kernel_rows", "opt_specs", "parse_mesh",
-           "resolve_mesh", "small_batch", "state_shardings", "token_axes", "token_parallel", "uses_context"]
+           "resolve_mesh", "small_batch", "state_shardings", "token_axes", "token_parallel", "uses_context",
+           "whole_rows"]

@@ -22,6 +22,13 @@ divides, the latent's rows are split over the heads' axis as well (``latent_cach
 its rows' queries for its cache rows' over that axis, attends with every head and swaps the outputs back, so each
 latent is read once instead of once per head shard (experiments/LOG.md, 2026-12-07).
 
+The serve column's decode keeps the stream's rows whole on every device (``stream_whole``; ``placement.whole_rows``:
+its projections split the model width over the token axis) and splits only the caches by rows. Each mixer then
+hands its per-row inputs to the split (``enter``: reduced whole, then sliced — no collective) and its outputs back
+(``leave``: an all-gather over the rows' axes) around the per-row attention: KDA's recurrent step on its state's
+rows, MLA's ``latent_decode``. kimi-k3 at B = 64, 128K on v5p-64: 26.5 ms per step against ep_tp's 42.7 ms, the
+non-expert weights read over 64 chips instead of 4 (experiments/LOG.md, 2026-12-07 session 33).
+
 Why this matters: without it the plans' training steps ran MLA through XLA's blockwise attention, whose [N, T, bk]
 fp32 score blocks go through HBM (~1.4 TB of the frozen-experts step's 28.5 TB per chip on v5p-512;
 experiments/LOG.md). The KDA kernel is not run this way: its backward is the jnp chunked path's VJP and its forward
@@ -71,9 +78,10 @@ class RowSplit:
     """The rows of a batch split over ``row_axes`` of ``mesh`` (whole sequences per device), heads over
     ``head_axes``; carried by ``ExpertParallel.rows`` (module docstring)."""
 
-    def __init__(self, mesh: jax.sharding.Mesh, row_axes: tuple[str, ...], head_axes: tuple[str, ...] = ()):
+    def __init__(self, mesh: jax.sharding.Mesh, row_axes: tuple[str, ...], head_axes: tuple[str, ...] = (),
+                 stream_whole: bool = False):
         sizes = axis_sizes(mesh)
-        self.mesh = mesh
+        self.mesh, self.stream_whole = mesh, stream_whole
         self.row_axes = tuple(a for a in row_axes if sizes.get(a, 1) > 1)
         self.head_axes = tuple(a for a in head_axes if sizes.get(a, 1) > 1)
 
@@ -82,6 +90,33 @@ class RowSplit:
         queries and outputs swap rows for heads over that axis, ``_to_cache_rows`` / ``_to_query_rows``)."""
         rows = latent_cache_rows(self.mesh, self.row_axes, self.head_axes, batch)
         return _spec(rows), rows != self.row_axes
+
+    def _pin(self, x, heads_dim: int | None, whole: bool):
+        spec = [P.UNCONSTRAINED] * x.ndim
+        spec[0] = None if whole else _spec(self.row_axes)
+        if heads_dim is not None:
+            spec[heads_dim] = _spec(self.head_axes)
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(self.mesh, P(*spec)))
+
+    def whole(self, x):
+        """``x`` [B, ...] with every row on every device (its other dimensions as the partitioner places them): the
+        stream under ``stream_whole``."""
+        return self._pin(x, None, whole=True)
+
+    def enter(self, x, heads_dim: int):
+        """A mixer's per-row input ``x`` [B, ...] (heads at ``heads_dim``) handed from a whole stream to the rows'
+        split: pinned whole first, so that the projection that made it reduces its partial sums over the width's
+        axes, then sliced. Left to itself the partitioner computed such projections on a slice of the rows with
+        their weights all-gathered over the width's axis (kimi-k3 decode at B = 64 on v5p-64: 66 gathers of
+        [3072, 7168] per step; experiments/LOG.md, 2026-12-07). Unchanged when the stream is split by rows."""
+        if not self.stream_whole:
+            return x
+        return self._pin(self._pin(x, heads_dim, whole=True), heads_dim, whole=False)
+
+    def leave(self, x, heads_dim: int):
+        """A per-row output ``x`` [B, ...] back to the whole stream (an all-gather over the rows' axes) before the
+        projection that follows it; unchanged when the stream is split by rows."""
+        return self._pin(x, heads_dim, whole=True) if self.stream_whole else x
 
     def latent_flash(self, flash, q, c_kv, k_rope, w_uk, w_uv, *, segment_ids=None, q_offset=None):
         """``flash(q, c_kv, k_rope, w_uk, w_uv[, segment_ids=][, q_offset=])`` → (o, max_logit) run per device on its

@@ -13,13 +13,14 @@ latent dimension is left fsdp). Full-size K3 training needs it on v5p-512: fp32 
 state of the ~57 B non-expert parameters is ~100 GB per chip over fsdp = 8 alone (``k3 plan --compile``,
 experiments/LOG.md).
 
-``serve`` is the serving column (``k3 plan --compile --mode decode | prefill`` ranks it, k3jax/plan/layouts.py): a
+``serve`` is the serving column (``k3 plan --compile --mode decode | verify`` ranks it, k3jax/plan/layouts.py): a
 decode step reads every weight once, so each chip's share of the non-expert weights sets its time. ``ep_tp`` splits
 them over ``tensor`` alone (kimi-k3 on v5p-64, tensor 4: 36 GB per chip per token); ``serve`` keeps heads, FFN
-hidden and vocab over ``tensor`` and splits the model width ``embed`` (and the LatentMoE ``latent``) over
-``expert``, so every projection is split over tensor × expert — all chips of a tensor × expert mesh. The routed
-expert stacks keep ep_tp's placement (experts → expert, their hidden → tensor; their ``latent`` loses the contested
-expert axis to ``experts``).
+hidden and vocab over ``tensor`` and splits the model width ``embed`` over ``expert``, so every projection is split
+over tensor × expert — all chips of a tensor × expert mesh. The routed expert stacks keep ep_tp's placement
+(experts → expert, their hidden → tensor). Its "batch" row is the token axes, as in ep_tp, but a decode step keeps
+its rows whole on every chip (``placement.whole_rows``): only the caches are split by rows, and the attention runs
+per row shard (k3jax/sharding/row_split.py).
 
 ``seq`` (a sequence's positions) maps to the ``context`` axis in every column but ``single``: a mesh with
 context > 1 splits each sequence (k3jax/sharding/context_parallel.py, which also lends a small batch's unused token

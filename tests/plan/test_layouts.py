@@ -10,6 +10,7 @@ import pytest
 
 from k3jax.cli.main import main
 from k3jax.config import get_preset
+from k3jax.errors import InputError
 from k3jax.plan import layouts
 from k3jax.plan.hardware import parse_target
 from k3jax.plan.spec import PlanSpec
@@ -48,6 +49,31 @@ def test_kimi_k3_decode_on_v5p_64_ranks_the_serve_column_first():
     moe = cfg.num_layers - cfg.first_k_dense_replace
     assert today["collectives_per_step"] == 2 * cfg.num_layers + 3 * moe
     assert "ms" in choice["why"]
+
+
+def test_kimi_k3_decode_at_64_rows_ranks_serve_with_whole_rows_and_split_caches():
+    """B = 64 at 128K on v5p-64: serve keeps every row on every chip (``placement.whole_rows``) and splits only the
+    caches by rows, so it is placed and ranked (it was refused before: rows split over the axis its width takes);
+    its collectives count the per-row attention's: per mixer layer the outputs' all-gather over the rows' axis and,
+    on tensor 4, per MLA layer the latent's swap (3 all-to-alls) and W_UK / W_UV gathered whole (2 all-gathers).
+    A prefill under serve is still refused."""
+    cfg = get_preset("kimi-k3")
+    spec = PlanSpec(mode="decode", mesh=None, batch=64, seq_len=1, context=131072)
+    choice = layouts.choose_layout(cfg, V5P_64, spec)
+    rows = {(r["mesh"], r["strategy"]): r for r in choice["candidates"]}
+    assert all(r["estimate_s"] for r in rows.values()) and choice["chosen"]["strategy"] == "serve"
+    ep_tp, serve, e64 = (rows[k] for k in (("expert=16,tensor=4", "ep_tp"), ("expert=16,tensor=4", "serve"),
+                                           ("expert=64", "serve")))
+    assert serve["bytes_per_device"] < ep_tp["bytes_per_device"] - 25e9    # 36 GB of weights over 64 chips, not 4
+    moe = cfg.num_layers - cfg.first_k_dense_replace
+    mla = len(cfg.full_attn_layers)
+    # serve at B = 1 (the small-batch rule): 7 per MoE layer, 6 per dense one; at B = 64 + the per-row attention's
+    assert serve["collectives_per_step"] == 7 * moe + 6 * (cfg.num_layers - moe) + cfg.num_layers + 5 * mla
+    # expert=64: no heads' or hidden's axis (no swap, no output or FFN all-reduce over tensor)
+    assert e64["collectives_per_step"] == 5 * moe + 4 * (cfg.num_layers - moe) + cfg.num_layers
+    with pytest.raises(InputError, match="--mode prefill"):
+        layouts.estimate_layout(cfg, V5P_64, PlanSpec(mode="prefill", mesh="expert=16,tensor=4", strategy="serve",
+                                                      batch=16, seq_len=8192, context=8192))
 
 
 def test_bad_input_exits_2(capsys):

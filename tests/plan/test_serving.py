@@ -44,13 +44,16 @@ def params():
     return pack_params(p)
 
 
-def _program(params, mesh_axes, mode, batch, *, small=False, packed_kernel="auto", run=RUN):
-    sizes, strategy = place.resolve_mesh(mesh_axes, devices=8)
+def _program(params, mesh_axes, mode, batch, *, small=False, packed_kernel="auto", run=RUN, strategy=None):
+    sizes, strategy = place.resolve_mesh(mesh_axes, devices=8, strategy=strategy)
     mesh = make_mesh(sizes)
     spec = plan_spec.PlanSpec(mode=mode, mesh=mesh_axes, batch=batch, seq_len=T if mode == "prefill" else 1,
                               context=CONTEXT, capacity_factor=-1.0, strategy=strategy)
-    ep = ExpertParallel(mesh, strategy, replicate_tokens=small, packed_kernel=packed_kernel)
-    fn, args = aot.serving_program(TINY, spec, mesh, strategy, run=run, params=params, dispatch=ep, small=small)
+    whole = mode == "decode" and place.whole_rows(strategy, mesh, batch)       # as aot.build_program decides
+    ep = ExpertParallel(mesh, strategy, replicate_tokens=whole, cache_rows=whole and not small,
+                        packed_kernel=packed_kernel)
+    fn, args = aot.serving_program(TINY, spec, mesh, strategy, run=run, params=params, dispatch=ep, small=small,
+                                   whole=whole)
     put = partial(jax.tree.map, lambda x, a: jax.device_put(x, a.sharding))
     own = partial(jax.tree.map, jnp.copy)  # the program donates its cache: never the caller's arrays
     # the plan's program takes the scanned cache layout
@@ -61,10 +64,11 @@ def _tokens(batch, width, seed):
     return np.random.default_rng(seed).integers(0, TINY.vocab_size, (batch, width)).astype(np.int32)
 
 
-def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel="auto", run=RUN):
+def _decode_both(params, mesh_axes, mine, ref, last, batch, small, packed_kernel="auto", run=RUN, strategy=None):
     """STEPS greedy decode steps with the plan's decode program on the mesh from ``mine`` and on one device (the
     flat cache layout, ``RUN``) from ``ref``."""
-    step = _program(params, mesh_axes, "decode", batch, small=small, packed_kernel=packed_kernel, run=run)
+    step = _program(params, mesh_axes, "decode", batch, small=small, packed_kernel=packed_kernel, run=run,
+                    strategy=strategy)
     for s in range(STEPS):
         ids = np.asarray(jnp.argmax(last, -1), np.int32)
         got, mine = step(params, ids[:, None], mine)
@@ -108,6 +112,20 @@ def test_small_batch_rule_decode_equals_one_device(params, packed_kernel):
     tokens = _tokens(2, T, 1)
     last, cache = C.prefill(params, tokens, None, C.init_cache(TINY, 2, CONTEXT, RUN), TINY, RUN, last_only=True)
     _decode_both(params, "data=2,expert=4", cache, cache, last, 2, small=True, packed_kernel=packed_kernel)
+
+
+@pytest.mark.parametrize("mla", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_serve_decode_keeps_rows_whole_and_splits_the_caches(params, mla):
+    """The serve column at a batch that divides its token axis (8 rows on expert 4 x tensor 2, the width over
+    expert): every row on every device for the projections and the experts (one psum), the caches split by rows —
+    the KDA state over expert x heads, the latent over expert x tensor — and the attention per row shard between
+    ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the decode kernel, interpreted)."""
+    tokens = _tokens(8, T, 2)
+    last, cache = C.prefill(params, tokens, None, C.init_cache(TINY, 8, CONTEXT, RUN), TINY, RUN, last_only=True)
+    sizes, _ = place.resolve_mesh("expert=4,tensor=2", devices=8, strategy="serve")
+    assert place.whole_rows("serve", sizes, 8) and not place.small_batch("serve", sizes, 8)
+    _decode_both(params, "expert=4,tensor=2", cache, cache, last, 8, small=False, run=RUN.replace(mla_impl=mla),
+                 strategy="serve")
 
 
 @pytest.mark.parametrize("mode,batch", [("decode", 8), pytest.param("decode", 1, marks=pytest.mark.slow),
