@@ -94,11 +94,12 @@ def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None, exp
 
 
 def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, platform: str | None = None,
-                  expected_load: dict | None = None):
+                  expected_load: dict | None = None, rows=None, copies: int = 1):
     """The grouped GLU FFN of MXFP4 expert stacks (``PackedWeight`` pairs w1, w3 [G, F, P/2 | P/32], w2 [G, P, F/2 |
     F/32]) over expert-sorted rows x [R, P]: the three grouped kernels of ``mxfp4_gmm`` run in tile space, the rows
     padded into per-expert tiles once (pallas_kernels/mxfp4_matmul/ffn.py); output in x.dtype, VJP with respect to
-    x by the transposed kernel. ``platform``, the interpreter on CPU, ``expected_load``: as ``mxfp4_gmm``."""
+    x by the transposed kernel. ``platform``, the interpreter on CPU, ``expected_load``: as ``mxfp4_gmm``; ``rows``,
+    ``copies``: the gather form (x a table of tokens; the kernel module's docstring)."""
     import jax.numpy as jnp
 
     from pallas_kernels.mxfp4_matmul import mxfp4_glu_ffn as ffn  # Pallas, lazily (the module docstring)
@@ -107,7 +108,7 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, 
     load = expected_load or {}
     return ffn(x, tuple(w1), tuple(w3), tuple(w2), group_sizes, act, act_quant=act_quant,
                acc=jnp.float32 if acc is None else acc, platform=platform or target, interpret=target == "cpu",
-               expected_rows=load.get("rows"), expected_groups=load.get("groups"))
+               expected_rows=load.get("rows"), expected_groups=load.get("groups"), rows=rows, copies=copies)
 
 
 def glu_mxfp8(a, b, act, dtype, rule: str, *, acc=None):

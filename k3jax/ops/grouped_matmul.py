@@ -211,7 +211,10 @@ def _tiled_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, tile: int | Non
 def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, ffn, act_quant=None,
                     quantized_input: bool = False):
     """Steps 1, 2 and 4 of the module docstring around step 3, ``ffn(xs [R, P], group_sizes [E], w1, w3, w2, act,
-    act_quant, acc) → [R, P]`` on the expert-sorted rows (``act_quant`` there: h's).
+    act_quant, acc) → [R, P]`` on the expert-sorted rows (``act_quant`` there: h's). An ``ffn`` marked
+    ``gathers_rows`` (the packed experts' FFN kernel) takes the tokens z [M, P] and the sort instead
+    (``rows=(order, inverse), copies=A``) and returns y [M·A, P] in the copies' order: it gathers its padded rows from
+    z itself, so no sorted copy of the M·A rows is made (pallas_kernels/mxfp4_matmul/ffn.py).
 
     ``act_quant`` (the MXFP8 fake-quant of the GEMM inputs, straight-through) quantizes z here, once per token before
     its A copies: its blocks lie along P, so the copies' values are the ones quantizing each copy would give, for a
@@ -225,11 +228,13 @@ def experts_grouped(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, 
     E = (w1_epf.shape if hasattr(w1_epf, "shape") else jax.tree.leaves(w1_epf)[0].shape)[0]
     acc = acc_dtype(z_mp.dtype)
     order, inverse, group_sizes = sort_by_expert(ids_ma, E)
-    rows = jnp.broadcast_to(z_mp[:, None, :], (M, A, z_mp.shape[-1])).reshape(M * A, -1)
-    xs = permute_rows(rows, order, inverse)
-    ys = ffn(xs, group_sizes, w1_epf, w3_epf, w2_efp, act, act_quant, acc)
-    y = permute_rows(ys, inverse, order).reshape(M, A, -1)
-    return jnp.einsum("map,ma->mp", y, weights_ma.astype(acc))
+    if getattr(ffn, "gathers_rows", False):  # it gathers each sorted row from the tokens, y in the copies' order
+        y = ffn(z_mp, group_sizes, w1_epf, w3_epf, w2_efp, act, act_quant, acc, rows=(order, inverse), copies=A)
+    else:
+        rows = jnp.broadcast_to(z_mp[:, None, :], (M, A, z_mp.shape[-1])).reshape(M * A, -1)
+        ys = ffn(permute_rows(rows, order, inverse), group_sizes, w1_epf, w3_epf, w2_efp, act, act_quant, acc)
+        y = permute_rows(ys, inverse, order)
+    return jnp.einsum("map,ma->mp", y.reshape(M, A, -1), weights_ma.astype(acc))
 
 
 def experts_ragged(z_mp, ids_ma, weights_ma, w1_epf, w3_epf, w2_efp, act: Act, *, act_quant=None,

@@ -197,15 +197,19 @@ def _tiles_backward(xs, group_sizes, w1, w3, w2, dy, *, act, acc, tile: int, fc:
     return dxt.reshape(-1, P)[back].astype(xs.dtype)
 
 
-def _gmm_forward(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm):
-    """y [R, P] (acc) by the grouped GLU FFN kernel ``gmm`` (the Pallas kernels on GPU/TPU; output in xs.dtype)."""
-    return gmm(xs, w1, w3, w2, group_sizes, act, act_quant=act_quant, acc=acc).astype(acc)
+def _gmm_forward(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, copies):
+    """y [R, P] (acc) by the grouped GLU FFN kernel ``gmm`` (the Pallas kernels on GPU/TPU; output in xs.dtype);
+    with ``rows`` its gather form (xs a table of tokens, y in the copies' order)."""
+    form = {} if rows is None else {"rows": rows, "copies": copies}
+    return gmm(xs, w1, w3, w2, group_sizes, act, act_quant=act_quant, acc=acc, **form).astype(acc)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
-    """Grouped GLU FFN of expert-sorted rows xs [R, P] with PackedWeight stacks → [R, P] acc (module docstring)."""
-    return _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
+def _packed_ffn(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies):
+    """Grouped GLU FFN of expert-sorted rows xs [R, P] with PackedWeight stacks → [R, P] acc (module docstring); with
+    ``rows`` = (order, inverse) xs is a table of tokens and sorted row r is copy order[r] of token order[r] //
+    ``copies``: y [N·copies, P] in the copies' order (``experts_grouped``'s gather form)."""
+    return _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies)[0]
 
 
 def _tiling(xs, group_sizes, w2):
@@ -217,39 +221,56 @@ def _one_layer(f):
     return lambda xs, gs, *ws, **kw: f(xs, gs, *(w.one_layer() for w in ws[:3]), *ws[3:], **kw)
 
 
-def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl):
-    tile, fc = _tiling(xs, group_sizes, w2)
-    tiles = _one_layer(partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc))
-    args = (xs, group_sizes, w1, w3, w2)
+def _sorted(xs, rows, copies):
+    """The expert-sorted rows of ``xs``: itself, or in the gather form the table's tokens of ``rows``' order."""
+    return xs if rows is None else jnp.take(xs, rows[0] // copies, axis=0)
+
+
+def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies):
+    tile, fc = _tiling(_sorted(xs, rows, copies), group_sizes, w2)
+    loop = _one_layer(partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc))
+
+    def tiles(xs, group_sizes, w1, w3, w2, rows):   # the XLA loop takes the sorted rows; y back in the copies' order
+        y = loop(_sorted(xs, rows, copies), group_sizes, w1, w3, w2)
+        return y if rows is None else y[rows[1]]
+
+    args = (xs, group_sizes, w1, w3, w2, rows)
     if impl == "gmm" or (impl == "auto" and gmm is not None):
-        on_gmm = partial(_gmm_forward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
+        on_gmm = partial(_gmm_forward, act=act, act_quant=act_quant, acc=acc, gmm=gmm, copies=copies)
         y = on_gmm(*args) if impl == "gmm" else lax.platform_dependent(*args, cpu=tiles, default=on_gmm)
     else:
         y = tiles(*args)
     return y, args
 
 
-def _gmm_backward(xs, group_sizes, w1, w3, w2, dy, *, act, act_quant, acc, gmm):
+def _gmm_backward(xs, group_sizes, w1, w3, w2, rows, dy, *, act, act_quant, acc, gmm, copies):
     """dx of ``_gmm_forward``: the FFN kernel's own VJP (a and b recomputed by the kernel; dh = dy W2, da W1 + db W3
     by the transposed kernel over the packed bytes); act_quant on h is straight-through there too."""
-    fwd = partial(_gmm_forward, group_sizes=group_sizes, w1=w1, w3=w3, w2=w2, act=act, act_quant=act_quant,
-                  acc=acc, gmm=gmm)
+    fwd = partial(_gmm_forward, group_sizes=group_sizes, w1=w1, w3=w3, w2=w2, rows=rows, act=act,
+                  act_quant=act_quant, acc=acc, gmm=gmm, copies=copies)
     _, vjp = jax.vjp(fwd, xs)
     return vjp(dy.astype(acc))[0]
 
 
-def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, res, dy):
-    xs, group_sizes, w1, w3, w2 = res
-    tile, fc = _tiling(xs, group_sizes, w2)
-    tiles = _one_layer(partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc))
-    args = (xs, group_sizes, w1, w3, w2, dy)
+def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, copies, res, dy):
+    xs, group_sizes, w1, w3, w2, rows = res
+    tile, fc = _tiling(_sorted(xs, rows, copies), group_sizes, w2)
+    loop = _one_layer(partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc))
+
+    def tiles(xs, group_sizes, w1, w3, w2, rows, dy):   # the gather form: dy sorted, each token's copies summed
+        if rows is None:
+            return loop(xs, group_sizes, w1, w3, w2, dy)
+        dxs = loop(_sorted(xs, rows, copies), group_sizes, w1, w3, w2, dy[rows[0]]).astype(acc)
+        return varying_zeros(xs.shape, acc, xs, dxs).at[rows[0] // copies].add(dxs).astype(xs.dtype)
+
+    args = (xs, group_sizes, w1, w3, w2, rows, dy)
     if impl == "gmm" or (impl == "auto" and gmm is not None):
-        on_gmm = partial(_gmm_backward, act=act, act_quant=act_quant, acc=acc, gmm=gmm)
+        on_gmm = partial(_gmm_backward, act=act, act_quant=act_quant, acc=acc, gmm=gmm, copies=copies)
         dx = on_gmm(*args) if impl == "gmm" else lax.platform_dependent(*args, cpu=tiles, default=on_gmm)
     else:
         dx = tiles(*args)
     # with F sharded (tensor), each device's dx is a partial sum over its F slice: psum to the rows' varying axes
-    return match_varying(dx, xs), None, None, None, None  # frozen uint8 storage and int sizes: no cotangent
+    return match_varying(dx, xs), None, None, None, None, None  # frozen uint8 storage, int maps: no cotangent
 
 
 _packed_ffn.defvjp(_packed_ffn_fwd, _packed_ffn_bwd)
@@ -290,9 +311,10 @@ def experts_packed(z_mp, ids_ma, weights_ma, w1: PackedWeight, w3: PackedWeight,
         return experts_dense(z_mp, ids_ma, weights_ma, *(dequantize_stack(w, dt) for w in (w1, w3, w2)), act,
                              act_quant=act_quant, quantized_input=quantized_input)
 
-    def ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc):  # xs fake-quantized by experts_grouped (STE there)
-        return _packed_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, gmm, impl)
+    def ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, rows=None, copies=1):  # xs fake-quantized (STE there)
+        return _packed_ffn(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies)
 
+    ffn.gathers_rows = True     # experts_grouped hands it the tokens and the sort (its gather form)
     return experts_grouped(z_mp, ids_ma, weights_ma, w1, w3, w2, act, ffn=ffn, act_quant=act_quant,
                            quantized_input=quantized_input)
 

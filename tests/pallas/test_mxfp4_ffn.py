@@ -62,6 +62,38 @@ def test_ffn_equals_three_grouped_matmuls(platform, dtype, quant):
     np.testing.assert_array_equal(np.asarray(dx, np.float32)[GS.sum():], 0.0)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "tpu"], ids=["loop", "tpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_form_equals_the_sorted_rows(platform, dtype):
+    """The gather form (``rows=(order, inverse)``, ``copies``): a table of N = 10 tokens with 4 copies each, sorted by
+    expert (some copies past the groups), against the sorted form on x[order // copies] with the output un-permuted:
+    y bit for bit; the table's gradient against the sorted form's rows' gradients summed per token (the copies'
+    sum in fp32, rounded once: bit for bit in fp32, within rounding in bf16)."""
+    _, w, _ = _problem(dtype)
+    k = jax.random.split(jax.random.key(4), 3)
+    N, A = 10, 4
+    x = jax.random.normal(k[0], (N, P)).astype(dtype)
+    ids = jax.random.randint(k[1], (N * A,), 0, G + 1)                   # id G: a copy past the groups
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(N * A, dtype=jnp.int32))
+    gs = jnp.bincount(ids, length=G).astype(jnp.int32)
+    ct = jax.random.normal(k[2], (N * A, P))
+    kw = {"block_m": 16, "block_n": 128, "block_k": 256, "platform": platform, "interpret": True}
+
+    def vjp(fn):
+        y, back = jax.vjp(fn, x)
+        return y, back(ct.astype(y.dtype))[0]
+
+    y, dx = vjp(lambda x: mxfp4_glu_ffn(x, *w, gs, ACT, rows=(order, inverse), copies=A, **kw))
+    y_ref, dx_ref = vjp(lambda x: mxfp4_glu_ffn(x[order // A], *w, gs, ACT, **kw)[inverse])
+    assert y.shape == (N * A, P) and dx.shape == x.shape and y.dtype == dx.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[np.asarray(ids) == G], 0.0)
+    assert_close(dx, dx_ref, 0.0 if dtype == jnp.float32 else TOL["bf16"], name="table gradient")
+    with pytest.raises(ValueError, match="N·copies"):
+        mxfp4_glu_ffn(x, *w, gs, ACT, rows=(order[:-1], inverse), copies=A, **kw)
+
+
 def test_ffn_matches_float64(x64):
     """fp32, the TPU schedule in the interpreter, against the FFN of the exactly decoded stacks in float64."""
     x, w, ct = _problem(jnp.float32)
