@@ -24,10 +24,14 @@ Two schedules share the tile math:
     megacore chip splits over its two TensorCores (a dynamic axis cannot be "parallel"). Mosaic wants the last
     two block dims divisible by (8, 128) or equal to the array's, and a scale block (bn, bk/32) meets neither for K3
     (bk/32 = 16 of K/32 = 112 at K = 3584; bk ≥ 4096 does not divide 3584). So the scale block spans the whole K/32
-    (index (g, j, 0), fetched once per (tile, j)) and at k == 0 the kernel spreads it into a VMEM scratch [bn, K/2] of
-    fp32 scales (``expand_scale_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of
-    128 (a dynamic lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that
-    index in dimension 1 is a multiple of 128"). The scales stay uint8 in HBM (no wrapper-side relayout of the weights).
+    (fetched once per (tile, j)) and at k == 0 the kernel spreads it into a VMEM scratch [bn, K/2] of fp32 scales
+    (``expand_scale_t_by_dot``); each k step then reads the scratch at lane offset k·bk/2, a multiple of 128 (a dynamic
+    lane offset of k·bk/32 into the uint8 block is what Mosaic rejects: "cannot statically prove that index in
+    dimension 1 is a multiple of 128"). The TPU kernels take the scales transposed, [G, K/32, N] (the wrappers swap
+    the last two axes; the block is (K/32, bn) at index (g, 0, j)): the TPU compiler stores a [.., N, K/32] uint8
+    array with N as its minor dimension (K/32 = 112 < 128 lanes), so the swap is that storage read as it lies. In the
+    [N, K/32] orientation each layer's scales of a stack were relaid out (read and written) before every call,
+    ~2.5 GB per chip and decode step of kimi-k3 on v5p-64 (experiments/LOG.md, 2026-12-07 session 33).
     The row blocks are a tile's whole x halves [bm, K/2] (index (t, 0)), sliced at the same lane offsets: each row
     tile is fetched once, not once per column tile (at K3's shapes that was 12-14x the rows' bytes, 2 of the
     forward plan's 3.3 TB of kernel traffic per chip; experiments/LOG.md).
@@ -97,20 +101,22 @@ def expand_scale(scale_u8):
     return jnp.broadcast_to(scale[:, :, None], (bn, n, SCALE_GROUP_BYTES)).reshape(bn, n * SCALE_GROUP_BYTES)
 
 
-def expand_scale_by_dot(scale_u8):
-    """``expand_scale`` as one matmul with a 0/1 matrix E[s, c] = (c // 16 == s): [bn, n] @ [n, 16 n].
+def expand_scale_t_by_dot(scale_t_u8):
+    """``expand_scale`` of transposed scale bytes [n, bn] (the TPU kernels' orientation) as one matmul with a 0/1
+    matrix E[s, c] = (c // 16 == s), contracting the bytes' first axis (Mosaic compiles the transposed left
+    operand): [n, bn]ᵀ @ [n, 16 n] → fp32 [bn, 16 n].
 
     For the TPU kernel, where the broadcast + reshape of a whole-K scale block needs more scoped VMEM than the
     default 16 MiB (measured: 19.6 MiB at bn = 256, K = 3584) and unrolling it over static slices took 9 s to
     compile. Exact: each output is one scale times 1, and scales (powers of two) and E are exact in bf16, with fp32
     accumulation; only the subnormal 2^-127 (scale byte 0) may be flushed to 0 by the MXU.
     """
-    n = scale_u8.shape[1]
+    n = scale_t_u8.shape[0]
     rows = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 1)
     spread = jnp.where(rows == cols // SCALE_GROUP_BYTES, 1.0, 0.0).astype(jnp.bfloat16)
-    scale = mx.e8m0_to_float(scale_u8).astype(jnp.bfloat16)
-    return lax.dot_general(scale, spread, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    scale = mx.e8m0_to_float(scale_t_u8).astype(jnp.bfloat16)
+    return lax.dot_general(scale, spread, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def decode_tile(bytes_u8, scale, dtype):
@@ -248,11 +254,12 @@ def tile_blocks(t, mid, k, tg):
 
 
 def scale_block(blocks, groups: int):
-    """The scale block of weight block (expert, middle, k): (expert mod ``groups``, middle, 0) — the whole K/32 of
-    one expert. Scales come one layer at a time ([G, N, K/32]) while the packed bytes of a stack of layers come
-    flattened, [L·G, N, K/2], addressed by expert ids offset by layer·G (``api.layer_groups``): the modulus takes
-    such an id back to the layer's own expert; for unstacked weights (ids < G) it changes nothing."""
-    return blocks[0] % groups, blocks[1], 0
+    """The block of the transposed scales [G', K/32, N] that weight block (expert, middle, k) reads: (expert mod
+    ``groups``, 0, middle) — the whole K/32 of one expert. ``groups`` = G': the scales of a stack of layers come
+    flattened like its packed bytes ([L·G, ...], expert ids offset by layer·G: the modulus changes nothing), or one
+    layer's [G, ...] beside flattened packed bytes (``api.layer_groups``: the modulus takes such an id back to the
+    layer's own expert); for unstacked weights (ids < G) it changes nothing."""
+    return blocks[0] % groups, 0, blocks[1]
 
 
 def row_tile(t, tg, tiles: int | None):
@@ -304,26 +311,31 @@ def resident_weights(N: int, half: int, static: bool, resident: bool | None = No
     return static and N * half <= RESIDENT_EXPERT_BYTES if resident is None else resident
 
 
-def weight_specs(bn: int, bk: int, N: int, half: int, scale_cols: int, groups_of_scale: int, resident: bool, order):
-    """(packed, scale) BlockSpecs of a TPU call whose grid step (t, a, b, tg) maps to weight block (expert, middle =
-    the N block, k) through ``order(a, b) -> (middle, k)``: blocked [bn, bk/2] / [bn, K/32], or resident [N, K/2] /
-    [N, K/32] at (expert, 0, 0)."""
+def weight_specs(bn: int, bk: int, N: int, half: int, scale_rows: int, groups_of_scale: int, resident: bool, order):
+    """(packed, transposed scale) BlockSpecs of a TPU call whose grid step (t, a, b, tg) maps to weight block (expert,
+    middle = the N block, k) through ``order(a, b) -> (middle, k)``: blocked [bn, bk/2] / [K/32, bn], or resident
+    [N, K/2] / [K/32, N] at (expert, 0, 0)."""
     def blocks(t, a, b, tg):
         return tile_blocks(t, *order(a, b), tg)
 
     if resident:
         return (pl.BlockSpec((None, N, half), lambda t, a, b, tg: (blocks(t, a, b, tg)[0], 0, 0)),
-                pl.BlockSpec((None, N, scale_cols),
+                pl.BlockSpec((None, scale_rows, N),
                              lambda t, a, b, tg: (scale_block(blocks(t, a, b, tg), groups_of_scale)[0], 0, 0)))
     return (pl.BlockSpec((None, bn, bk // 2), blocks),
-            pl.BlockSpec((None, bn, scale_cols),        # whole K/32: see the module docstring
+            pl.BlockSpec((None, scale_rows, bn),        # whole K/32: see the module docstring
                          lambda t, a, b, tg: scale_block(blocks(t, a, b, tg), groups_of_scale)))
 
 
 def weight_rows(mid, bn: int, resident: bool):
-    """The rows of the weight / scale block a step reads: the N block ``mid`` of a resident expert, or all of a
-    blocked one."""
+    """The rows of the weight block (the columns of the transposed scale block) a step reads: the N block ``mid`` of
+    a resident expert, or all of a blocked one."""
     return pl.ds(pl.multiple_of(mid * bn, bn), bn) if resident else slice(None)
+
+
+def transposed_scales(scale):
+    """[G, N, K/32] scale bytes → the TPU kernels' [G, K/32, N] (module docstring)."""
+    return jnp.swapaxes(scale, 1, 2)
 
 
 def tpu_params(semantics, resident: bool):
@@ -343,7 +355,7 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
 
     @pl.when(used & (k == 0))
     def _expand():
-        scale_ref[...] = expand_scale_by_dot(s_ref[rows, :])
+        scale_ref[...] = expand_scale_t_by_dot(s_ref[:, rows])
 
     @pl.when(used)
     def _compute():
@@ -407,4 +419,4 @@ def mxfp4_gmm_tpu(tile_group, xe, xo, packed, scale, bs: BlockSizes, *, interpre
                                groups=G if res else None),
         interpret=interpret,
         name="mxfp4_gmm_tpu_fwd",
-    )(tile_group.astype(jnp.int32), xe, xo, packed, scale)
+    )(tile_group.astype(jnp.int32), xe, xo, packed, transposed_scales(scale))

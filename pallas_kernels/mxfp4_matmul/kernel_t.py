@@ -22,7 +22,7 @@ from pallas_kernels.mxfp4_matmul.kernel import (
     decode_tile,
     estimate,
     expand_scale,
-    expand_scale_by_dot,
+    expand_scale_t_by_dot,
     k_lanes,
     resident_weights,
     row_tile,
@@ -30,6 +30,7 @@ from pallas_kernels.mxfp4_matmul.kernel import (
     tile_blocks,
     tpu_grid,
     tpu_params,
+    transposed_scales,
     weight_rows,
     weight_specs,
 )
@@ -110,7 +111,7 @@ def _tpu_t_kernel(tile_group_ref, g_ref, p_ref, s_ref, oe_ref, oo_ref, scale_ref
 
     @pl.when(used & (k == 0))
     def _expand():
-        scale_ref[...] = expand_scale_by_dot(s_ref[rows, :])
+        scale_ref[...] = expand_scale_t_by_dot(s_ref[:, rows])
 
     @pl.when(used)
     def _compute():
@@ -133,7 +134,7 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
     The output blocks are a row tile's whole dx halves [bm, K/2] (index (t, 0): resident across n and k, summed in
     fp32 VMEM scratch from the tile's first step and written in g's dtype at its last), so each weight block [bn,
     bk/2] is fetched once per row tile (resident: each expert once per run of its tiles), the cotangent block [bm,
-    bn] once per (tile, n), and the scale block (bn, K/32) once per (tile, n) and spread into the fp32 scratch at k
+    bn] once per (tile, n), and the scale block (K/32, bn) once per (tile, n) and spread into the fp32 scratch at k
     == 0 as in ``mxfp4_gmm_tpu`` (the same Mosaic constraint). The two grids as there (``static_grid``): the dynamic
     one visits the used tiles only and leaves the other rows unwritten, the static one splits the tiles over a
     megacore's two cores (N and K are reductions here: "arbitrary") and writes zeros for unused tiles. Args and
@@ -177,4 +178,4 @@ def mxfp4_gmm_t_tpu(tile_group, g, packed, scale, bs: BlockSizes, *, interpret,
                                groups=G if res else None),
         interpret=interpret,
         name="mxfp4_gmm_tpu_bwd_x",
-    )(tile_group.astype(jnp.int32), g, packed, scale)
+    )(tile_group.astype(jnp.int32), g, packed, transposed_scales(scale))
