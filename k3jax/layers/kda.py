@@ -220,7 +220,7 @@ class KDA(nnx.Module):
         else:
             g = kda_ops.gate_safe(raw, self.dt_bias[...], self.A_log[...], self.gate_lower_bound)
         beta = jax.nn.sigmoid(mm("btd,dn->btn", x, self.w_beta))
-        if rows is not None:                                        # the caches' rows (module docstring)
+        if rows is not None:                      # the cache's rows (a no-op unless the stream holds every row)
             us = [rows.enter(u, 2) for u in us]
             g, beta = rows.enter(g, 2), rows.enter(beta, 2)
         if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged

@@ -35,8 +35,9 @@ mesh take the best of a few candidate meshes and rules columns (``serve`` among 
 (``k3jax.plan.layouts``); every other mode needs its mesh. Prefill, decode and verify place the cache by the
 rules (``model.cache.CACHE_AXES``: rows over the token axes, KDA heads over the heads' axes); a batch smaller than
 the token axes' ways takes the small-batch rule (``sharding.placement.small_batch``: rows and cache replicated, each
-device runs its local experts on every row, one psum), in decode and verify only (``STEP_MODES``). Verify takes
-decode's defaults and serving candidates.
+device runs its local experts on every row, one psum), in decode and verify only (``STEP_MODES``); there the
+``serve`` column keeps every row on every device at any batch and splits only the caches by rows where the batch
+divides (``sharding.placement.whole_rows``). Verify takes decode's defaults and serving candidates.
 """
 
 from __future__ import annotations

@@ -179,9 +179,12 @@ SERVE = get_preset("k3-tiny", num_layers=13, full_attn_layers=k3_full_attn_layer
 
 
 @pytest.mark.slow  # a 13-layer verify step compiled on 8 CPU devices beside its one-device twin (~3 min)
-def test_verify_program_on_a_mesh_equals_the_speculative_step_on_one_device():
+@pytest.mark.parametrize("mesh_axes,strategy", [("data=2,expert=4", "ep"), ("expert=4,tensor=2", "serve")])
+def test_verify_program_on_a_mesh_equals_the_speculative_step_on_one_device(mesh_axes, strategy):
     """The plan's program is the real step: on data 2 x expert 4 (one row per device, packed experts, the scanned
-    cache layout with records in both groups), f32, each row given the target's own greedy continuation with one
+    cache layout with records in both groups) — or under serve on expert 4 x tensor 2 (every row on every device,
+    the caches and records split by rows: ``placement.whole_rows``) —, f32, each row given the target's own greedy
+    continuation with one
     token changed at a chosen slot, it accepts exactly the tokens before that slot (n = the slot; all K when none
     is changed), emits the target's bonus token, rolls both caches back as ``extend`` + ``rollback`` + the draft's
     ``append_context`` do on one device, and drafts what ``propose`` + the greedy Markov bias draft there."""
@@ -203,8 +206,8 @@ def test_verify_program_on_a_mesh_equals_the_speculative_step_on_one_device():
     run = default_run(SERVE)
     B, K, T0, CTX = 8, 3, 12, 24
     params = pack_params(jax.tree.map(jnp.asarray, random_params(SERVE, seed=5)))
-    spec = plan_spec.PlanSpec(mode="verify", mesh="data=2,expert=4", batch=B, seq_len=K + 1, context=CTX,
-                              draft_tokens=K, capacity_factor=-1.0, strategy="ep", rollback="copy")
+    spec = plan_spec.PlanSpec(mode="verify", mesh=mesh_axes, batch=B, seq_len=K + 1, context=CTX,
+                              draft_tokens=K, capacity_factor=-1.0, strategy=strategy, rollback="copy")
     dcfg = estimate.plan_draft(SERVE, spec)
     draft = DraftModel(dcfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
     dparams = nnx.split(draft)[1].to_pure_dict()
@@ -241,10 +244,12 @@ def test_verify_program_on_a_mesh_equals_the_speculative_step_on_one_device():
         ref_ids.append(prev)
 
     # the plan's program on the mesh
-    sizes, strategy = place.resolve_mesh(spec.mesh, devices=8)
+    sizes, strategy = place.resolve_mesh(spec.mesh, devices=8, strategy=strategy)
     mesh = make_mesh(sizes)
-    fn, args = verify_program(SERVE, spec, mesh, strategy, run=run, params=params,
-                              dispatch=ExpertParallel(mesh, strategy, capacity_factor=-1.0), small=False)
+    whole = place.whole_rows(strategy, sizes, B)                     # as aot.build_program decides
+    ep = ExpertParallel(mesh, strategy, capacity_factor=-1.0, replicate_tokens=whole, cache_rows=whole)
+    fn, args = verify_program(SERVE, spec, mesh, strategy, run=run, params=params, dispatch=ep, small=False,
+                              whole=whole)
     put = lambda tree, a: jax.tree.map(lambda x, s: jax.device_put(jnp.copy(x), s.sharding), tree, a)  # noqa: E731
     (n, bonus, ids), got_cache, got_dcache = fn(put(params, args[0]), put(piece, args[1]),
                                                 put(C.stack_cache(cache, SERVE), args[2]), put(dparams, args[3]),
