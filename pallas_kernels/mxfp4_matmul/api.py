@@ -150,19 +150,19 @@ def group_tile_metadata(group_sizes, num_rows: int, block_m: int):
     return tile_group, src_rows, dst_rows, valid_rows
 
 
-def layer_groups(tile_group, packed, scale, layer, scales_in_place: bool = False):
+def layer_groups(tile_group, packed, scale, layer):
     """One layer of stacked expert weights: packed [L, G, N, K/2] / scale [L, G, N, K/32] and the layer's index
-    (int32 scalar) → (tile_group with its used tiles' experts offset by layer·G, packed [L·G, N, K/2], the scales,
-    G). The packed bytes are read where they lie: merging the two leading dims is a bitcast (TPU tiles the two minor
-    ones) and every kernel fetches weight blocks by a tile's expert id, so no copy of the layer's bytes is made (a
-    slice fed to a kernel is one: XLA materialises a custom call's operands). ``scales_in_place`` (the TPU kernels,
-    which take the scales transposed, ``kernel.transposed_scales``): the scale stack flattened the same way, [L·G, N,
-    K/32], read in place too — the TPU compiler stores it with N minor (K/32 < 128 lanes), so the kernels' transposed
-    view of it is a bitcast. Otherwise the layer's scales [G, N, K/32] are sliced (the loop kernels read scale blocks
-    at expert id mod G, ``kernel.scale_block``); in the [N, K/32] orientation the TPU kernels had them relaid out per
-    layer (~2.5 GB per chip and decode step on v5p-64; experiments/LOG.md, 2026-12-07 session 33), and whole stacks
-    all at once outside the layer loop (2.1 GB more peak at v5p-64 decode). Packed bytes whose minor dim is not a
-    multiple of 128 lanes are sliced, and their scales with them. Unstacked weights (layer None) come back as they
+    (int32 scalar) → (tile_group with its used tiles' experts offset by layer·G, packed [L·G, N, K/2], the layer's
+    scale [G, N, K/32], G). The packed bytes are read where they lie: merging the two leading dims is a bitcast (TPU
+    tiles the two minor ones) and every kernel fetches weight blocks by a tile's expert id, so no copy of the layer's
+    bytes is made (a slice fed to a kernel is one: XLA materialises a custom call's operands). The scales, 1/16 of
+    the bytes, are sliced: the kernels read scale blocks at expert id mod G (``kernel.scale_block``). The TPU compiler
+    stores the scale stacks with N minor (K/32 < 128 lanes), which is the TPU kernels' transposed view
+    (``kernel.transposed_scales``), so the slice is one pass in the kernel's layout (in the [N, K/32] orientation it
+    was relaid out again: ~1 GB more per chip and decode step on v5p-64). Read whole in place instead, the stacks
+    were copied whole into VMEM before every call where they fit (v6e-256 decode: 28 GB per chip and step; 10.0 ms
+    against 10.5 ms sliced on v5p-64, where they do not fit; experiments/LOG.md, 2026-12-07 session 33). Packed bytes
+    whose minor dim is not a multiple of 128 lanes are sliced too. Unstacked weights (layer None) come back as they
     are. The kernels' grid choice takes ``groups`` = G (the last of the four)."""
     if layer is None:
         return tile_group, packed, scale, packed.shape[0]
@@ -174,8 +174,8 @@ def layer_groups(tile_group, packed, scale, layer, scales_in_place: bool = False
         # prefill on v6e-64); a slice is relaid out one layer at a time
         return tile_group, jax.lax.dynamic_index_in_dim(packed, layer, keepdims=False), one_scale, G
     offset = jnp.asarray(layer, jnp.int32) * G
-    scales = scale.reshape(L * G, *scale.shape[2:]) if scales_in_place else one_scale
-    return jnp.where(tile_group >= 0, tile_group + offset, -1), packed.reshape(L * G, *packed.shape[2:]), scales, G
+    return (jnp.where(tile_group >= 0, tile_group + offset, -1), packed.reshape(L * G, *packed.shape[2:]),
+            one_scale, G)
 
 
 def pad_rows(x, src_rows):

@@ -57,11 +57,11 @@ def _hidden(tg, xe, xo, w1, w3, bs, platform, interpret, tiles, groups):
     return fwd(tg, xe, xo, *w1, bs), fwd(tg, xe, xo, *w3, bs)
 
 
-def _in_place(tg, ws, layer, platform: str):
+def _in_place(tg, ws, layer):
     """(tile groups of w1 / w3, of w2; the weights) with a stacked layer's experts addressed where they lie
-    (``api.layer_groups``, on TPU their scales too; w1 and w3 share shapes, so one choice and one offset serve both;
-    w2 may be sliced where they are read in place); unstacked (layer None): as given."""
-    out = [api.layer_groups(tg, *w, layer, scales_in_place=platform == "tpu") for w in ws]
+    (``api.layer_groups``; w1 and w3 share shapes, so one choice and one offset serve both; w2 may be sliced where
+    they are read in place); unstacked (layer None): as given."""
+    out = [api.layer_groups(tg, *w, layer) for w in ws]
     return out[0][0], out[2][0], [(p, s) for _, p, s, _ in out]
 
 
@@ -93,7 +93,7 @@ def _ffn_fwd(x, w1, w3, w2, group_sizes, layer, rows, act, act_quant, acc, bs13,
     G = group_sizes.shape[0]
     M = x.shape[0] * (1 if rows is None else copies)        # sorted rows
     tg, src, dst, _, _ = _row_maps(group_sizes, M, bs13.block_m, rows, copies)
-    tg, tg2, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer, platform)
+    tg, tg2, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer)
     tiles = api.charged_tiles(expected, bs13.block_m)  # bs2 has the same block_m: one tile layout
     # sorted rows: padded, then split; a table of tokens: split (N rows), then each half gathered padded
     xe, xo = (api.split_even_odd(api.pad_rows(x, src)) if rows is None else

@@ -30,8 +30,8 @@ Two schedules share the tile math:
     dimension 1 is a multiple of 128"). The TPU kernels take the scales transposed, [G, K/32, N] (the wrappers swap
     the last two axes; the block is (K/32, bn) at index (g, 0, j)): the TPU compiler stores a [.., N, K/32] uint8
     array with N as its minor dimension (K/32 = 112 < 128 lanes), so the swap is that storage read as it lies. In the
-    [N, K/32] orientation each layer's scales of a stack were relaid out (read and written) before every call,
-    ~2.5 GB per chip and decode step of kimi-k3 on v5p-64 (experiments/LOG.md, 2026-12-07 session 33).
+    [N, K/32] orientation each layer's scales sliced from a stack were relaid out once more before every call (~1 GB
+    per chip and decode step of kimi-k3 on v5p-64; experiments/LOG.md, 2026-12-07 session 33).
     The row blocks are a tile's whole x halves [bm, K/2] (index (t, 0)), sliced at the same lane offsets: each row
     tile is fetched once, not once per column tile (at K3's shapes that was 12-14x the rows' bytes, 2 of the
     forward plan's 3.3 TB of kernel traffic per chip; experiments/LOG.md).
@@ -254,11 +254,11 @@ def tile_blocks(t, mid, k, tg):
 
 
 def scale_block(blocks, groups: int):
-    """The block of the transposed scales [G', K/32, N] that weight block (expert, middle, k) reads: (expert mod
-    ``groups``, 0, middle) — the whole K/32 of one expert. ``groups`` = G': the scales of a stack of layers come
-    flattened like its packed bytes ([L·G, ...], expert ids offset by layer·G: the modulus changes nothing), or one
-    layer's [G, ...] beside flattened packed bytes (``api.layer_groups``: the modulus takes such an id back to the
-    layer's own expert); for unstacked weights (ids < G) it changes nothing."""
+    """The block of the transposed scales [G, K/32, N] that weight block (expert, middle, k) reads: (expert mod
+    ``groups``, 0, middle) — the whole K/32 of one expert. Scales come one layer at a time while the packed bytes of
+    a stack of layers come flattened, [L·G, N, K/2], addressed by expert ids offset by layer·G (``api.layer_groups``):
+    the modulus takes such an id back to the layer's own expert; for unstacked weights (ids < G) it changes
+    nothing."""
     return blocks[0] % groups, 0, blocks[1]
 
 

@@ -244,8 +244,8 @@ def test_scanned_group_reads_packed_experts_in_place(monkeypatch):
     tokens = jax.random.randint(jax.random.key(4), (1, 5), 0, cfg.vocab_size)
     stacked = []
     layer_groups = kapi.layer_groups
-    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer, **kw: stacked.append(
-        (p.ndim, layer is not None)) or layer_groups(tg, p, s, layer, **kw))
+    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer: stacked.append(
+        (p.ndim, layer is not None)) or layer_groups(tg, p, s, layer))
 
     def logits(layer_stack):
         model = merge(packed, cfg, default_run(cfg).replace(layer_stack=layer_stack, moe_impl="ragged"))

@@ -173,11 +173,11 @@ def test_stacked_layer_with_an_unaligned_minor_dim_is_sliced(monkeypatch):
     stacks = [(jnp.stack([jnp.flip(p, 0), p]), jnp.stack([jnp.flip(s, 0), s])) for p, s in w]
     got = []
     layer_groups = kapi.layer_groups
-    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer, **kw: got.append(
-        (p.shape[-1], (out := layer_groups(tg, p, s, layer, **kw))[1].ndim, out[1].shape[0], out[2].shape[0])) or out)
+    monkeypatch.setattr(kapi, "layer_groups", lambda tg, p, s, layer: got.append(
+        (p.shape[-1], (out := layer_groups(tg, p, s, layer))[1].ndim, out[1].shape[0], out[2].shape[0])) or out)
     kw = {"block_m": 16, "block_n": 128, "platform": "tpu", "interpret": True}   # w2's block_k: its whole K = 384
     y = jax.jit(lambda layer: mxfp4_glu_ffn(x, *[(*s, layer) for s in stacks], gs, ACT, **kw))(jnp.int32(1))
     y_ref = jax.jit(lambda: mxfp4_glu_ffn(x, *w, gs, ACT, **kw))()
     np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
-    # w1, w3 flattened [2G, ·], their scales too (TPU: read in place, transposed); w2 a slice, its scales too
-    assert got[:3] == [(128, 3, 2 * G, 2 * G), (128, 3, 2 * G, 2 * G), (192, 3, G, G)], got
+    # w1, w3 flattened [2G, ·], their scales a layer's slice [G, ·]; w2 and its scales slices
+    assert got[:3] == [(128, 3, 2 * G, G), (128, 3, 2 * G, G), (192, 3, G, G)], got
