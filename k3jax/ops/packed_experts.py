@@ -212,8 +212,9 @@ def _packed_ffn(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, imp
     return _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies)[0]
 
 
-def _tiling(xs, group_sizes, w2):
-    return default_tile(xs.shape[0], group_sizes.shape[0]), ffn_chunk(w2.shape[2] * 2)
+def _tiling(xs, group_sizes, w2, rows=None):
+    R = xs.shape[0] if rows is None else rows[0].shape[0]       # the sorted rows
+    return default_tile(R, group_sizes.shape[0]), ffn_chunk(w2.shape[2] * 2)
 
 
 def _one_layer(f):
@@ -227,7 +228,7 @@ def _sorted(xs, rows, copies):
 
 
 def _packed_ffn_fwd(xs, group_sizes, w1, w3, w2, rows, act, act_quant, acc, gmm, impl, copies):
-    tile, fc = _tiling(_sorted(xs, rows, copies), group_sizes, w2)
+    tile, fc = _tiling(xs, group_sizes, w2, rows)
     loop = _one_layer(partial(_tiles_forward, act=act, act_quant=act_quant, acc=acc, tile=tile, fc=fc))
 
     def tiles(xs, group_sizes, w1, w3, w2, rows):   # the XLA loop takes the sorted rows; y back in the copies' order
@@ -254,7 +255,7 @@ def _gmm_backward(xs, group_sizes, w1, w3, w2, rows, dy, *, act, act_quant, acc,
 
 def _packed_ffn_bwd(act, act_quant, acc, gmm, impl, copies, res, dy):
     xs, group_sizes, w1, w3, w2, rows = res
-    tile, fc = _tiling(_sorted(xs, rows, copies), group_sizes, w2)
+    tile, fc = _tiling(xs, group_sizes, w2, rows)
     loop = _one_layer(partial(_tiles_backward, act=act, acc=acc, tile=tile, fc=fc))
 
     def tiles(xs, group_sizes, w1, w3, w2, rows, dy):   # the gather form: dy sorted, each token's copies summed
