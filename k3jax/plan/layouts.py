@@ -98,8 +98,8 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
     whole = step and place.whole_rows(strategy, sizes, spec.batch)
     split = not small and place.kernel_rows(strategy, sizes, spec.batch)     # the caches' rows over the token axes
     row_axes = place.token_axes(strategy, sizes)
-    swap = split and latent_cache_rows(sizes, row_axes, heads, spec.batch) != tuple(
-        a for a in row_axes if sizes[a] > 1)
+    swap = split and latent_cache_rows(sizes, row_axes, heads, spec.batch) != latent_cache_rows(
+        sizes, row_axes, (), spec.batch)                                       # the latent's rows take heads too
     rows = spec.batch if whole else spec.batch / place.token_parallel(strategy, sizes)
     tokens = rows * spec.seq_len
     act = tokens * cfg.hidden_size * ACTIVATION_BYTES

@@ -92,7 +92,7 @@ def _ffn_fwd(x, w1, w3, w2, group_sizes, layer, rows, act, act_quant, acc, bs13,
              copies):
     G = group_sizes.shape[0]
     M = x.shape[0] * (1 if rows is None else copies)        # sorted rows
-    tg, src, dst, _, _ = _row_maps(group_sizes, M, bs13.block_m, rows, copies)
+    tg, src, dst, held, token = _row_maps(group_sizes, M, bs13.block_m, rows, copies)
     tg, tg2, (w1, w3, w2) = _in_place(tg, (w1, w3, w2), layer)
     tiles = api.charged_tiles(expected, bs13.block_m)  # bs2 has the same block_m: one tile layout
     # sorted rows: padded, then split; a table of tokens: split (N rows), then each half gathered padded
@@ -104,14 +104,14 @@ def _ffn_fwd(x, w1, w3, w2, group_sizes, layer, rows, act, act_quant, acc, bs13,
     h = glu_hidden(a, b, act, x.dtype, act_quant=act_quant, acc=acc)
     y_pad = _launch(platform, False, G)(tg2, *api.split_even_odd(h), *w2, bs2, interpret=interpret,
                                         expected_tiles=tiles)
-    # rows past the groups: 0 (unpad_rows); x[:0] carries x's type (its varying mesh axes)
-    return api.unpad_rows(y_pad, dst), (xe, xo, w1, w3, w2, tg, tg2, rows, x[:0], group_sizes, x.shape[0])
+    # rows past the groups: 0 (unpad_rows); the row maps go to the backward as they are; x[:, :0] (no bytes) carries
+    # x's type (its varying mesh axes) and row count
+    return api.unpad_rows(y_pad, dst), (xe, xo, w1, w3, w2, tg, tg2, (dst, held, token), x[:, :0], group_sizes)
 
 
 def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, copies, res, dy):
-    xe, xo, w1, w3, w2, tg, tg2, rows, x_type, group_sizes, N = res   # tg*, w*: as _in_place left them
+    xe, xo, w1, w3, w2, tg, tg2, (dst, held, token), x_type, group_sizes = res   # tg*, w*: as _in_place left them
     dt, G = x_type.dtype, group_sizes.shape[0]
-    _, _, dst, held, token = _row_maps(group_sizes, N * (1 if rows is None else copies), bs13.block_m, rows, copies)
     tiles = api.charged_tiles(expected, bs13.block_m)
     a, b = _hidden(tg, xe, xo, w1, w3, bs13, platform, interpret, tiles, G)
     bwd = functools.partial(_launch(platform, True, G), interpret=interpret, expected_tiles=tiles)
@@ -120,10 +120,10 @@ def _ffn_bwd(act, act_quant, acc, bs13, bs2, platform, interpret, expected, copi
     da, db = act_vjp(dh.astype(acc))  # the STE passes dh through act_quant
     e1, o1 = bwd(tg, da.astype(dt), *w1, bs13)
     e3, o3 = bwd(tg, db.astype(dt), *w3, bs13)
-    if rows is None:
+    if token is None:   # the sorted form
         dx = api.interleave_columns(api.unpad_rows(e1 + e3, dst), api.unpad_rows(o1 + o3, dst))  # past: 0
     else:   # each token's copies summed (in acc) into its row; padding and unused tiles' rows (token N) dropped
-        dx = varying_zeros((N, x_type.shape[1]), acc, x_type, e1, dy).at[token].add(
+        dx = varying_zeros((x_type.shape[0], 2 * xe.shape[1]), acc, x_type, e1, dy).at[token].add(
             api.interleave_columns(e1 + e3, o1 + o3).astype(acc), mode="drop").astype(dt)
     # with W's F split over a mesh axis (tensor-parallel experts), each device's dx is a partial sum over its slice
     return match_varying(dx, x_type), None, None, None, None, None, None
