@@ -24,3 +24,15 @@ def target_platform(platform: str | None = None) -> str:
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS} (or cuda / rocm), got {platform!r}")
     return platform
+
+
+# VMEM per TensorCore by TPU device kind (the figures of jax/_src/tpu_info.py); an unknown kind reads as the largest
+TPU_VMEM_BYTES = {"TPU v5": 64 << 20, "TPU v5 lite": 128 << 20, "TPU v6 lite": 128 << 20}
+
+
+def tpu_vmem_bytes() -> int:
+    """The VMEM of one TensorCore of the TPU being compiled for (the current abstract mesh's device, else the first
+    device); the largest known where the kind is unknown or the target is not a TPU."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    kind = device.device_kind if device is not None else jax.devices()[0].device_kind
+    return TPU_VMEM_BYTES.get(kind, max(TPU_VMEM_BYTES.values()))

@@ -66,14 +66,16 @@ def kernel_target() -> str:
     return target_platform()
 
 
-def expected_load(tokens: float, top_k: int, num_experts: int, local_experts: int) -> dict:
-    """{"rows", "groups"}: the expected routed rows and distinct experts reached on a device holding ``local_experts``
-    of ``num_experts`` when ``tokens`` tokens pick ``top_k`` each (uniform routing; an upper bound on the distinct
-    experts of the average device for any router): the ``expected_load`` of ``mxfp4_gmm`` / ``mxfp4_glu_ffn``
-    (pallas_kernels/mxfp4_matmul/cost.py)."""
+def expected_load(tokens: float, top_k: int, num_experts: int, local_experts: int, max_rows: int | None = None) -> dict:
+    """{"rows", "groups", "idle"}: the expected routed rows and distinct experts reached on a device holding
+    ``local_experts`` of ``num_experts`` when ``tokens`` tokens pick ``top_k`` each (uniform routing; an upper bound
+    on the distinct experts of the average device for any router), and the chance that none is: the
+    ``expected_load`` of ``mxfp4_gmm`` / ``mxfp4_glu_ffn`` / ``mxfp4_glu_ffn_rows``
+    (pallas_kernels/mxfp4_matmul/cost.py); at most ``max_rows`` rows (an exchange's receive buffer)."""
     from pallas_kernels.mxfp4_matmul.cost import expected_load as load  # Pallas package, lazily (module docstring)
 
-    return load(tokens, top_k, num_experts, local_experts)
+    out = load(tokens, top_k, num_experts, local_experts)
+    return out if max_rows is None else {**out, "rows": min(out["rows"], max_rows)}
 
 
 def mxfp4_gmm(x, packed, scale, group_sizes, *, platform: str | None = None, expected_load: dict | None = None):
@@ -109,6 +111,24 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, 
     return ffn(x, tuple(w1), tuple(w3), tuple(w2), group_sizes, act, act_quant=act_quant,
                acc=jnp.float32 if acc is None else acc, platform=platform or target, interpret=target == "cpu",
                expected_rows=load.get("rows"), expected_groups=load.get("groups"), rows=rows, copies=copies)
+
+
+def mxfp4_glu_ffn_rows(x, ids, weights, w1, w3, w2, act, *, act_quant=None, platform: str | None = None,
+                       expected_load: dict | None = None):
+    """The routed experts of a small batch in one TPU kernel: Σ_a weights[n, a] · FFN_{ids[n, a]}(x[n]) → fp32
+    [N, P] over ``PackedWeight`` stacks (ids ≥ G: none), every token row through each selected expert, combined on
+    chip (pallas_kernels/mxfp4_matmul/rows.py) — or None where it does not apply: a target other than TPU (the kernel
+    has no GPU schedule), or an ``act_quant`` that is not an MXFP8 rule (``mx.ActQuant``). ``platform``,
+    the interpreter on CPU, ``expected_load``: as ``mxfp4_gmm``."""
+    target = kernel_target()
+    rule = getattr(act_quant, "rule", None)
+    if (platform or target) != "tpu" or (act_quant is not None and rule is None):
+        return None
+    from pallas_kernels.mxfp4_matmul.rows import mxfp4_glu_ffn_rows as fused  # Pallas, lazily (module docstring)
+
+    load = expected_load or {}
+    return fused(x, ids, weights, tuple(w1), tuple(w3), tuple(w2), act, act_quant_rule=rule,
+                 interpret=target == "cpu", expected_groups=load.get("groups"), idle=load.get("idle", 0.0))
 
 
 def glu_mxfp8(a, b, act, dtype, rule: str, *, acc=None):

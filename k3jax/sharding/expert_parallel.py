@@ -125,7 +125,7 @@ def _local_experts(x, local_ids, w1, w3, w2, act, act_quant, tensor_axes, kernel
         weights = jnp.ones(ids.shape, acc_dtype(x.dtype))
     if kernels is not None and expected_load is not None:
         kernels = tuple(partial(k, expected_load=expected_load) for k in kernels)
-    gmm, glu_ffn = kernels or (None, None)
+    gmm, glu_ffn = kernels[:2] if kernels else (None, None)
     q = {"act_quant": act_quant, "quantized_input": True}  # x was fake-quantized before the exchange (dispatch)
     if any(isinstance(w, LoraWeight) for w in (w1, w3, w2)):
         out = experts_lora(x, ids, weights, w1, w3, w2, act, **q, gmm=gmm, impl="auto" if gmm is None else "grouped")
@@ -149,7 +149,9 @@ def _varying(x, axes):
 def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, tensor_axes, kernels):
     """The small-batch rule (``placement.small_batch``): every device holds every token row; it runs the slots
     routed to its own experts (the others take the pad id: zero) and the shards' partial sums meet in one psum over
-    the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Returns (y [m, P] acc, 0)."""
+    the expert (and tensor) axes. No exchange and no capacity: nothing is dropped. Frozen MXFP4 experts run the
+    small-batch routed FFN kernel where it applies (the token table on chip, no tile padding). Returns (y [m, P]
+    acc, 0)."""
     El = num_experts(w1)  # a LoraWeight's first leaf is its base's: [E, ...]
     mine = ids // El == lax.axis_index(axis)
     local = jnp.where(mine, ids % El, El).astype(jnp.int32)
@@ -158,19 +160,12 @@ def _replicated(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, tens
     # the devices (the cast's transpose, a psum). Left invariant, the custom VJPs of the sorted path
     # (grouped_matmul.permute_rows) hand back one device's partial cotangent as the whole: dz was off (rel-RMS 1.4)
     z, wts = _varying(z, (axis, *tensor_axes)), _varying(wts, (axis, *tensor_axes))
-    load = _load(kernels, z.shape[0], ids.shape[1], El * n_shards, El)  # every device sees all m tokens
-    y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), kernels, weights=wts, expected_load=load)
+    load = kernels and backends.expected_load(z.shape[0], ids.shape[1], El * n_shards, El)  # all m tokens here
+    packed = kernels and all(isinstance(w, PackedWeight) for w in (w1, w3, w2))  # the table on chip: one kernel
+    y = kernels[2](z, local, wts, w1, w3, w2, act, act_quant=act_quant, expected_load=load) if packed else None
+    if y is None:
+        y = _local_experts(z, local, w1, w3, w2, act, act_quant, (), kernels, weights=wts, expected_load=load)
     return lax.psum(y, (axis, *tensor_axes)), jnp.int32(0)
-
-
-def _load(kernels, tokens: int, top_k: int, num_experts: int, local_experts: int, max_rows: int | None = None):
-    """The expected load of one local-experts call for the kernels' cost estimates (None without kernels): ``tokens``
-    tokens routed top-``top_k`` over ``num_experts``, ``local_experts`` of them here, at most ``max_rows`` rows (the
-    receive buffer of an exchange)."""
-    if kernels is None:
-        return None
-    load = backends.expected_load(tokens, top_k, num_experts, local_experts)
-    return load if max_rows is None else {**load, "rows": min(load["rows"], max_rows)}
 
 
 def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity, tensor_axes, kernels):
@@ -188,7 +183,7 @@ def _bucketed(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capaci
     send_id = jnp.where(valid, flat[row] % El, El).astype(jnp.int32)
     recv_x = lax.all_to_all(send_x, axis, 0, 0, tiled=True)
     recv_id = lax.all_to_all(send_id, axis, 0, 0, tiled=True)
-    load = _load(kernels, m * X, A, El * X, El, X * C)  # m·X tokens over the exchange, X·C rows received
+    load = kernels and backends.expected_load(m * X, A, El * X, El, X * C)  # m·X tokens sent, X·C rows received
     out = _local_experts(recv_x.reshape(X * C, -1), recv_id.reshape(-1), w1, w3, w2, act, act_quant, tensor_axes,
                          kernels, expected_load=load)
     back = lax.all_to_all(out.reshape(X, C, -1), axis, 0, 0, tiled=True)  # [X, C, P], slots as sent
@@ -220,7 +215,7 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
                                  recv_sizes, axis_name=axis)
     recv_id = _ragged_all_to_all(local_ids, jnp.full((R,), El, jnp.int32), in_off, send_sizes, out_off,
                                     recv_sizes, axis_name=axis)
-    load = _load(kernels, m * X, A, El * X, El, R)  # m·X tokens over the exchange, R = X·capacity rows received
+    load = kernels and backends.expected_load(m * X, A, El * X, El, R)  # m·X tokens sent, R = X·capacity received
     out = _local_experts(recv, recv_id, w1, w3, w2, act, act_quant, tensor_axes, kernels, expected_load=load)
     back_off = lax.all_to_all(in_off, axis, 0, 0, tiled=True)  # where each source wants its rows back
     back = _ragged_all_to_all(out, jnp.zeros((m * A, out.shape[1]), out.dtype), recv_off, recv_sizes, back_off,
@@ -231,14 +226,16 @@ def _ragged(z, ids, wts, w1, w3, w2, *, act, act_quant, axis, n_shards, capacity
 
 
 def _packed_kernels(packed_kernel: str):
-    """The grouped MXFP4 kernels the local packed experts run — (grouped matmul, grouped GLU FFN) — or None for the
-    XLA loop: "tiles" never; "pallas" always (for a CPU target the TPU schedule in the TPU interpreter: the code
-    TPUs run, as tests run it); "auto" when compiling for a GPU or TPU."""
+    """The grouped MXFP4 kernels the local packed experts run — (grouped matmul, grouped GLU FFN, the small-batch
+    routed FFN: ``_replicated``'s, None where it does not apply) — or None for the XLA loop: "tiles" never;
+    "pallas" always (for a CPU target the TPU schedule in the TPU interpreter: the code TPUs run, as tests run it);
+    "auto" when compiling for a GPU or TPU."""
     target = backends.kernel_target()
     if packed_kernel == "tiles" or (packed_kernel == "auto" and target == "cpu"):
         return None
     platform = "tpu" if target == "cpu" else None
-    return partial(backends.mxfp4_gmm, platform=platform), partial(backends.mxfp4_glu_ffn, platform=platform)
+    return tuple(partial(k, platform=platform) for k in (backends.mxfp4_gmm, backends.mxfp4_glu_ffn,
+                                                          backends.mxfp4_glu_ffn_rows))
 
 
 class ExpertParallel:

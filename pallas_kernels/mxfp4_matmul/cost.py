@@ -71,19 +71,39 @@ def gmm_t_cost(schedule: str, tiles: int, bm: int, bn: int, bk: int, N: int, K: 
 
 
 def expected_load(tokens: float, top_k: int, num_experts: int, local_experts: int) -> dict:
-    """{"rows", "groups"}: the expected assignments and distinct experts reached on a device holding
+    """{"rows", "groups", "idle"}: the expected assignments and distinct experts reached on a device holding
     ``local_experts`` of ``num_experts`` when ``tokens`` tokens each pick ``top_k`` distinct experts.
 
     A token picks a given expert with probability p_e (sum over e = top_k); for independent tokens the expected
     distinct experts reached is sum_e 1 - (1 - p_e)^tokens, concave in p_e, so at most its value at p_e = k/E
     (Jensen): ``local_experts·(1 - (1 - k/E)^tokens)`` is an upper bound for a device's share, exact under uniform
     routing, for any router on the average device (a hot device may exceed it). It is >= the with-replacement form
-    E_l·(1 - (1 - 1/E)^(tokens·k)), since (1 - 1/E)^k >= 1 - k/E. Rows: tokens·k·E_l/E on the average device."""
+    E_l·(1 - (1 - 1/E)^(tokens·k)), since (1 - 1/E)^k >= 1 - k/E. Rows: tokens·k·E_l/E on the average device;
+    idle: ``idle_probability``."""
     if tokens < 0 or not 0 < top_k <= num_experts or not 0 < local_experts <= num_experts:
         raise ValueError(f"expected_load needs tokens >= 0 and 0 < top_k, local_experts <= num_experts; got "
                          f"{tokens}, {top_k}, {local_experts}, {num_experts}")
     return {"rows": tokens * top_k * local_experts / num_experts,
-            "groups": local_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)}
+            "groups": local_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens),
+            "idle": idle_probability(tokens, top_k, num_experts, local_experts)}
+
+
+def idle_probability(tokens: float, top_k: int, num_experts: int, local_experts: int) -> float:
+    """P(no token picks any of a device's ``local_experts``) when ``tokens`` tokens each pick ``top_k`` distinct
+    experts uniformly: (C(E - El, k) / C(E, k))^tokens (what a grid that visits max(selected, 1) experts pays for)."""
+    if num_experts - local_experts < top_k:
+        return 0.0
+    one = math.prod((num_experts - local_experts - i) / (num_experts - i) for i in range(top_k))
+    return one ** tokens
+
+
+def rows_ffn_cost(rows: int, P: int, F: int, itemsize: int, experts: float) -> dict:
+    """{"flops", "bytes_accessed"} of the small-batch routed FFN (rows.py) over ``experts`` visited experts: each
+    one's w1, w3, w2 (packed and scales: 3·F·P·17/32 bytes) and gates read once, the rows' table read once, the fp32
+    output written once; every row through each visited expert's three matmuls."""
+    per_expert = 3 * F * (P // 2 + P // BLOCK_SIZE) + rows * 4
+    return {"flops": int(math.ceil(experts * 6 * rows * F * P)),
+            "bytes_accessed": int(math.ceil(experts * per_expert + rows * P * (itemsize + 4)))}
 
 
 def expected_tiles(rows: float, groups: float, bm: int) -> float:
@@ -130,4 +150,5 @@ def _check(schedule: str) -> None:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
 
 
-__all__ = ["SCHEDULES", "charged_cost", "expected_load", "expected_tiles", "gmm_cost", "gmm_t_cost"]
+__all__ = ["SCHEDULES", "charged_cost", "expected_load", "expected_tiles", "gmm_cost", "gmm_t_cost", "idle_probability",
+           "rows_ffn_cost"]

@@ -104,7 +104,7 @@ def expand_scale(scale_u8):
 def expand_scale_t_by_dot(scale_t_u8):
     """``expand_scale`` of transposed scale bytes [n, bn] (the TPU kernels' orientation) as one matmul with a 0/1
     matrix E[s, c] = (c // 16 == s), contracting the bytes' first axis (Mosaic compiles the transposed left
-    operand): [n, bn]ᵀ @ [n, 16 n] → fp32 [bn, 16 n].
+    operand): [n, bn]ᵀ @ [n, 16 n] → fp32 [bn, 16 n]. Scales already decoded (float powers of two) are taken too.
 
     For the TPU kernel, where the broadcast + reshape of a whole-K scale block needs more scoped VMEM than the
     default 16 MiB (measured: 19.6 MiB at bn = 256, K = 3584) and unrolling it over static slices took 9 s to
@@ -115,7 +115,8 @@ def expand_scale_t_by_dot(scale_t_u8):
     rows = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 0)
     cols = lax.broadcasted_iota(jnp.int32, (n, n * SCALE_GROUP_BYTES), 1)
     spread = jnp.where(rows == cols // SCALE_GROUP_BYTES, 1.0, 0.0).astype(jnp.bfloat16)
-    scale = mx.e8m0_to_float(scale_t_u8).astype(jnp.bfloat16)
+    decoded = scale_t_u8 if jnp.issubdtype(scale_t_u8.dtype, jnp.floating) else mx.e8m0_to_float(scale_t_u8)
+    scale = decoded.astype(jnp.bfloat16)
     return lax.dot_general(scale, spread, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
@@ -130,7 +131,7 @@ def decode_tile(bytes_u8, scale, dtype):
     return (mx.e2m1_decode(b & 15) * scale).astype(dtype), (mx.e2m1_decode(b >> 4) * scale).astype(dtype)
 
 
-def _tile_product(xe, xo, bytes_u8, scale):
+def tile_product(xe, xo, bytes_u8, scale):
     """x halves [bm, bk/2], one packed weight tile and its fp32 scales -> fp32 [bm, bn] partial product."""
     we, wo = decode_tile(bytes_u8, scale, xe.dtype)
     precision = lax.Precision.HIGHEST if xe.dtype == jnp.float32 else None
@@ -144,7 +145,7 @@ def _grid_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref):
     def _init():
         o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
-    o_ref[...] += _tile_product(xe_ref[...], xo_ref[...], p_ref[...], expand_scale(s_ref[...]))
+    o_ref[...] += tile_product(xe_ref[...], xo_ref[...], p_ref[...], expand_scale(s_ref[...]))
 
 
 def mxfp4_matmul_grid(xe, xo, packed, scale, bs: BlockSizes, *, interpret: bool) -> jax.Array:
@@ -181,7 +182,7 @@ def _loop_kernel(group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, *, bn: int, bk:
             kh = pl.ds(k * (bk // 2), bk // 2)
             ks = pl.ds(k * (bk // mx.BLOCK_SIZE), bk // mx.BLOCK_SIZE)
             scale = expand_scale(s_ref[g % s_ref.shape[0], rows, ks])  # scales of one layer: ``scale_block``
-            return acc + _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
+            return acc + tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[g, rows, kh], scale)
 
         o_ref[...] = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32)).astype(o_ref.dtype)
     # an unused tile (g < 0) loads and writes nothing: its output rows stay unwritten (``api.unpad_rows``)
@@ -360,7 +361,7 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
     @pl.when(used)
     def _compute():
         kh = k_lanes(k, bk, nk)
-        acc_ref[...] += _tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[rows, kh if resident else slice(None)],
+        acc_ref[...] += tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[rows, kh if resident else slice(None)],
                                       scale_ref[:, kh])
 
     @pl.when(k == nk - 1)

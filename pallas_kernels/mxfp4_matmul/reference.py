@@ -1,7 +1,8 @@
 """jnp rungs for the MXFP4 matmul kernels: dequantize, then matmul (docs/numerics.md §10.8).
 
 Ladder (docs/design.md §3.2): ``mxfp4_gmm_loop_reference`` (a masked loop over experts) -> ``mxfp4_gmm_reference``
-(``lax.ragged_dot`` on the dequantized stack) -> the ``mxfp4_gmm`` kernel; dense: ``mxfp4_matmul_reference``.
+(``lax.ragged_dot`` on the dequantized stack) -> the ``mxfp4_gmm`` kernel; dense: ``mxfp4_matmul_reference``; the
+small-batch routed FFN (rows.py): ``glu_ffn_rows_reference`` (every expert on every row, gated).
 """
 
 from __future__ import annotations
@@ -47,4 +48,22 @@ def mxfp4_gmm_loop_reference(x, packed, scale, group_sizes):
     return y.astype(x.dtype)
 
 
-__all__ = ["dequantize_packed", "mxfp4_gmm_loop_reference", "mxfp4_gmm_reference", "mxfp4_matmul_reference"]
+def glu_ffn_rows_reference(x, ids, weights, w1, w3, w2, act, rule=None):
+    """Σ_a weights[n, a] · FFN_{ids[n, a]}(x[n]) → fp32 [N, P], each expert's FFN in the kernels' roundings: a, b and
+    y_e rounded to x.dtype, h = act(a, b) in fp32 rounded to x.dtype, then MXFP8 (``rule``; None: none). w1, w3, w2:
+    (packed, scale) stacks [G, ...]; ids ≥ G: no expert."""
+    dt, G = x.dtype, w1[0].shape[0]
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e in range(G):
+        a = mxfp4_matmul_reference(x, w1[0][e], w1[1][e])
+        b = mxfp4_matmul_reference(x, w3[0][e], w3[1][e])
+        h = act(a.astype(jnp.float32), b.astype(jnp.float32)).astype(dt)
+        h = h if rule is None else mx.fake_quant_mxfp8(h, axis=-1, rule=rule)
+        y = mxfp4_matmul_reference(h, w2[0][e], w2[1][e]).astype(jnp.float32)
+        gate = jnp.sum(jnp.where(ids == e, weights.astype(jnp.float32), 0.0), axis=1)
+        out = out + gate[:, None] * y
+    return out
+
+
+__all__ = ["dequantize_packed", "glu_ffn_rows_reference", "mxfp4_gmm_loop_reference", "mxfp4_gmm_reference",
+           "mxfp4_matmul_reference"]

@@ -36,6 +36,7 @@ from pallas_kernels.kda import kda_chunk
 from pallas_kernels.mla import mla_decode, mla_flash
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
 from pallas_kernels.mxfp4_matmul.reference import mxfp4_gmm_loop_reference, mxfp4_matmul_reference
+from pallas_kernels.mxfp4_matmul.rows import mxfp4_glu_ffn_rows
 from pallas_kernels.platform import target_platform
 
 M, G = 256, 8  # rows, experts in the grouped call
@@ -129,6 +130,22 @@ def _kda(lb, segments=False):
 # cuda: Triton lowering (seconds)
 
 
+ROWS = {"N": 64, "A": 16, "G": 14, "L": 2}  # the small-batch routed FFN: B = 64 decode rows on one chip's experts
+
+
+def _rows_ffn_case(F, sharding):
+    S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
+    P, (N, A, G, L) = WEIGHTS["w13"][1], ROWS.values()
+    stack = lambda n, k: (S((L, G, n, k // 2), jnp.uint8), S((L, G, n, k // 32), jnp.uint8))  # noqa: E731
+
+    def f(x, ids, wts, w1, w3, w2, layer):
+        return mxfp4_glu_ffn_rows(x, ids, wts, (*w1, layer), (*w3, layer), (*w2, layer), GLU_ACT,
+                                  act_quant_rule="ceil", expected_groups=9.6)
+
+    return f, [S((N, P), jnp.bfloat16), S((N, A), jnp.int32), S((N, A), jnp.float32), stack(F, P), stack(F, P),
+               stack(P, F), S((), jnp.int32)]
+
+
 @pytest.fixture(scope="module")
 def h200_mesh():
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
@@ -190,11 +207,14 @@ TPU_CASES = {
     "grouped_bwd_train-v5p-w13": ("grouped_bwd_train", "v5p", "w13"),  # the static grid's transposed kernel (~18 s)
     # the fused GLU + MXFP8 of the experts' hidden: f32 a, b [M, F] -> bf16 h (default: v5p; v6e in the slow pass)
     "glu_mxfp8-v5p": ("glu_mxfp8", "v5p", None), "glu_mxfp8-v6e": ("glu_mxfp8", "v6e", None),
+    # the small-batch routed FFN: 64 token rows, top-16 over a chip's 14 experts of a 2-layer stack read in place;
+    # F = 3072 (expert = 64) and F = 768 (its F over tensor = 4)
+    "rows_ffn-v5p": ("rows_ffn", "v5p", 3072), "rows_ffn-v6e": ("rows_ffn", "v6e", 768),
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
 # KDA with packed documents once (~4 s more)
 # ... and each MLA kernel once (v5p: decode 3.3 s, the flash forward ~6 s; v6e in the slow pass)
-_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p", "glu_mxfp8-v5p"]
+_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p", "glu_mxfp8-v5p", "rows_ffn-v5p"]
 TPU_TIERS = {"default": _DEFAULT, "slow": [c for c in TPU_CASES if c not in _DEFAULT]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
@@ -222,6 +242,9 @@ def _tpu_compile(name) -> dict:
         f = lambda a, b: glu_mxfp8(a, b, GLU_ACT, jnp.bfloat16)  # noqa: E731
         args = [jax.ShapeDtypeStruct((M, F), jnp.float32, sharding=sharding) for _ in range(2)]
         out_bytes = M * F * 2
+    elif kind == "rows_ffn":
+        f, args = _rows_ffn_case(arg, sharding)
+        out_bytes = ROWS["N"] * WEIGHTS["w13"][1] * 4                 # y [N, P] fp32
     elif kind in ("kda", "kda_segments"):
         segments = kind == "kda_segments"
         f, args = _kda(arg, segments), _kda_args(sharding, segments)
@@ -238,7 +261,8 @@ def _tpu_compile(name) -> dict:
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
     return {"platform": platform, "compile_s": round(time.perf_counter() - t0, 2),
-            "input_bytes": sum(a.size * a.dtype.itemsize for a in args), "want_output_bytes": out_bytes,
+            "input_bytes": sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(args)),
+            "want_output_bytes": out_bytes,
             "mosaic": compiled.as_text().count('custom_call_target="tpu_custom_call"')
             >= 1 + kind.startswith("grouped_bwd"),
             **{k: getattr(mem, k) for k in fields}}

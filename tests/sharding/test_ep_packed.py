@@ -32,6 +32,15 @@ def _problem(seed: int = 0):
     return z, ids, wts, w1, w3, w2
 
 
+def _values_and_grads(ep, z, ids, wts, ws, ct):
+    """(y, (dz, dweights)) of ``ep`` under jit for the cotangent ``ct``, and the program's jaxpr as text."""
+    def both(z, wts):
+        loss = lambda z, w: jnp.sum(ct * ep(z, ids, w, *ws, ACT))  # noqa: E731
+        return ep(z, ids, wts, *ws, ACT), jax.grad(loss, argnums=(0, 1))(z, wts)
+
+    return jax.jit(both)(z, wts), str(jax.make_jaxpr(both)(z, wts))
+
+
 @pytest.mark.parametrize("axes,rules", [({"data": 2, "expert": 4}, "ep"),
                                         pytest.param({"expert": 4, "tensor": 2}, "ep_tp", marks=pytest.mark.slow)],
                          ids=["data2-expert4", "expert4-tensor2"])
@@ -69,13 +78,8 @@ def test_ep_pallas_kernel_equals_xla_tile_loop(axes, rules):
     mesh = make_mesh(axes)
 
     def run(kernel):
-        ep = ExpertParallel(mesh, rules, impl="bucketed", packed_kernel=kernel)
-
-        def both(z, wts):
-            loss = lambda z, w: jnp.sum(ct * ep(z, ids, w, w1, w3, w2, ACT))  # noqa: E731
-            return ep(z, ids, wts, w1, w3, w2, ACT), jax.grad(loss, argnums=(0, 1))(z, wts)
-
-        return jax.jit(both)(z, wts), str(jax.make_jaxpr(both)(z, wts))
+        return _values_and_grads(ExpertParallel(mesh, rules, impl="bucketed", packed_kernel=kernel), z, ids, wts,
+                                 (w1, w3, w2), ct)
 
     (y, (dz, dw)), jaxpr = run("pallas")
     (y_ref, (dz_ref, dw_ref)), jaxpr_ref = run("tiles")
@@ -181,26 +185,46 @@ def test_ep_quantizes_each_token_once_before_the_exchange(kernel):
 
 
 def test_ep_decode_kernels_charge_the_expected_load():
-    """A small-batch EP decode program (2 tokens replicated over expert = 4: 2 of the 8 experts per device): the
-    kernels' cost estimates — what XLA and ``k3 plan`` read — charge the expected used tiles of
-    ``backends.expected_load(2 tokens, top-2, 8 experts, 2 local)`` (1 row, 0.875 experts: 0.88 of the 4 static
-    tiles of bm = 16 rows), not every tile. Traced only (make_jaxpr): nothing runs."""
+    """A small-batch EP decode program (2 tokens replicated over expert = 4: 2 of the 8 experts per device) runs the
+    small-batch routed FFN kernel once per device, and its cost estimate — what XLA and ``k3 plan`` read — charges
+    the expected selected experts of ``backends.expected_load(2 tokens, top-2, 8 experts, 2 local)`` (0.875) plus
+    the chance that none is selected (the grid's one visit: (C(6, 2) / C(8, 2))^2), not both local experts; the
+    2 rows padded to 16. Traced only (make_jaxpr): nothing runs."""
     from k3jax.layers import backends
     from pallas_kernels.mxfp4_matmul import cost
 
     z, ids, wts, w1, w3, w2 = (a[:2] if i < 3 else a for i, a in enumerate(_problem(3)))
     ep = ExpertParallel(make_mesh({"expert": 4}), "ep", packed_kernel="pallas", replicate_tokens=True)
     jaxpr = jax.make_jaxpr(lambda z, w: ep(z, ids, w, w1, w3, w2, ACT))(z, wts)
-    est = [e.params["cost_estimate"] for e in jaxpr_eqns(jaxpr.jaxpr)
-           if e.primitive.name == "pallas_call" and e.params["name"] == "mxfp4_gmm_tpu_fwd"]
+    calls = [e for e in jaxpr_eqns(jaxpr.jaxpr) if e.primitive.name == "pallas_call"]
+    assert [e.params["name"] for e in calls] == ["mxfp4_glu_ffn_rows"], [e.params["name"] for e in calls]
     load = backends.expected_load(2, A, E, E // 4)
-    assert load == pytest.approx({"rows": 1.0, "groups": 0.875})
-    bm, T = 16, -(-2 * A // 16) + E // 4 + 1  # the kernels' rows: the 2·A slots (others' experts: padding)
-    # w1 / w3 (N = F, K = P, one block each); w2 has the same FLOPs. On this CPU target the TPU interpreter runs
-    # inside shard_map, which cannot run the dynamic grid (kernel.interpreter_needs_static_grid), so the calls take
-    # the static grid and charge its unused tiles' writes; the dynamic grid's charge: test_mxfp4_cost.py
-    want = cost.charged_cost(cost.gmm_cost, "tpu", T, cost.expected_tiles(load["rows"], load["groups"], bm), bm, F,
-                             Pd, F, Pd, 4, static_grid=True)
-    assert len(est) == 3 and all(e.flops == want["flops"] for e in est), (est, want)
-    assert est[0].bytes_accessed == want["bytes_accessed"]
-    assert want["flops"] < cost.gmm_cost("tpu", T, bm, F, Pd, F, Pd, 4)["flops"] / 4  # the static charge: T tiles
+    assert load == pytest.approx({"rows": 1.0, "groups": 0.875, "idle": (15 / 28) ** 2})
+    want = cost.rows_ffn_cost(16, Pd, F, 4, load["groups"] + load["idle"])
+    est = calls[0].params["cost_estimate"]
+    assert (est.flops, est.bytes_accessed) == (want["flops"], want["bytes_accessed"])
+    assert want["bytes_accessed"] < cost.rows_ffn_cost(16, Pd, F, 4, E // 4)["bytes_accessed"]  # both experts
+
+
+@pytest.mark.parametrize("axes,rules", [({"expert": 4}, "ep"),
+                                        pytest.param({"expert": 4, "tensor": 2}, "ep_tp", marks=pytest.mark.slow)],
+                         ids=["expert4", "expert4-tensor2"])
+def test_ep_small_batch_runs_the_routed_ffn_kernel(axes, rules):
+    """The small-batch rule (every token on every device) with frozen experts and ``packed_kernel="pallas"`` runs
+    the small-batch routed FFN kernel (one ``mxfp4_glu_ffn_rows`` call per forward; its VJP the grouped kernels') and
+    equals the XLA tile loop, forward and gradients with respect to the rows and the gates (f32). ep_tp: each
+    device's F slice gives partial sums (psum'd over tensor)."""
+    z, ids, wts, w1, w3, w2 = (a[:8] if i < 3 else a for i, a in enumerate(_problem(5)))
+    ct = jax.random.normal(jax.random.key(7), z.shape)
+    mesh = make_mesh(axes)
+
+    def run(kernel):
+        return _values_and_grads(ExpertParallel(mesh, rules, packed_kernel=kernel, replicate_tokens=True), z, ids, wts,
+                                 (w1, w3, w2), ct)
+
+    (y, (dz, dw)), jaxpr = run("pallas")
+    (y_ref, (dz_ref, dw_ref)), _ = run("tiles")
+    assert jaxpr.count("name=mxfp4_glu_ffn_rows") == 2 and jaxpr.count("name=mxfp4_gmm_tpu_bwd_x") >= 3  # y, grad
+    assert_close(y, y_ref, TOL["fp32_shallow"], name="fwd")
+    assert_close(dz, dz_ref, TOL["fp32_shallow"], name="dz")
+    assert_close(dw, dw_ref, TOL["fp32_shallow"], name="dweights")
