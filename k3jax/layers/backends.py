@@ -118,17 +118,19 @@ def mxfp4_glu_ffn_rows(x, ids, weights, w1, w3, w2, act, *, act_quant=None, plat
     """The routed experts of a small batch in one TPU kernel: Σ_a weights[n, a] · FFN_{ids[n, a]}(x[n]) → fp32
     [N, P] over ``PackedWeight`` stacks (ids ≥ G: none), every token row through each selected expert, combined on
     chip (pallas_kernels/mxfp4_matmul/rows.py) — or None where it does not apply: a target other than TPU (the kernel
-    has no GPU schedule), or an ``act_quant`` that is not an MXFP8 rule (``mx.ActQuant``). ``platform``,
-    the interpreter on CPU, ``expected_load``: as ``mxfp4_gmm``."""
+    has no GPU schedule), an ``act_quant`` that is not an MXFP8 rule (``mx.ActQuant``), or more token rows than the
+    kernel keeps on chip (``rows.MAX_ROWS``). ``platform``, the interpreter on CPU, ``expected_load``: as
+    ``mxfp4_gmm``."""
+    from pallas_kernels.mxfp4_matmul import rows  # Pallas, lazily (module docstring)
+
     target = kernel_target()
     rule = getattr(act_quant, "rule", None)
-    if (platform or target) != "tpu" or (act_quant is not None and rule is None):
+    if (platform or target) != "tpu" or (act_quant is not None and rule is None) or x.shape[0] > rows.MAX_ROWS:
         return None
-    from pallas_kernels.mxfp4_matmul.rows import mxfp4_glu_ffn_rows as fused  # Pallas, lazily (module docstring)
-
     load = expected_load or {}
-    return fused(x, ids, weights, tuple(w1), tuple(w3), tuple(w2), act, act_quant_rule=rule,
-                 interpret=target == "cpu", expected_groups=load.get("groups"), idle=load.get("idle", 0.0))
+    return rows.mxfp4_glu_ffn_rows(x, ids, weights, tuple(w1), tuple(w3), tuple(w2), act, act_quant_rule=rule,
+                                   interpret=target == "cpu", expected_rows=load.get("rows"),
+                                   expected_groups=load.get("groups"), idle=load.get("idle", 0.0))
 
 
 def glu_mxfp8(a, b, act, dtype, rule: str, *, acc=None):

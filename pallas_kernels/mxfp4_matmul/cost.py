@@ -97,12 +97,15 @@ def idle_probability(tokens: float, top_k: int, num_experts: int, local_experts:
     return one ** tokens
 
 
-def rows_ffn_cost(rows: int, P: int, F: int, itemsize: int, experts: float) -> dict:
-    """{"flops", "bytes_accessed"} of the small-batch routed FFN (rows.py) over ``experts`` visited experts: each
-    one's w1, w3, w2 (packed and scales: 3·F·P·17/32 bytes) and gates read once, the rows' table read once, the fp32
-    output written once; every row through each visited expert's three matmuls."""
-    per_expert = 3 * F * (P // 2 + P // BLOCK_SIZE) + rows * 4
-    return {"flops": int(math.ceil(experts * 6 * rows * F * P)),
+def rows_ffn_cost(rows: int, P: int, F: int, itemsize: int, experts: float, tiles: float, chunk: int,
+                  f_blocks: int) -> dict:
+    """{"flops", "bytes_accessed"} of the small-batch routed FFN (rows.py) over ``experts`` visited experts and
+    ``tiles`` chunks of ``chunk`` rows: each visited expert's w1, w3, w2 (packed and scales: 3·F·P·17/32 bytes), rank
+    and gate columns read once, the table of ``rows`` rows read once, the fp32 output written once; each chunk's three
+    matmuls, its gathers from the table (once per F block, ``f_blocks``) and its combine into the output."""
+    per_expert = 3 * F * (P // 2 + P // BLOCK_SIZE) + rows * 8
+    flops = tiles * chunk * (6 * F * P + 2 * rows * P * (f_blocks + 1))
+    return {"flops": int(math.ceil(flops)),
             "bytes_accessed": int(math.ceil(experts * per_expert + rows * P * (itemsize + 4)))}
 
 

@@ -131,13 +131,17 @@ def decode_tile(bytes_u8, scale, dtype):
     return (mx.e2m1_decode(b & 15) * scale).astype(dtype), (mx.e2m1_decode(b >> 4) * scale).astype(dtype)
 
 
-def tile_product(xe, xo, bytes_u8, scale):
-    """x halves [bm, bk/2], one packed weight tile and its fp32 scales -> fp32 [bm, bn] partial product."""
-    we, wo = decode_tile(bytes_u8, scale, xe.dtype)
+def tile_dot(xe, xo, we, wo):
+    """x halves [bm, bk/2] times decoded weight halves [bn, bk/2] (``decode_tile``) -> fp32 [bm, bn]."""
     precision = lax.Precision.HIGHEST if xe.dtype == jnp.float32 else None
     dims = (((1,), (1,)), ((), ()))
     out = lax.dot_general(xe, we, dims, precision=precision, preferred_element_type=jnp.float32)
     return out + lax.dot_general(xo, wo, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def tile_product(xe, xo, bytes_u8, scale):
+    """x halves [bm, bk/2], one packed weight tile and its fp32 scales -> fp32 [bm, bn] partial product."""
+    return tile_dot(xe, xo, *decode_tile(bytes_u8, scale, xe.dtype))
 
 
 def _grid_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref):

@@ -1,7 +1,8 @@
 """The small-batch routed FFN in one kernel (pallas_kernels/mxfp4_matmul/rows.py), in the TPU interpreter: against
 its jnp rung and against the grouped gather-form FFN combined as ``experts_grouped`` combines it (values within
 fp32 summation order; gradients with respect to the rows and the gates), over stacks read in place, with rows past
-the bf16 tile, unselected experts and slots routed elsewhere; its selection and cost estimate; its input checks."""
+the bf16 tile, experts over several chunks of rows, unselected experts and slots routed elsewhere; its selection and
+cost estimate; its input checks."""
 
 from functools import partial
 
@@ -21,7 +22,7 @@ from pallas_kernels.mxfp4_matmul.reference import glu_ffn_rows_reference
 from pallas_kernels.mxfp4_matmul.rows import f_block, mxfp4_glu_ffn_rows, selection
 
 ACT = partial(glu_activation, act="situ", beta1=4.0, beta2=25.0)
-G, P, F, N, A = 4, 256, 512, 10, 3
+G, P, F, N, A = 4, 256, 512, 40, 3   # 40 rows: padded to 48; experts 0 and 2 take 20 rows (two chunks)
 
 
 def _problem(dtype, layers=None):
@@ -77,17 +78,20 @@ def test_rows_ffn_reads_a_stacked_layer_in_place(monkeypatch, vmem):
 def test_selection_and_the_charged_experts():
     ids = jnp.array([[0, 4], [2, 0], [4, 4]], jnp.int32)
     wts = jnp.array([[0.5, 0.25], [0.75, 1.0], [1.0, 1.0]])
-    sel, count, gates = selection(ids, wts, 4)
+    sel, count, n_rows, rank, gates = selection(ids, wts, 4)
     np.testing.assert_array_equal(sel, [0, 2, -1, -1])
     assert int(count[0]) == 2
+    np.testing.assert_array_equal(n_rows, [2, 0, 1, 0])
+    np.testing.assert_array_equal(rank[..., 0], [[0, 1, -1], [-1, -1, -1], [-1, 0, -1], [-1, -1, -1]])
     np.testing.assert_allclose(gates[..., 0], [[0.5, 1.0, 0.0], [0, 0, 0], [0, 0.75, 0], [0, 0, 0]])
     # P(no local expert) for 1 token, top-2 of 8 with 2 local: C(6, 2) / C(8, 2) = 15/28
     assert idle_probability(1, 2, 8, 2) == pytest.approx(15 / 28)
     assert idle_probability(3, 2, 8, 7) == 0.0
-    # 2.5 experts' three weights (F·(P/2 + P/32) bytes each) and 16 gates, 16 rows read (bf16) and written (fp32)
-    c = rows_ffn_cost(16, 256, 512, 2, 2.5)
-    assert c == {"flops": int(2.5 * 6 * 16 * 512 * 256),
-                 "bytes_accessed": int(2.5 * (3 * 512 * (128 + 8) + 64) + 16 * 256 * 6)}
+    # 2.5 experts' three weights (F·(P/2 + P/32) bytes each), 16 ranks and gates; 16 rows read (bf16) and written
+    # (fp32); 3 chunks of 16 rows: three matmuls, gathers in 2 F blocks and one combine, 2·16·256 FLOPs per row each
+    c = rows_ffn_cost(16, 256, 512, 2, 2.5, 3, 16, 2)
+    assert c == {"flops": 3 * 16 * (6 * 512 * 256 + 2 * 16 * 256 * 3),
+                 "bytes_accessed": int(2.5 * (3 * 512 * (128 + 8) + 128) + 16 * 256 * 6)}
     assert f_block(3072) == 512 and f_block(768) == 256 and f_block(384) == 384 and f_block(96) == 96
     with pytest.raises(ValueError, match="block_f"):
         f_block(768, 128)

@@ -130,12 +130,12 @@ def _kda(lb, segments=False):
 # cuda: Triton lowering (seconds)
 
 
-ROWS = {"N": 64, "A": 16, "G": 14, "L": 2}  # the small-batch routed FFN: B = 64 decode rows on one chip's experts
+ROWS = {"A": 16, "G": 14, "L": 2}  # the small-batch routed FFN: top-16 decode rows on one chip's experts, 2 layers
 
 
-def _rows_ffn_case(F, sharding):
+def _rows_ffn_case(F, N, sharding):
     S = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
-    P, (N, A, G, L) = WEIGHTS["w13"][1], ROWS.values()
+    P, (A, G, L) = WEIGHTS["w13"][1], ROWS.values()
     stack = lambda n, k: (S((L, G, n, k // 2), jnp.uint8), S((L, G, n, k // 32), jnp.uint8))  # noqa: E731
 
     def f(x, ids, wts, w1, w3, w2, layer):
@@ -207,9 +207,10 @@ TPU_CASES = {
     "grouped_bwd_train-v5p-w13": ("grouped_bwd_train", "v5p", "w13"),  # the static grid's transposed kernel (~18 s)
     # the fused GLU + MXFP8 of the experts' hidden: f32 a, b [M, F] -> bf16 h (default: v5p; v6e in the slow pass)
     "glu_mxfp8-v5p": ("glu_mxfp8", "v5p", None), "glu_mxfp8-v6e": ("glu_mxfp8", "v6e", None),
-    # the small-batch routed FFN: 64 token rows, top-16 over a chip's 14 experts of a 2-layer stack read in place;
-    # F = 3072 (expert = 64) and F = 768 (its F over tensor = 4)
-    "rows_ffn-v5p": ("rows_ffn", "v5p", 3072), "rows_ffn-v6e": ("rows_ffn", "v6e", 768),
+    # the small-batch routed FFN: (F, token rows), top-16 over a chip's 14 experts of a 2-layer stack read in place;
+    # F = 3072 (expert = 64) and F = 768 (its F over tensor = 4); 64 rows (decode B = 64), 512 (its MAX_ROWS: verify)
+    "rows_ffn-v5p": ("rows_ffn", "v5p", (3072, 64)), "rows_ffn-v6e": ("rows_ffn", "v6e", (768, 64)),
+    "rows_ffn-v5p-512rows": ("rows_ffn", "v5p", (3072, 512)),
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
 # KDA with packed documents once (~4 s more)
@@ -243,8 +244,8 @@ def _tpu_compile(name) -> dict:
         args = [jax.ShapeDtypeStruct((M, F), jnp.float32, sharding=sharding) for _ in range(2)]
         out_bytes = M * F * 2
     elif kind == "rows_ffn":
-        f, args = _rows_ffn_case(arg, sharding)
-        out_bytes = ROWS["N"] * WEIGHTS["w13"][1] * 4                 # y [N, P] fp32
+        f, args = _rows_ffn_case(*arg, sharding)
+        out_bytes = arg[1] * WEIGHTS["w13"][1] * 4                    # y [N, P] fp32
     elif kind in ("kda", "kda_segments"):
         segments = kind == "kda_segments"
         f, args = _kda(arg, segments), _kda_args(sharding, segments)

@@ -188,8 +188,8 @@ def test_ep_decode_kernels_charge_the_expected_load():
     """A small-batch EP decode program (2 tokens replicated over expert = 4: 2 of the 8 experts per device) runs the
     small-batch routed FFN kernel once per device, and its cost estimate — what XLA and ``k3 plan`` read — charges
     the expected selected experts of ``backends.expected_load(2 tokens, top-2, 8 experts, 2 local)`` (0.875) plus
-    the chance that none is selected (the grid's one visit: (C(6, 2) / C(8, 2))^2), not both local experts; the
-    2 rows padded to 16. Traced only (make_jaxpr): nothing runs."""
+    the chance that none is selected (the grid's one visit: (C(6, 2) / C(8, 2))^2), not both local experts, and the
+    expected chunks of 16 rows for the FLOPs; the 2 rows padded to 16. Traced only (make_jaxpr): nothing runs."""
     from k3jax.layers import backends
     from pallas_kernels.mxfp4_matmul import cost
 
@@ -200,10 +200,11 @@ def test_ep_decode_kernels_charge_the_expected_load():
     assert [e.params["name"] for e in calls] == ["mxfp4_glu_ffn_rows"], [e.params["name"] for e in calls]
     load = backends.expected_load(2, A, E, E // 4)
     assert load == pytest.approx({"rows": 1.0, "groups": 0.875, "idle": (15 / 28) ** 2})
-    want = cost.rows_ffn_cost(16, Pd, F, 4, load["groups"] + load["idle"])
+    tiles = cost.expected_tiles(load["rows"], load["groups"], 16)      # the chunks of 16 rows (one F block)
+    want = cost.rows_ffn_cost(16, Pd, F, 4, load["groups"] + load["idle"], tiles, 16, 1)
     est = calls[0].params["cost_estimate"]
     assert (est.flops, est.bytes_accessed) == (want["flops"], want["bytes_accessed"])
-    assert want["bytes_accessed"] < cost.rows_ffn_cost(16, Pd, F, 4, E // 4)["bytes_accessed"]  # both experts
+    assert want["bytes_accessed"] < cost.rows_ffn_cost(16, Pd, F, 4, E // 4, 1, 16, 1)["bytes_accessed"]  # both
 
 
 @pytest.mark.parametrize("axes,rules", [({"expert": 4}, "ep"),
