@@ -116,11 +116,11 @@ def mxfp4_glu_ffn(x, w1, w3, w2, group_sizes, act, *, act_quant=None, acc=None, 
 def mxfp4_glu_ffn_rows(x, ids, weights, w1, w3, w2, act, *, act_quant=None, platform: str | None = None,
                        expected_load: dict | None = None):
     """The routed experts of a small batch in one TPU kernel: Σ_a weights[n, a] · FFN_{ids[n, a]}(x[n]) → fp32
-    [N, P] over ``PackedWeight`` stacks (ids ≥ G: none), every token row through each selected expert, combined on
-    chip (pallas_kernels/mxfp4_matmul/rows.py) — or None where it does not apply: a target other than TPU (the kernel
-    has no GPU schedule), an ``act_quant`` that is not an MXFP8 rule (``mx.ActQuant``), or more token rows than the
-    kernel keeps on chip (``rows.MAX_ROWS``). ``platform``, the interpreter on CPU, ``expected_load``: as
-    ``mxfp4_gmm``."""
+    [N, P] over ``PackedWeight`` stacks (ids ≥ G: none), the token table on chip and each selected expert over its
+    routed rows, combined there (pallas_kernels/mxfp4_matmul/rows.py) — or None where it does not apply: a target
+    other than TPU (the kernel has no GPU schedule), an ``act_quant`` that is not an MXFP8 rule (``mx.ActQuant``), or
+    more token rows than the kernel keeps on chip (``rows.MAX_ROWS``). ``platform``, the interpreter on CPU,
+    ``expected_load``: as ``mxfp4_gmm``."""
     from pallas_kernels.mxfp4_matmul import rows  # Pallas, lazily (module docstring)
 
     target = kernel_target()

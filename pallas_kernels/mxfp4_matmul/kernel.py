@@ -366,7 +366,7 @@ def _tpu_kernel(tile_group_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, scale_ref, 
     def _compute():
         kh = k_lanes(k, bk, nk)
         acc_ref[...] += tile_product(xe_ref[:, kh], xo_ref[:, kh], p_ref[rows, kh if resident else slice(None)],
-                                      scale_ref[:, kh])
+                                     scale_ref[:, kh])
 
     @pl.when(k == nk - 1)
     def _write():  # after the last k step's _compute (the pl.when blocks run in program order)
