@@ -126,10 +126,6 @@ def _kda(lb, segments=False):
     return f_segments if segments else f
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# cuda: Triton lowering (seconds)
-
-
 ROWS = {"A": 16, "G": 14, "L": 2}  # the small-batch routed FFN: top-16 decode rows on one chip's experts, 2 layers
 
 
@@ -144,6 +140,10 @@ def _rows_ffn_case(F, N, sharding):
 
     return f, [S((N, P), jnp.bfloat16), S((N, A), jnp.int32), S((N, A), jnp.float32), stack(F, P), stack(F, P),
                stack(P, F), S((), jnp.int32)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cuda: Triton lowering (seconds)
 
 
 @pytest.fixture(scope="module")
