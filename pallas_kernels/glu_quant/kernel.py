@@ -31,10 +31,18 @@ def block_max(x):
     return x
 
 
-def glu_mxfp8_kernel(a_ref, b_ref, h_ref, *, act, rule: str, acc):
-    h = act(a_ref[...].astype(acc), b_ref[...].astype(acc), remat=False).astype(h_ref.dtype)  # no checkpoint here
+def glu_mxfp8_tile(a, b, act, rule: str | None, dtype, acc):
+    """h of one VMEM tile: act(a, b) in ``acc`` rounded to ``dtype``, then the MXFP8 qdq of its aligned 32-column
+    blocks (``rule``; None: no quant). Also the small-batch routed FFN's hidden (mxfp4_matmul/rows.py)."""
+    h = act(a.astype(acc), b.astype(acc), remat=False).astype(dtype)  # no checkpoint in a kernel body
+    if rule is None:
+        return h
     x = flush_subnormals(h.astype(jnp.float32))
-    h_ref[...] = mx.mxfp8_qdq_elementwise(x, block_max(jnp.abs(x)), rule=rule, dtype=h_ref.dtype)
+    return mx.mxfp8_qdq_elementwise(x, block_max(jnp.abs(x)), rule=rule, dtype=dtype)
+
+
+def glu_mxfp8_kernel(a_ref, b_ref, h_ref, *, act, rule: str, acc):
+    h_ref[...] = glu_mxfp8_tile(a_ref[...], b_ref[...], act, rule, h_ref.dtype, acc)
 
 
 def estimate(rows: int, cols: int, in_itemsize: int, out_itemsize: int) -> pl.CostEstimate:

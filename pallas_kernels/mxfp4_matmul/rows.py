@@ -46,9 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from k3jax.ops import mx
-from k3jax.ops.fp32_bits import flush_subnormals
 from k3jax.ops.grouped_matmul import match_varying, sort_by_expert, varying_struct
-from pallas_kernels.glu_quant.kernel import block_max
+from pallas_kernels.glu_quant.kernel import glu_mxfp8_tile
 from pallas_kernels.mxfp4_matmul import api, cost
 from pallas_kernels.mxfp4_matmul import kernel as _k
 from pallas_kernels.mxfp4_matmul.ffn import mxfp4_glu_ffn
@@ -56,7 +55,7 @@ from pallas_kernels.platform import tpu_vmem_bytes
 
 ROW_ALIGN = 16          # rows are padded to a multiple of the bf16 sublane tile (zero rows, zero gates)
 CHUNK = 16              # rows of an expert multiplied together: gathered from the table in chunks of one bf16 tile
-MAX_ROWS = 512          # the largest token table taken (VMEM at K3: table, y_e, output ~35 MB at 512 rows of 48 MB)
+MAX_ROWS = 512          # the largest token table taken (Mosaic compiles K3's shapes at 512 rows: test_targets.py)
 BLOCK_F = (512, 256)    # F block: the largest dividing F whose packed half (bf/2) is whole 128-lane tiles; else F
 
 
@@ -89,16 +88,6 @@ def selection(ids, weights, groups: int):
 def estimate(rows: int, P: int, F: int, itemsize: int, f_blocks: int, experts: float, tiles: float) -> pl.CostEstimate:
     c = cost.rows_ffn_cost(rows, P, F, itemsize, experts, tiles, CHUNK, f_blocks)
     return pl.CostEstimate(flops=c["flops"], transcendentals=0, bytes_accessed=c["bytes_accessed"])
-
-
-def _hidden(a, b, act, rule, dt, acc):
-    """h = act(a, b) in ``acc`` rounded to ``dt``, then the MXFP8 qdq of its 32-column blocks (``rule``; None: no
-    quant) — ``glu_quant``'s kernel body, bit for bit the unfused ``glu_hidden``."""
-    h = act(a.astype(acc), b.astype(acc), remat=False).astype(dt)  # no checkpoint in a kernel body
-    if rule is None:
-        return h
-    x = flush_subnormals(h.astype(jnp.float32))
-    return mx.mxfp8_qdq_elementwise(x, block_max(jnp.abs(x)), rule=rule, dtype=dt)
 
 
 def _split_columns(h):
@@ -156,7 +145,7 @@ def _kernel(sel_ref, meta_ref, n_ref, xe_ref, xo_ref, r_ref, g_ref, p1_ref, s1_r
             xe, xo = _gather(pick, xe_ref[...]), _gather(pick, xo_ref[...])
             a = _k.tile_dot(xe, xo, *w1).astype(dt)
             b = _k.tile_dot(xe, xo, *w3).astype(dt)
-            he, ho = _split_columns(_hidden(a, b, act, rule, dt, acc))
+            he, ho = _split_columns(glu_mxfp8_tile(a, b, act, rule, dt, acc))
             at = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
             part = _k.tile_dot(he, ho, *w2)
             y_ref[at, :] = jnp.where(j == 0, part, y_ref[at, :] + part)
@@ -177,30 +166,18 @@ def _kernel(sel_ref, meta_ref, n_ref, xe_ref, xo_ref, r_ref, g_ref, p1_ref, s1_r
 
 
 def _in_place(packed, scale, layer):
-    """(packed, transposed scales, packed offset, scale offset) of one weight: unstacked, as given; a stack
-    [L, G, ...] read in place, flattened to [L·G, ...] with the layer's experts at offset layer·G, or sliced to the
-    layer (offset 0). Packed bytes: in place as ``api.layer_groups`` reads them (sliced off the 128 lanes). Scales:
-    in place where the stack is larger than the chip's VMEM (this kernel then reads only the selected experts'
-    scale blocks; a slice reads and writes all G of them, 1.7 GB per chip and step of kimi-k3's B = 64 decode on
-    v5p-64), else sliced: XLA's memory-space assignment copies an operand that fits into VMEM whole before every
-    call (v6e-256's decode: 14 GB per chip and step; experiments/LOG.md, 2026-12-07 session 34)."""
-    zero = jnp.int32(0)
-    if layer is None:
-        return packed, _k.transposed_scales(scale), zero, zero
-    L, G = packed.shape[:2]
-    offset = jnp.asarray(layer, jnp.int32) * G
-
-    def one(a):
-        return lax.dynamic_index_in_dim(a, layer, keepdims=False)
-
-    if packed.shape[-1] % 128:
-        packed, p_off = one(packed), zero
-    else:
-        packed, p_off = packed.reshape(L * G, *packed.shape[2:]), offset
-    if scale.size <= tpu_vmem_bytes():
-        return packed, _k.transposed_scales(one(scale)), p_off, zero
+    """(packed, transposed scales, packed offset, scale offset) of one weight: the packed bytes as
+    ``api.layer_groups`` addresses them (a stack flattened [L·G, ...] at offset layer·G, or sliced off the 128 lanes;
+    unstacked as given), and the scales as it slices them, except that a stack's scales larger than the chip's VMEM
+    are read in place too (flattened, at offset layer·G): this kernel reads only the selected experts' scale blocks,
+    where a slice reads and writes all G of them (1.7 GB per chip and step of kimi-k3's B = 64 decode on v5p-64).
+    Smaller stacks stay sliced: XLA's memory-space assignment copies an operand that fits into VMEM whole before
+    every call (v6e-256's decode: 14 GB per chip and step; experiments/LOG.md, 2026-12-07 session 34)."""
+    offset, packed_l, one_scale, G = api.layer_groups(jnp.zeros((1,), jnp.int32), packed, scale, layer)
+    if layer is None or scale.size <= tpu_vmem_bytes():
+        return packed_l, _k.transposed_scales(one_scale), offset[0], jnp.int32(0)
     scale_t = jnp.swapaxes(scale, -1, -2)           # the TPU compiler's storage of [.., N, K/32] read as it lies
-    return packed, scale_t.reshape(L * G, *scale_t.shape[2:]), p_off, offset
+    return packed_l, scale_t.reshape(-1, *scale_t.shape[2:]), offset[0], jnp.asarray(layer, jnp.int32) * G
 
 
 def _call(x, ids, weights, w1, w3, w2, layer, act, rule, acc, bf, interpret, charged):
