@@ -233,7 +233,9 @@ def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple
     operand of its result's shape writes (and reads) only its update in place (the scatter's indices are read), a
     fusion reads only the slices of the operands its body only slices (nested fusions included), an async ``*-start``
     / ``*-update`` (shape ``((operands), result, context)``) writes only its result (an update's operand 0 is its
-    start's context), and arrays in an on-chip memory space (``S(1)``: VMEM) cost nothing."""
+    start's context) — but a ``copy-start``, shaped ``(destination, source, context)`` (its ``copy-done`` is element
+    0), writes its destination: a prefetch into VMEM reads HBM once, an eviction from VMEM writes it once —, and
+    arrays in an on-chip memory space (``S(1)``: VMEM) cost nothing."""
     ops = ins.operands
 
     def hbm(shape: str) -> float:
@@ -242,7 +244,8 @@ def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple
     if ins.opcode.endswith(("-start", "-update")):
         parts = tuple_elements(ins.shape)
         ins_ops = ops[1:] if ins.opcode.endswith("-update") else ops
-        return (hbm(parts[1]) if len(parts) > 1 else 0.0), [(o, hbm(c.shapes.get(o, ""))) for o in ins_ops]
+        out = 0 if ins.opcode == "copy-start" else 1
+        return (hbm(parts[out]) if len(parts) > out else 0.0), [(o, hbm(c.shapes.get(o, ""))) for o in ins_ops]
     if ins.opcode in _SLICING:
         return hbm(ins.shape), [(ops[0], hbm(ins.shape))] if ops else []
     place = _in_place(ins, c.shapes)
@@ -258,13 +261,15 @@ def instr_io(ins: Instr, c: Computation, comps: dict) -> tuple[float, list[tuple
             updated = _fusion_updates(body)
             if updated:
                 # in-place updates of loop-carried buffers (the ROOT, or elements of a multi-output ROOT tuple): a
-                # buffer parameter is neither read nor rewritten, its update is read and written; the other
-                # outputs are written whole
-                upd = sum(updated.values())
-                written = upd + sum(hbm(e) for i, e in enumerate(tuple_elements(ins.shape)) if i not in
-                                    _updated_outputs(body))
+                # buffer parameter is not rewritten, its update is written; the update is computed from the other
+                # operands (read as they are read), and the buffer's slot is read only where the body reads the
+                # buffer otherwise than as the update's target (read-modify-write); the other outputs are written
+                # whole
+                written = sum(updated.values()) + sum(hbm(e) for i, e in enumerate(tuple_elements(ins.shape))
+                                                      if i not in _updated_outputs(body))
+                slots = sum(u for k, u in updated.items() if _reads_buffer(body, k))
                 return written, [(o, r) for k, (o, r) in enumerate(zip(ops, reads, strict=True)) if k not in updated] \
-                    + [("", upd)]
+                    + ([("", slots)] if slots else [])
     return hbm(ins.shape), list(zip(ops, reads, strict=True))
 
 
@@ -289,6 +294,20 @@ def _in_place_param(o: Instr, body: Computation) -> tuple[int, float] | None:
     p = next((i for i in body.instrs if i.name == place[0] and i.opcode == "parameter"), None)
     return None if p is None or not p.args.strip().isdigit() else (int(p.args), shape_bytes(body.shapes.get(place[1],
                                                                                                           "")))
+
+
+def _reads_buffer(body: Computation, index: int) -> bool:
+    """Whether a fusion body uses its parameter ``index`` other than as the buffer a dynamic-update-slice targets:
+    a read-modify-write of the slot reads it (a scatter's combiner does)."""
+    name = _param_name(body, index)
+    root = body.instrs[-1] if body.instrs else None
+    for i in body.instrs:
+        if i is root and i.opcode == "tuple":
+            continue
+        ops = i.operands[1:] if i.opcode == "dynamic-update-slice" and i.operands[0] == name else i.operands
+        if name in ops:
+            return True
+    return False
 
 
 def _fusion_updates(body: Computation) -> dict[int, float]:

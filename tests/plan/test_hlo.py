@@ -8,6 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from k3jax.plan.hlo import arrays, parse, shape_bytes, trip_count, tuple_elements
+from k3jax.plan.hlo_bytes import instr_io
 from k3jax.plan.hlo_cost import program_stats
 
 L, M, D = 5, 16, 64
@@ -196,7 +197,7 @@ ENTRY %main (a: f32[8,128]) -> f32[8,128] {
   %a = f32[8,128] parameter(0)
   %b = f32[8,128] add(%a, %a)
   %c = f32[8,128] multiply(%b, %b)
-  %cs = (f32[8,128], f32[8,128]{1,0:S(1)}, u32[]) copy-start(%c)
+  %cs = (f32[8,128]{1,0:S(1)}, f32[8,128], u32[]) copy-start(%c)
   %zero = s32[] constant(0)
   %init = (s32[], f32[8,128]) tuple(%zero, %c)
   %w = (s32[], f32[8,128]) while(%init), condition=%cond, body=%body
@@ -215,11 +216,35 @@ def test_custom_calls_are_charged_their_cost_estimate_per_iteration():
     assert s.custom_calls == {"tpu_custom_call": 5}
     assert s.kernels == {"kern": {"count": 5, "flops": 5000.0, "bytes": 320.0, "estimated": True}}
     assert s.flops == 5000.0
-    # add: reads a twice (weights), writes b; multiply: reads b twice, writes c; copy-start: reads c, writes VMEM;
-    # the loop counter's add: two s32 reads and a write per trip
+    # add: reads a twice (weights), writes b; multiply: reads b twice, writes c; copy-start (a prefetch: its
+    # destination, element 0, is in VMEM) reads c and writes no HBM byte; the loop counter's add: two s32 reads and a
+    # write per trip
     want = {"weights": 2 * A, "activations": A + 3 * A + A + 5 * 12, "kernels": 320.0, "collectives": 0.0}
     assert s.hbm_split == want
     assert s.bytes_accessed == sum(s.hbm_split.values())
+
+
+def test_copy_start_writes_its_destination():
+    """XLA's ``copy-start`` is shaped (destination, source, context) and its ``copy-done`` returns element 0: memory
+    space assignment's prefetch (destination in VMEM) reads HBM and writes none, its eviction (source in VMEM) reads
+    none and writes HBM — unlike the collectives' ``*-start``, whose result is element 1."""
+    text = """HloModule m
+
+ENTRY %main (a: f32[8,128]) -> f32[8,128] {
+  %a = f32[8,128] parameter(0)
+  %b = f32[8,128] add(%a, %a)
+  %pf = (f32[8,128]{1,0:S(1)}, f32[8,128], u32[]) copy-start(%b)
+  %pd = f32[8,128]{1,0:S(1)} copy-done(%pf)
+  %ev = (f32[8,128], f32[8,128]{1,0:S(1)}, u32[]) copy-start(%pd)
+  ROOT %ed = f32[8,128] copy-done(%ev)
+}
+"""
+    comps, entry = parse(text)
+    c = comps[entry]
+    by = {i.name: i for i in c.instrs}
+    A = 8 * 128 * 4
+    assert instr_io(by["pf"], c, comps) == (0.0, [("b", A)])
+    assert instr_io(by["ev"], c, comps) == (A, [("pd", 0.0)])
 
 
 def test_tuple_elements_and_on_chip_arrays():
@@ -335,12 +360,19 @@ ENTRY %main (buf: f32[8,64,128], x: f32[1,64,128], i: s32[]) -> (f32[8,64,128], 
 
 def test_multi_output_fusion_updating_a_buffer_in_place():
     """A fusion whose ROOT tuple holds a dynamic-update-slice of its buffer parameter (an AttnRes block-sum commit,
-    as XLA:TPU fuses it beside the layer's output): the buffer is neither read nor rewritten — its slot is — and
-    the other output is written whole."""
+    as XLA:TPU fuses it beside the layer's output): the buffer is neither read nor rewritten — its slot is written,
+    from the update the body computes out of its other operands — and the other output is written whole. Where
+    the body also reads the buffer (the slot's old value into its update), that slot is read too."""
     one = 64 * 128 * 4
     s = program_stats(_MULTI_OUTPUT)
-    # reads: x and the index; the update read and written once; the second output written
-    assert s.bytes_accessed == (one + 4) + 2 * one + one
+    # reads: x and the index; the update written once (computed from x: no read of its own); the second output
+    assert s.bytes_accessed == (one + 4) + one + one
+    rmw = _MULTI_OUTPUT.replace("%y = f32[1,64,128] add(%x, %x)",
+                                "%o = f32[1,64,128] dynamic-slice(%b, %i, %z, %z), dynamic_slice_sizes={1,64,128}\n"
+                                "  %y = f32[1,64,128] add(%x, %o)").replace("  %z = s32[] constant(0)\n", "")
+    rmw = rmw.replace("  %b = f32[8,64,128] parameter(0)\n", "  %b = f32[8,64,128] parameter(0)\n"
+                      "  %z = s32[] constant(0)\n")
+    assert program_stats(rmw).bytes_accessed == (one + 4) + one + one + one
 
 
 _SCOPED = """HloModule m
