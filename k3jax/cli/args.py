@@ -91,7 +91,8 @@ def add_distributed(parser) -> None:
 
 
 KERNELS_HELP = ("which kernels run: auto (default) = the Pallas kernels on a GPU or TPU wherever one runs for this "
-                "command (KDA chunks, MLA latent attention, packed MXFP4 experts), XLA elsewhere and on a CPU; xla = "
+                "command (KDA chunks, KDA's decode step on TPU, MLA latent attention, packed MXFP4 experts), XLA "
+                "elsewhere and on a CPU; xla = "
                 "every op's XLA path; pallas = every kernel, in Pallas' interpreter on a CPU (slow: for checking the "
                 "kernels against the XLA paths), exit 2 naming a kernel that cannot run. A per-op flag ({ops}) wins "
                 "over it for its op")

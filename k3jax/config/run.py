@@ -18,6 +18,10 @@ KDAImpl = Literal["recurrent", "chunked", "pallas"]
 # kernels (pallas_kernels/mla: flash attention over the latent for whole sequences, the absorbed split-KV kernel for
 # decode steps of up to 8 tokens per row).
 MLAImpl = Literal["xla", "pallas"]
+# KDA's one-token decode step: XLA's update, or the Pallas TPU kernel (pallas_kernels/kda/step.py: each layer's state
+# read and written once, in place in its stack). XLA's step runs on a GPU (the kernel has no Triton schedule) and
+# under a context split (the step is outside the sequence's shard_map).
+KDAStepImpl = Literal["xla", "pallas"]
 # Who runs packed MXFP4 expert stacks under expert parallelism (k3jax/sharding/expert_parallel.py): "auto" the
 # Pallas kernel when compiling for a GPU or TPU and the XLA tile loop for a CPU, "pallas" the kernel always (its TPU
 # schedule in the interpreter on a CPU), "tiles" the XLA loop always.
@@ -38,6 +42,7 @@ Remat = Literal["none", "full", "group", "dots_saveable", "dots_with_no_batch_di
 MOE_IMPLS: tuple[str, ...] = get_args(MoEImpl)
 KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
 MLA_IMPLS: tuple[str, ...] = get_args(MLAImpl)
+KDA_STEP_IMPLS: tuple[str, ...] = get_args(KDAStepImpl)
 PACKED_KERNELS: tuple[str, ...] = get_args(PackedKernel)
 KERNELS: tuple[str, ...] = get_args(Kernels)
 QAT_MODES: tuple[str, ...] = get_args(QATMode)
@@ -52,6 +57,7 @@ _RUN_CHOICES = {
     "moe_impl": MOE_IMPLS,
     "kda_impl": KDA_IMPLS,
     "mla_impl": MLA_IMPLS,
+    "kda_step_impl": KDA_STEP_IMPLS,
     "packed_kernel": PACKED_KERNELS,
     "qat": QAT_MODES,
     "qat_weight_rule": SCALE_RULES,
@@ -74,6 +80,7 @@ class RunConfig:
     kda_impl: KDAImpl = "chunked"  # chunked for T > 1 (per-chunk states in training); decode uses the step
     kda_chunk_size: int = 64
     mla_impl: MLAImpl = "xla"
+    kda_step_impl: KDAStepImpl = "xla"
     packed_kernel: PackedKernel = "auto"
     mla_block_size: int = 512  # key block of the blockwise causal attention
     qat: QATMode = "off"
@@ -104,12 +111,14 @@ class RunConfig:
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
 # Fields added after ablation studies were shipped, with the value every run had before them: an arm's flat settings
 # leave a field out at that value, so a study's fingerprint stays (k3jax/ablate/resolve.py).
-LATER_RUN_FIELDS = {"mla_impl": "xla", "packed_kernel": "auto"}
+LATER_RUN_FIELDS = {"mla_impl": "xla", "packed_kernel": "auto", "kda_step_impl": "xla"}
 # The run settings ``--kernels`` decides: each field's value per choice. A per-op flag (``--kda-impl``,
 # ``--packed-kernel``) names one of these fields and wins over it.
-KERNEL_FIELDS = {"pallas": {"kda_impl": "pallas", "mla_impl": "pallas", "packed_kernel": "pallas"},
-                 "xla": {"kda_impl": "chunked", "mla_impl": "xla", "packed_kernel": "tiles"}}
-_KERNEL_NAMES = {"kda_impl": "KDA chunk", "mla_impl": "MLA latent-attention", "packed_kernel": "MXFP4 expert"}
+KERNEL_FIELDS = {"pallas": {"kda_impl": "pallas", "mla_impl": "pallas", "packed_kernel": "pallas",
+                            "kda_step_impl": "pallas"},
+                 "xla": {"kda_impl": "chunked", "mla_impl": "xla", "packed_kernel": "tiles", "kda_step_impl": "xla"}}
+_KERNEL_NAMES = {"kda_impl": "KDA chunk", "mla_impl": "MLA latent-attention", "packed_kernel": "MXFP4 expert",
+                 "kda_step_impl": "KDA decode step"}
 
 
 def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: int = 1,
@@ -121,10 +130,12 @@ def kernel_refusal(fld: str, platform: str, *, context: bool = False, devices: i
     a GPU or TPU they run on one device (on a CPU the interpreter's jnp is partitioned like any other). Under context
     parallelism they run inside the sequence's ``shard_map``, one call per device
     (k3jax/sharding/context_parallel.py); under a row split the MLA kernels (flash, and decode on a cache) run
-    inside one over the rows (k3jax/sharding/row_split.py); the packed-expert kernel inside expert parallelism's."""
-    if fld == "mla_impl" and rows:
+    inside one over the rows (k3jax/sharding/row_split.py); the packed-expert kernel inside expert parallelism's.
+    KDA's decode-step kernel runs per device under a row split too; under a context split a decode step runs XLA's
+    update (the layer's ``context`` path)."""
+    if fld in ("mla_impl", "kda_step_impl") and rows:
         return None
-    if fld in ("kda_impl", "mla_impl") and platform != "cpu" and devices > 1 and not context:
+    if fld in ("kda_impl", "mla_impl", "kda_step_impl") and platform != "cpu" and devices > 1 and not context:
         return f"it runs on one {platform} device (the compiler does not partition a kernel call; {devices} devices)"
     return None
 
@@ -174,6 +185,6 @@ def with_kernels(run: RunConfig, kernels: str, platform: str, *, context: bool =
     return run.replace(**(fields | given))
 
 
-__all__ = ["DTYPES", "KDA_IMPLS", "KERNELS", "KERNEL_FIELDS", "LATER_RUN_FIELDS", "LAYER_STACKS", "MLA_IMPLS",
-           "MOE_IMPLS", "PACKED_KERNELS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS", "SCALE_RULES", "RunConfig",
-           "kernel_choice", "kernel_refusal", "with_kernels"]
+__all__ = ["DTYPES", "KDA_IMPLS", "KDA_STEP_IMPLS", "KERNELS", "KERNEL_FIELDS", "LATER_RUN_FIELDS", "LAYER_STACKS",
+           "MLA_IMPLS", "MOE_IMPLS", "PACKED_KERNELS", "QAT_MODES", "REMAT_POLICIES", "RUN_FIELDS", "SCALE_RULES",
+           "RunConfig", "kernel_choice", "kernel_refusal", "with_kernels"]

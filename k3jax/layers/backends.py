@@ -60,6 +60,22 @@ def mla_decode(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, *, q_pos, kv_len, scale
         platform=target, interpret=target == "cpu"))
 
 
+def kda_decode_step(*, scale: float):
+    """KDA's one-token decode step as a TPU kernel, f(q, k, v, g, beta, states, layer) → (o, states): the layer's
+    slice of the stacked state [L, B, N, K, V] read once and written once in place (pallas_kernels/kda/step.py) —
+    or None where it does not run: a GPU target (the kernel has no Triton schedule; XLA's step runs there).
+    Interpreted on a CPU. A shape it cannot tile is the InputError of ``--kernels pallas`` (``_kernel_input``)."""
+    if kernel_target() == "gpu":
+        return None
+    from pallas_kernels.kda.step import kda_step  # Pallas, lazily (the module docstring)
+
+    def step(q, k, v, g, beta, states, layer):
+        target = kernel_target()     # here: inside a shard_map the mesh it runs under names the device
+        return _kernel_input("KDA decode step", lambda: kda_step(q, k, v, g, beta, states, layer, scale=scale,
+                                                                  interpret=target == "cpu"))
+    return step
+
+
 def kernel_target() -> str:
     """The platform being compiled for ('cpu', 'gpu' or 'tpu'): the current (abstract) mesh's device, else the
     default backend (``pallas_kernels.platform.target_platform``)."""

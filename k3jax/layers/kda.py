@@ -183,7 +183,8 @@ class KDA(nnx.Module):
         self.wo = param(normal(rngs, (N, K, d), dtype), ("heads", "head_dim", "embed"))
 
     def __call__(self, x, *, eps: float, impl: str = "chunked", chunk_size: int = 64, cache: dict | None = None,
-                 lengths=None, start=None, segment_ids=None, context=None, rows=None):
+                 lengths=None, start=None, segment_ids=None, context=None, rows=None, layer=None,
+                 step_impl: str = "xla"):
         """x [B, T, D] normed layer input (any float dtype) → (y [B, T, D] in x.dtype, the new cache).
 
         eps: RMSNorm eps of the gated output norm (``rms_norm_eps``); impl: "recurrent" | "chunked" | "pallas"
@@ -194,7 +195,12 @@ class KDA(nnx.Module):
         ``ContextParallel`` (T split over devices: the convs and the core run per shard and combine their states,
         k3jax/sharding/context_parallel.py; a cached piece then continues the cache from any ``start`` on the
         shards' own chunk grids). rows: None, or a ``RowSplit`` the cache's rows are split by: the core runs on them
-        between ``RowSplit.enter`` and ``leave`` (the stream may hold every row, k3jax/sharding/row_split.py)."""
+        between ``RowSplit.enter`` and ``leave`` (the stream may hold every row, k3jax/sharding/row_split.py).
+        layer: None, or this layer's index in a cache whose state is stacked over layers (cache["state"]
+        [L, B, N, K, V]; the other leaves are this layer's): the returned state is the stack with this layer's slice
+        advanced. step_impl: a one-token step's "xla" update or "pallas" kernel (``backends.kda_decode_step``:
+        the state read and written once, in place in its stack; per device under ``rows``; XLA's step on a GPU and
+        under ``context``)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if segment_ids is not None and (cache or lengths is not None or start is not None):
@@ -209,8 +215,7 @@ class KDA(nnx.Module):
         ct = acc_dtype(x.dtype)
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
-        us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
-              for name in ("wq", "wk", "wv")]                                # head-major columns (docs/model.md §2.1)
+        us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct) for name in ("wq", "wk", "wv")]
         ws = [w[...] for w in (self.conv_q, self.conv_k, self.conv_v)]
         tails = [cache.get(n) for n in ("conv_q", "conv_k", "conv_v")]
         raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],
@@ -223,17 +228,19 @@ class KDA(nnx.Module):
         if rows is not None:                      # the cache's rows (a no-op unless the stream holds every row)
             us = [rows.enter(u, 2) for u in us]
             g, beta = rows.enter(g, 2), rows.enter(beta, 2)
+        us = [u.reshape(B, T, -1) for u in us]                       # head-major columns (docs/model.md §2.1)
         if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged
             real = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
             g = jnp.where(real[:, :, None, None], g, 0.0)
             beta = jnp.where(real[:, :, None], beta, 0.0)
         scale = K ** -0.5
-        state = cache.get("state")
+        stack = cache.get("state") if layer is not None else None
+        state = cache.get("state") if stack is None else stack[layer]
         records = {}
         if any(n.startswith("rec_") for n in cache):                       # a verify piece (module docstring)
             if context is not None or state is None:
                 raise ValueError("verify records need a cache's state and one device (no context split)")
-            o, records = _recorded(us, ws, g, beta, cache, heads=N, scale=scale)
+            o, records = _recorded(us, ws, g, beta, {**cache, "state": state}, heads=N, scale=scale)
             S, (tq, tk, tv) = state, tails                                  # committed later by rollback
         elif context is not None and not (state is not None and T == 1):
             core = functools.partial(_core, impl, scale=scale, chunk_size=chunk_size,
@@ -248,7 +255,15 @@ class KDA(nnx.Module):
             k = kda_ops.l2norm(k.reshape(B, T, N, K))
             v = v.reshape(B, T, N, -1)
             if state is not None and T == 1:
-                o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
+                step = backends.kda_decode_step(scale=scale) if step_impl == "pallas" and context is None else None
+                if step is None:
+                    o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
+                else:                                     # an unstacked state is a stack of one
+                    states, at = (state[None], 0) if stack is None else (stack, layer)
+                    args = (*(a[:, 0] for a in (q, k, v, g, beta)), states, at)
+                    o, states = step(*args) if rows is None else rows.kda_step(step, *args)
+                    o = o[:, None].astype(q.dtype)
+                    S, stack = (states[0], None) if stack is None else (None, states)
             elif start is not None and impl != "recurrent":
                 o, S = _aligned(impl, q, k, v, g, beta, start, scale=scale, initial_state=state,
                                 chunk_size=chunk_size)
@@ -256,15 +271,21 @@ class KDA(nnx.Module):
                 o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
                              gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
         o = o.astype(ct)
-        o = o if rows is None else rows.leave(o, 2)
+        late = rows is not None and not rows.gates_rows          # the output norm and gate after the rows' gather
+        o = rows.leave(o, 2) if late else o
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
         if hasattr(self, "w_gate"):
             gate = lora.proj(self, "w_gate", "btd,dnk->btnk", x, self.w_gate[...], ct)
         else:
             gate = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.g_a), self.g_b[...],
                               preferred_element_type=ct)
-        o = o * jax.nn.sigmoid(gate)
+        if rows is not None and not late:      # per row, then the rows' gather (``RowSplit.gates_rows``)
+            o = rows.leave(o * jax.nn.sigmoid(rows.enter(gate, 2)), 2)
+        else:
+            o = o * jax.nn.sigmoid(gate)
         y = lora.proj(self, "wo", "btnk,nkd->btd", o, self.wo[...], ct)
+        if stack is not None:                         # the stacked state: this layer's slice advanced (in place)
+            S = stack if S is None else jax.lax.dynamic_update_index_in_dim(stack, S.astype(stack.dtype), layer, 0)
         return y.astype(x.dtype), {"state": S, "conv_q": tq, "conv_k": tk, "conv_v": tv, **records}
 
 

@@ -85,29 +85,39 @@ class MLA(nnx.Module):
             self.w_gate = param(normal(rngs, (d, N, V), dtype), _QKV)
         self.wo = param(normal(rngs, (N, V, d), dtype), ("heads", "head_dim", "embed"))
 
-    def project(self, x, norm_eps: float):
-        """x [B, T, D] → q [B, T, N, Hn+Hr], c_kv [B, T, R] (normed latent, x.dtype), k_rope [B, T, Hr] (acc)."""
+    def project(self, x, norm_eps: float, rows=None):
+        """x [B, T, D] → q [B, T, N, Hn+Hr], c_kv [B, T, R] (normed latent, x.dtype), k_rope [B, T, Hr] (acc).
+        ``rows``: a ``RowSplit`` the queries enter (``RowSplit.enter``; a no-op unless x holds every row): with a
+        query low rank before its up-projection, so each device up-projects its own rows only."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         rkv = self.kv_a_norm.shape[0]
         if hasattr(self, "q_a"):
             c_q = lora.proj(self, "q_a", "btd,dr->btr", x, self.q_a[...].astype(cdt), acc)
             c_q = rms_norm(c_q, self.q_a_norm[...], norm_eps, out_dtype=cdt)
+            c_q = c_q if rows is None else rows.enter(c_q, None)
             q = lora.proj(self, "q_b", "btr,rnh->btnh", c_q, self.q_b[...].astype(cdt), acc)
         else:
             q = lora.proj(self, "wq", "btd,dnh->btnh", x, self.wq[...].astype(cdt), acc)
+            q = q if rows is None else rows.enter(q, 2)
         ckv = lora.proj(self, "kv_a", "btd,dr->btr", x, self.kv_a[...].astype(cdt), acc)
         c_kv = rms_norm(ckv[..., :rkv], self.kv_a_norm[...], norm_eps, out_dtype=cdt)
         return q, c_kv, ckv[..., rkv:]  # k_rope: ONE slice shared by all heads, not rotated (NoPE)
 
-    def output(self, x, o):
-        """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype."""
+    def output(self, x, o, rows=None):
+        """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype. ``rows``:
+        a ``RowSplit`` whose rows o is split by (``RowSplit.leave`` gathers them where x holds every row): where it
+        ``gates_rows`` the gate applies per row and the gated o, in x.dtype, is gathered — half the bytes of the fp32
+        o and no whole-row gate pass."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
+        early = rows is not None and rows.gates_rows
+        o = rows.leave(o, 2) if rows is not None and not early else o
         if hasattr(self, "w_gate"):
             gate = lora.proj(self, "w_gate", "btd,dnv->btnv", x, self.w_gate[...].astype(cdt), acc)
-            o = jax.nn.sigmoid(gate) * o
-        y = lora.proj(self, "wo", "btnv,nvd->btd", o.astype(cdt), self.wo[...].astype(cdt), acc)
+            o = jax.nn.sigmoid(rows.enter(gate, 2) if early else gate) * o
+        o = rows.leave(o.astype(cdt), 2) if early else o.astype(cdt)
+        y = lora.proj(self, "wo", "btnv,nvd->btd", o, self.wo[...].astype(cdt), acc)
         return y.astype(cdt)
 
     def __call__(self, x, *, norm_eps: float, block_size: int = 512, segment_ids=None, context=None,
@@ -174,8 +184,7 @@ class MLA(nnx.Module):
         Returns (y [B, T, D] in x.dtype, the updated cache)."""
         N, Hn, Hr, V = self.dims
         B, T = x.shape[:2]
-        q, c_kv, k_rope = self.project(x, norm_eps)
-        q = q if rows is None else rows.enter(q, 2)
+        q, c_kv, k_rope = self.project(x, norm_eps, rows)
         start = jnp.asarray(start, jnp.int32)
         lengths = jnp.asarray(lengths, jnp.int32)
         S = cache["c_kv"].shape[-2]
@@ -216,7 +225,7 @@ class MLA(nnx.Module):
             args = (q[..., :Hn], q[..., Hn:], new["c_kv"], new["k_rope"], kv_b[..., :Hn], kv_b[..., Hn:])
             kw = dict(q_pos=pos, kv_len=start + lengths, layer=layer)
             o = attend(*args, **kw) if rows is None else rows.latent_decode(attend, *args, **kw)
-        return self.output(x, o if rows is None else rows.leave(o, 2)), new
+        return self.output(x, o, rows), new
 
 
 __all__ = ["MAX_DECODE_QUERIES", "MLA", "MLADims", "big_key_block"]

@@ -127,22 +127,25 @@ class DecoderLayer(nnx.Module):
 
         start [B]: tokens already in the cache per row; lengths [B]: real tokens of the piece per row. layer: None,
         or the index of this layer's slice in a cache stacked over the scanned groups (``model.cache``): MLA
-        writes and reads its latent in the stack in place; KDA's state and tails are small and are sliced out and
-        written back. context: a ``ContextParallel`` (the piece split over devices), or None. rows: a ``RowSplit``
-        (the caches' rows split over devices; the stream's too unless ``stream_whole``), where KDA's core and MLA's
-        attention run per row shard, or None."""
+        writes and reads its latent in the stack in place; KDA's conv tails are small and are sliced out and written
+        back, its state is advanced in the stack (in place by the decode kernel). context: a ``ContextParallel``
+        (the piece split over devices), or None. rows: a ``RowSplit`` (the caches' rows split over devices; the
+        stream's too unless ``stream_whole``), where KDA's core and MLA's attention run per row shard, or None."""
         if rows is not None and rows.stream_whole:   # the projections see every row (``RowSplit.enter``)
             h = rows.whole(h)
         if hasattr(self, "mla"):
             return self.mla.extend(h, cache, start=start, lengths=lengths, norm_eps=cfg.mla_norm_eps,
                                    block_size=run.mla_block_size, absorbed=absorbed, layer=layer, context=context,
                                    impl=run.mla_impl, rows=rows)
-        mine = cache if layer is None else jax.tree.map(lambda x: x[layer], cache)
+        # stacked: the state stays whole (KDA advances its slice, in place under the decode kernel), the rest sliced
+        mine = cache if layer is None else {n: x if n == "state" else x[layer] for n, x in cache.items()}
         y, new = self.kda(h, eps=cfg.rms_norm_eps, impl=run.kda_impl, chunk_size=run.kda_chunk_size, cache=mine,
-                          lengths=lengths, start=start, context=context, rows=rows)
+                          lengths=lengths, start=start, context=context, rows=rows, layer=layer,
+                          step_impl=run.kda_step_impl)
         if layer is not None:
-            new = jax.tree.map(lambda x, n: jax.lax.dynamic_update_index_in_dim(x, n.astype(x.dtype), layer, 0),
-                               cache, new)
+            new = {n: x if n == "state" else jax.lax.dynamic_update_index_in_dim(cache[n], x.astype(cache[n].dtype),
+                                                                                   layer, 0)
+                   for n, x in new.items()}
         return y, new
 
     def ffn(self, h, cfg: K3Config, run: RunConfig, dispatch):

@@ -103,15 +103,26 @@ class RowSplit:
         stream under ``stream_whole``."""
         return self._pin(x, None, whole=True)
 
-    def enter(self, x, heads_dim: int):
-        """A mixer's per-row input ``x`` [B, ...] (heads at ``heads_dim``) handed from a whole stream to the rows'
-        split: pinned whole first, so that the projection that made it reduces its partial sums over the width's
-        axes, then sliced. Left to itself the partitioner computed such projections on a slice of the rows with
-        their weights all-gathered over the width's axis (kimi-k3 decode at B = 64 on v5p-64: 66 gathers of
-        [3072, 7168] per step; experiments/LOG.md, 2026-12-07). Unchanged when the stream is split by rows."""
+    def enter(self, x, heads_dim: int | None):
+        """A mixer's per-row input ``x`` [B, ...] (heads at ``heads_dim``, or None: no heads dimension) handed from
+        a whole stream to the rows' split: pinned whole first, so that the projection that made it reduces its
+        partial sums over the width's axes, then sliced. Left to itself the partitioner computed such projections
+        on a slice of the rows with their weights all-gathered over the width's axis (kimi-k3 decode at B = 64 on
+        v5p-64: 66 gathers of [3072, 7168] per step; experiments/LOG.md, 2026-12-07). Unchanged when the stream is
+        split by rows."""
         if not self.stream_whole:
             return x
         return self._pin(self._pin(x, heads_dim, whole=True), heads_dim, whole=False)
+
+    @property
+    def gates_rows(self) -> bool:
+        """Whether a mixer applies its output gate per row, before ``leave`` gathers its output (else after): where
+        the stream holds every row and the heads are not split. There the gate's partial sums are all-reduced with
+        the projections' and the gather carries one gated array (kimi-k3 decode at B = 64 on v5p-64, serve
+        expert=64: 0.3 GB per chip and step fewer). With the heads split over ``tensor`` XLA all-reduced the gate
+        apart from them: one collective more per layer, 93 in all, for 0.3 ms more step on serve expert=16,tensor=4
+        (the latency term; experiments/LOG.md, 2026-12-07 session 35)."""
+        return self.stream_whole and not self.head_axes
 
     def leave(self, x, heads_dim: int):
         """A per-row output ``x`` [B, ...] back to the whole stream (an all-gather over the rows' axes) before the
@@ -172,6 +183,17 @@ class RowSplit:
         # all-to-alls, whose results vary as their inputs do
         return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=P(b, None, h, None),
                              check_vma=False)(*args)
+
+
+    def kda_step(self, step, q, k, v, g, beta, states, layer):
+        """``step(q, k, v, g, beta, states, layer)`` → (o, states) run per device on its rows and heads: KDA's decode
+        kernel (``layers.backends.kda_decode_step``) on the rows' split of the stacked state (``cache_shardings``:
+        rows over the rows' axes, heads over the heads' axes). q, k, g [B, N, K], v [B, N, V], beta [B, N] split
+        like it; states [L, B, N, K, V]; layer an int32 scalar. Returns (o [B, N, V], states), split alike."""
+        b, h = _spec(self.row_axes), _spec(self.head_axes)
+        vec, st = P(b, h, None), P(None, b, h, None, None)
+        return jax.shard_map(step, mesh=self.mesh, in_specs=(vec, vec, vec, vec, P(b, h), st, P()),
+                             out_specs=(vec, st))(q, k, v, g, beta, states, jnp.asarray(layer, jnp.int32))
 
 
 __all__ = ["RowSplit", "latent_cache_rows"]

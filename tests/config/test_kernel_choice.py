@@ -35,14 +35,17 @@ def test_auto_falls_back_per_op_and_pallas_refuses_naming_the_kernel():
     # a multi-chip mesh: the KDA and MLA kernels are not partitioned by the compiler; the packed experts run inside
     # expert parallelism's shard_map
     run = with_kernels(BASE, "auto", "tpu", devices=64)
-    assert (run.kda_impl, run.mla_impl, run.packed_kernel) == ("chunked", "xla", "pallas")
+    assert (run.kda_impl, run.mla_impl, run.packed_kernel, run.kda_step_impl) == ("chunked", "xla", "pallas", "xla")
     with pytest.raises(InputError, match="KDA chunk kernel cannot run here: it runs on one tpu device"):
         with_kernels(BASE, "pallas", "tpu", devices=64)
     # under context parallelism both run inside the sequence's shard_map, one call per device
     assert _kernels(with_kernels(BASE, "pallas", "tpu", context=True, devices=64)) == KERNEL_FIELDS["pallas"]
-    # whole sequences per device under a row split (no cache): the MLA flash kernel runs per device; KDA stays XLA
+    # whole sequences per device under a row split: the MLA kernels and KDA's decode step run per device; KDA's
+    # chunk kernel stays XLA
     run = with_kernels(BASE, "auto", "tpu", devices=64, rows=True)
-    assert (run.kda_impl, run.mla_impl) == ("chunked", "pallas")
+    assert (run.kda_impl, run.mla_impl, run.kda_step_impl) == ("chunked", "pallas", "pallas")
+    with pytest.raises(InputError, match="KDA decode step kernel cannot run here: it runs on one tpu device"):
+        with_kernels(BASE, "pallas", "tpu", devices=64, kda_impl="chunked", mla_impl="xla")
     assert kernel_refusal("mla_impl", "gpu", devices=8, rows=True) is None
     # LoRA dropout on the attention adapters: the MLA kernel takes kv_b merged, so auto keeps MLA on XLA
     drop = BASE.replace(lora=LoRAConfig(dropout=0.1))

@@ -33,6 +33,7 @@ from k3jax.reference import kda as kda_ref
 from k3jax.testing import TOL, assert_close
 from pallas_kernels.glu_quant import glu_mxfp8
 from pallas_kernels.kda import kda_chunk
+from pallas_kernels.kda.step import kda_step as kda_decode_step
 from pallas_kernels.mla import mla_decode, mla_flash
 from pallas_kernels.mxfp4_matmul import mxfp4_gmm, mxfp4_matmul
 from pallas_kernels.mxfp4_matmul.reference import mxfp4_gmm_loop_reference, mxfp4_matmul_reference
@@ -142,6 +143,20 @@ def _rows_ffn_case(F, N, sharding):
                stack(P, F), S((), jnp.int32)]
 
 
+STEP_ROWS, STEP_LAYERS = 4, 22   # the KDA decode step: a chip's rows (decode B = 64 on serve expert=16) and a stack
+
+
+def _kda_step_case(sharding):
+    S = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)  # noqa: E731
+    vec = (STEP_ROWS, H, DK)
+
+    def f(q, k, v, g, beta, states, layer):
+        return kda_decode_step(q, k, v, g, beta, states, layer, scale=DK ** -0.5)
+
+    return f, [S(vec), S(vec), S(vec), S(vec), S(vec[:2]), S((STEP_LAYERS, *vec, DK)),
+               jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # cuda: Triton lowering (seconds)
 
@@ -211,11 +226,14 @@ TPU_CASES = {
     # F = 3072 (expert = 64) and F = 768 (its F over tensor = 4); 64 rows (decode B = 64), 512 (its MAX_ROWS: verify)
     "rows_ffn-v5p": ("rows_ffn", "v5p", (3072, 64)), "rows_ffn-v6e": ("rows_ffn", "v6e", (768, 64)),
     "rows_ffn-v5p-512rows": ("rows_ffn", "v5p", (3072, 512)),
+    # KDA's decode step, the state updated in place in a 22-layer stack (donated: no copy of the stack)
+    "kda_step-v5p": ("kda_step", "v5p", None), "kda_step-v6e": ("kda_step", "v6e", None),
 }
 # default suite: every kernel entry point once per generation (~35 s on an idle 2-core machine, KDA most of it), and
 # KDA with packed documents once (~4 s more)
 # ... and each MLA kernel once (v5p: decode 3.3 s, the flash forward ~6 s; v6e in the slow pass)
-_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p", "glu_mxfp8-v5p", "rows_ffn-v5p"]
+_DEFAULT = list(TPU_CASES)[:8] + ["mla_decode-v5p-T8-stacked", "mla_flash-v5p", "glu_mxfp8-v5p", "rows_ffn-v5p",
+                                  "kda_step-v5p"]
 TPU_TIERS = {"default": _DEFAULT, "slow": [c for c in TPU_CASES if c not in _DEFAULT]}
 _LOCK = "/tmp/k3jax_libtpu_tests.lock"
 
@@ -246,6 +264,9 @@ def _tpu_compile(name) -> dict:
     elif kind == "rows_ffn":
         f, args = _rows_ffn_case(*arg, sharding)
         out_bytes = arg[1] * WEIGHTS["w13"][1] * 4                    # y [N, P] fp32
+    elif kind == "kda_step":
+        f, args = _kda_step_case(sharding)
+        out_bytes = STEP_ROWS * H * DK * 4 + STEP_LAYERS * STEP_ROWS * H * DK * DK * 4   # o, the stack (aliased)
     elif kind in ("kda", "kda_segments"):
         segments = kind == "kda_segments"
         f, args = _kda(arg, segments), _kda_args(sharding, segments)
@@ -258,9 +279,11 @@ def _tpu_compile(name) -> dict:
     t0 = time.perf_counter()
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # also what Mosaic reads the TPU version from
         platform = target_platform()
-        compiled = jax.jit(f).lower(*args).compile()
+        donate = (5,) if kind == "kda_step" else ()                      # the stacked state, updated in place
+        compiled = jax.jit(f, donate_argnums=donate).lower(*args).compile()
     mem = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes")
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes", "generated_code_size_in_bytes",
+              "alias_size_in_bytes")
     return {"platform": platform, "compile_s": round(time.perf_counter() - t0, 2),
             "input_bytes": sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(args)),
             "want_output_bytes": out_bytes,
@@ -307,6 +330,9 @@ def test_kernels_compile_for_tpu(tier):
         assert r["platform"] == "tpu" and r["mosaic"], name
         assert r["argument_size_in_bytes"] >= r["input_bytes"], name  # every input reaches the chip, maybe padded
         assert r["output_size_in_bytes"] >= r["want_output_bytes"], name
+        if name.startswith("kda_step"):   # the donated stack is the output's buffer, and no copy of it is made
+            stack = STEP_LAYERS * STEP_ROWS * H * DK * DK * 4
+            assert r["alias_size_in_bytes"] >= stack and r["temp_size_in_bytes"] < stack // STEP_LAYERS, (name, r)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -89,10 +89,11 @@ def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes, mla,
     """The batch split over the token axes (data x expert: 8 rows, one per device; ep_tp: 4 ways, KDA heads and
     their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache. MLA runs
     per device under the row split (k3jax/sharding/row_split.py): ``pallas``, its kernels (interpreted; the flash
-    kernel on the prefill piece, the split-KV decode kernel on each step), against one device's XLA path. With 8
-    rows on expert 4 x tensor 2 the latent cache's rows take ``tensor`` too (``latent_cache_rows``), with 4 not."""
+    kernel on the prefill piece, the split-KV decode kernel on each step) and KDA's decode-step kernel on each step's
+    rows and heads, against one device's XLA path. With 8 rows on expert 4 x tensor 2 the latent cache's rows take
+    ``tensor`` too (``latent_cache_rows``), with 4 not."""
     tokens = _tokens(batch, T, 0)
-    run = RUN.replace(mla_impl=mla)
+    run = RUN.replace(mla_impl=mla, kda_step_impl=mla)
     got, cache = _program(params, mesh_axes, "prefill", batch, run=run)(params, tokens,
                                                                          C.init_cache(TINY, batch, CONTEXT, RUN))
     ref, ref_cache = C.prefill(params, tokens, None, C.init_cache(TINY, batch, CONTEXT, RUN), TINY, RUN,
@@ -114,18 +115,22 @@ def test_small_batch_rule_decode_equals_one_device(params, packed_kernel):
     _decode_both(params, "data=2,expert=4", cache, cache, last, 2, small=True, packed_kernel=packed_kernel)
 
 
-@pytest.mark.parametrize("mla", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_serve_decode_keeps_rows_whole_and_splits_the_caches(params, mla):
-    """The serve column at a batch that divides its token axis (8 rows on expert 4 x tensor 2, the width over
-    expert): every row on every device for the projections and the experts (one psum), the caches split by rows —
-    the KDA state over expert x heads, the latent over expert x tensor — and the attention per row shard between
-    ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the decode kernel, interpreted)."""
+@pytest.mark.parametrize("mesh_axes,mla", [("expert=4,tensor=2", "xla"), ("expert=8", "pallas"),
+                                           pytest.param("expert=4,tensor=2", "pallas", marks=pytest.mark.slow)])
+def test_serve_decode_keeps_rows_whole_and_splits_the_caches(params, mesh_axes, mla):
+    """The serve column at a batch that divides its token axis (8 rows on expert 4 x tensor 2, or expert 8; the
+    width over expert): every row on every device for the projections and the experts (one psum), the caches split
+    by rows — the KDA state over expert x heads, the latent over expert x tensor — and the attention per row shard
+    between ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the MLA decode kernel and KDA's
+    decode-step kernel, interpreted, the state advanced in its stack in place). On expert 8 (the heads whole) the
+    queries are up-projected per row and both output gates apply per row before the gather
+    (``RowSplit.gates_rows``)."""
     tokens = _tokens(8, T, 2)
     last, cache = C.prefill(params, tokens, None, C.init_cache(TINY, 8, CONTEXT, RUN), TINY, RUN, last_only=True)
-    sizes, _ = place.resolve_mesh("expert=4,tensor=2", devices=8, strategy="serve")
+    sizes, _ = place.resolve_mesh(mesh_axes, devices=8, strategy="serve")
     assert place.whole_rows("serve", sizes, 8) and not place.small_batch("serve", sizes, 8)
-    _decode_both(params, "expert=4,tensor=2", cache, cache, last, 8, small=False, run=RUN.replace(mla_impl=mla),
-                 strategy="serve")
+    _decode_both(params, mesh_axes, cache, cache, last, 8, small=False,
+                 run=RUN.replace(mla_impl=mla, kda_step_impl=mla), strategy="serve")
 
 
 @pytest.mark.parametrize("mode,batch", [("decode", 8), pytest.param("decode", 1, marks=pytest.mark.slow),
