@@ -199,8 +199,8 @@ class KDA(nnx.Module):
         layer: None, or this layer's index in a cache whose state is stacked over layers (cache["state"]
         [L, B, N, K, V]; the other leaves are this layer's): the returned state is the stack with this layer's slice
         advanced. step_impl: a one-token step's "xla" update or "pallas" kernel (``backends.kda_decode_step``:
-        the state read and written once, in place in its stack; per device under ``rows``; XLA's step on a GPU and
-        under ``context``)."""
+        the state read and written once, in place in its stack; per device under ``rows`` where it holds every head,
+        ``RowSplit.heads_whole``; XLA's step on a GPU, under ``context`` and under rows with the heads split)."""
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if segment_ids is not None and (cache or lengths is not None or start is not None):
@@ -216,6 +216,13 @@ class KDA(nnx.Module):
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
         us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct) for name in ("wq", "wk", "wv")]
+        # head-major columns (docs/model.md §2.1), flattened after the rows' entry where each device holds every head
+        # (``RowSplit.heads_whole``): there, flattened before it, XLA copied a projection's whole-row output to a new
+        # layout per layer (0.04 GB per chip and step, kimi-k3 decode B = 64 on v5p-64 serve expert=64); with the
+        # heads split the order is reversed (0.5 GB less on v6e-256, serve expert=64,tensor=4; experiments/LOG.md,
+        # 2026-12-07 session 35). The same values either way.
+        late = rows is not None and rows.heads_whole
+        us = us if late else [u.reshape(B, T, -1) for u in us]
         ws = [w[...] for w in (self.conv_q, self.conv_k, self.conv_v)]
         tails = [cache.get(n) for n in ("conv_q", "conv_k", "conv_v")]
         raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],
@@ -228,7 +235,7 @@ class KDA(nnx.Module):
         if rows is not None:                      # the cache's rows (a no-op unless the stream holds every row)
             us = [rows.enter(u, 2) for u in us]
             g, beta = rows.enter(g, 2), rows.enter(beta, 2)
-        us = [u.reshape(B, T, -1) for u in us]                       # head-major columns (docs/model.md §2.1)
+        us = [u.reshape(B, T, -1) for u in us] if late else us
         if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged
             real = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
             g = jnp.where(real[:, :, None, None], g, 0.0)
@@ -255,7 +262,8 @@ class KDA(nnx.Module):
             k = kda_ops.l2norm(k.reshape(B, T, N, K))
             v = v.reshape(B, T, N, -1)
             if state is not None and T == 1:
-                step = backends.kda_decode_step(scale=scale) if step_impl == "pallas" and context is None else None
+                kernel = step_impl == "pallas" and context is None and (rows is None or rows.heads_whole)
+                step = backends.kda_decode_step(scale=scale) if kernel else None
                 if step is None:
                     o, S = kda_ops.kda_step(q, k, v, g, beta, state, scale=scale)
                 else:                                     # an unstacked state is a stack of one
@@ -271,15 +279,15 @@ class KDA(nnx.Module):
                 o, S = _core(impl, q, k, v, g, beta, scale=scale, initial_state=state, chunk_size=chunk_size,
                              gate_lower_bound=self.gate_lower_bound, segment_ids=segment_ids)
         o = o.astype(ct)
-        late = rows is not None and not rows.gates_rows          # the output norm and gate after the rows' gather
-        o = rows.leave(o, 2) if late else o
+        gather_first = rows is not None and not rows.heads_whole    # the output norm and gate after the gather
+        o = rows.leave(o, 2) if gather_first else o
         o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps) * self.o_norm[...].astype(ct)
         if hasattr(self, "w_gate"):
             gate = lora.proj(self, "w_gate", "btd,dnk->btnk", x, self.w_gate[...], ct)
         else:
             gate = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.g_a), self.g_b[...],
                               preferred_element_type=ct)
-        if rows is not None and not late:      # per row, then the rows' gather (``RowSplit.gates_rows``)
+        if rows is not None and not gather_first:     # per row, then the rows' gather (``RowSplit.heads_whole``)
             o = rows.leave(o * jax.nn.sigmoid(rows.enter(gate, 2)), 2)
         else:
             o = o * jax.nn.sigmoid(gate)

@@ -107,11 +107,11 @@ class MLA(nnx.Module):
     def output(self, x, o, rows=None):
         """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype. ``rows``:
         a ``RowSplit`` whose rows o is split by (``RowSplit.leave`` gathers them where x holds every row): where it
-        ``gates_rows`` the gate applies per row and the gated o, in x.dtype, is gathered — half the bytes of the fp32
+        ``heads_whole`` the gate applies per row and the gated o, in x.dtype, is gathered — half the bytes of the fp32
         o and no whole-row gate pass."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
-        early = rows is not None and rows.gates_rows
+        early = rows is not None and rows.heads_whole
         o = rows.leave(o, 2) if rows is not None and not early else o
         if hasattr(self, "w_gate"):
             gate = lora.proj(self, "w_gate", "btd,dnv->btnv", x, self.w_gate[...].astype(cdt), acc)

@@ -115,13 +115,16 @@ class RowSplit:
         return self._pin(self._pin(x, heads_dim, whole=True), heads_dim, whole=False)
 
     @property
-    def gates_rows(self) -> bool:
-        """Whether a mixer applies its output gate per row, before ``leave`` gathers its output (else after): where
-        the stream holds every row and the heads are not split. There the gate's partial sums are all-reduced with
-        the projections' and the gather carries one gated array (kimi-k3 decode at B = 64 on v5p-64, serve
-        expert=64: 0.3 GB per chip and step fewer). With the heads split over ``tensor`` XLA all-reduced the gate
-        apart from them: one collective more per layer, 93 in all, for 0.3 ms more step on serve expert=16,tensor=4
-        (the latency term; experiments/LOG.md, 2026-12-07 session 35)."""
+    def heads_whole(self) -> bool:
+        """Whether the stream holds every row and each device every head (serve with no ``tensor`` axis). There a
+        mixer applies its output gate per row, before ``leave`` gathers its output, and KDA's decode step runs its
+        kernel: the gate's partial sums are all-reduced with the projections' and the gather carries one gated
+        array; the kernel reads and writes each layer's state once (kimi-k3 decode at B = 64 on v5p-64, serve
+        expert=64: 32.5 → 31.2 GB per chip and step together). With the heads split over ``tensor`` XLA all-reduced
+        the gate apart from the projections (one collective more per layer: 0.3 ms more step on serve
+        expert=16,tensor=4), and around the kernel it made 66 of its empty all-reduces real ones over the 64-way
+        expert axis (2.1 ms more step on v6e-256, serve expert=64,tensor=4; both the latency term's;
+        experiments/LOG.md, 2026-12-07 session 35): there the gate applies after the gather and XLA's step runs."""
         return self.stream_whole and not self.head_axes
 
     def leave(self, x, heads_dim: int):

@@ -124,7 +124,7 @@ def test_serve_decode_keeps_rows_whole_and_splits_the_caches(params, mesh_axes, 
     between ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the MLA decode kernel and KDA's
     decode-step kernel, interpreted, the state advanced in its stack in place). On expert 8 (the heads whole) the
     queries are up-projected per row and both output gates apply per row before the gather
-    (``RowSplit.gates_rows``)."""
+    (``RowSplit.heads_whole``)."""
     tokens = _tokens(8, T, 2)
     last, cache = C.prefill(params, tokens, None, C.init_cache(TINY, 8, CONTEXT, RUN), TINY, RUN, last_only=True)
     sizes, _ = place.resolve_mesh(mesh_axes, devices=8, strategy="serve")
