@@ -215,14 +215,8 @@ class KDA(nnx.Module):
         ct = acc_dtype(x.dtype)
         mm = lambda eq, a, b: jnp.einsum(eq, a, b[...], preferred_element_type=ct)  # noqa: E731
         cache = cache or {}
-        us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct) for name in ("wq", "wk", "wv")]
-        # head-major columns (docs/model.md §2.1), flattened after the rows' entry where each device holds every head
-        # (``RowSplit.heads_whole``): there, flattened before it, XLA copied a projection's whole-row output to a new
-        # layout per layer (0.04 GB per chip and step, kimi-k3 decode B = 64 on v5p-64 serve expert=64); with the
-        # heads split the order is reversed (0.5 GB less on v6e-256, serve expert=64,tensor=4; experiments/LOG.md,
-        # 2026-12-07 session 35). The same values either way.
-        late = rows is not None and rows.heads_whole
-        us = us if late else [u.reshape(B, T, -1) for u in us]
+        us = [lora.proj(self, name, "btd,dnk->btnk", x, getattr(self, name)[...], ct).reshape(B, T, -1)
+              for name in ("wq", "wk", "wv")]                                # head-major columns (docs/model.md §2.1)
         ws = [w[...] for w in (self.conv_q, self.conv_k, self.conv_v)]
         tails = [cache.get(n) for n in ("conv_q", "conv_k", "conv_v")]
         raw = jnp.einsum("btr,rnk->btnk", mm("btd,dr->btr", x, self.f_a), self.f_b[...],
@@ -235,7 +229,6 @@ class KDA(nnx.Module):
         if rows is not None:                      # the cache's rows (a no-op unless the stream holds every row)
             us = [rows.enter(u, 2) for u in us]
             g, beta = rows.enter(g, 2), rows.enter(beta, 2)
-        us = [u.reshape(B, T, -1) for u in us] if late else us
         if lengths is not None:                                     # padding: g = 0, beta = 0 keeps S unchanged
             real = jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
             g = jnp.where(real[:, :, None, None], g, 0.0)

@@ -106,9 +106,9 @@ class MLA(nnx.Module):
 
     def output(self, x, o, rows=None):
         """Per-head attention output o [B, T, N, V] (acc) → the gated, projected y [B, T, D] in x.dtype. ``rows``:
-        a ``RowSplit`` whose rows o is split by (``RowSplit.leave`` gathers them where x holds every row): where it
-        ``heads_whole`` the gate applies per row and the gated o, in x.dtype, is gathered — half the bytes of the fp32
-        o and no whole-row gate pass."""
+        a ``RowSplit`` whose rows o is split by (``RowSplit.leave`` gathers them where x holds every row): where
+        ``rows.heads_whole`` the gate applies per row and the gated o, in x.dtype, is gathered — half the bytes of
+        the fp32 o and no whole-row gate pass."""
         acc = acc_dtype(x.dtype)
         cdt = x.dtype
         early = rows is not None and rows.heads_whole
