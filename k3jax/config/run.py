@@ -19,8 +19,9 @@ KDAImpl = Literal["recurrent", "chunked", "pallas"]
 # decode steps of up to 8 tokens per row).
 MLAImpl = Literal["xla", "pallas"]
 # KDA's one-token decode step: XLA's update, or the Pallas TPU kernel (pallas_kernels/kda/step.py: each layer's state
-# read and written once, in place in its stack). XLA's step runs on a GPU (the kernel has no Triton schedule) and
-# under a context split (the step is outside the sequence's shard_map).
+# read and written once, in place in its stack). XLA's step runs on a GPU (the kernel has no Triton schedule), under
+# a context split (the step is outside the sequence's shard_map) and under a row split whose heads are split over
+# tensor (``RowSplit.heads_whole``: there the kernel's shard_map cost step time on the TPU compiler).
 KDAStepImpl = Literal["xla", "pallas"]
 # Who runs packed MXFP4 expert stacks under expert parallelism (k3jax/sharding/expert_parallel.py): "auto" the
 # Pallas kernel when compiling for a GPU or TPU and the XLA tile loop for a CPU, "pallas" the kernel always (its TPU

@@ -120,11 +120,12 @@ class RowSplit:
         mixer applies its output gate per row, before ``leave`` gathers its output, and KDA's decode step runs its
         kernel: the gate's partial sums are all-reduced with the projections' and the gather carries one gated
         array; the kernel reads and writes each layer's state once (kimi-k3 decode at B = 64 on v5p-64, serve
-        expert=64: 32.5 → 31.2 GB per chip and step together). With the heads split over ``tensor`` XLA all-reduced
-        the gate apart from the projections (one collective more per layer: 0.3 ms more step on serve
-        expert=16,tensor=4), and around the kernel it made 66 of its empty all-reduces real ones over the 64-way
-        expert axis (2.1 ms more step on v6e-256, serve expert=64,tensor=4; both the latency term's;
-        experiments/LOG.md, 2026-12-07 session 35): there the gate applies after the gather and XLA's step runs."""
+        expert=64: 32.5 → 31.3 GB per chip and step, with MLA's queries up-projected per row). With the heads split
+        over ``tensor`` XLA all-reduced the gate apart from the projections (one collective more per layer: 0.3 ms
+        more step on serve expert=16,tensor=4), and around the kernel it made 66 of its empty all-reduces real ones
+        over the 64-way expert axis (2.1 ms more step on v6e-256, serve expert=64,tensor=4; both the latency
+        term's; experiments/LOG.md, 2026-12-07 session 35): there the gate applies after the gather and XLA's step
+        runs."""
         return self.stream_whole and not self.head_axes
 
     def leave(self, x, heads_dim: int):
@@ -186,7 +187,6 @@ class RowSplit:
         # all-to-alls, whose results vary as their inputs do
         return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=P(b, None, h, None),
                              check_vma=False)(*args)
-
 
     def kda_step(self, step, q, k, v, g, beta, states, layer):
         """``step(q, k, v, g, beta, states, layer)`` → (o, states) run per device on its rows and heads: KDA's decode

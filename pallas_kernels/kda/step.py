@@ -22,7 +22,7 @@ step.) The values are the reference's up to fp32 summation order. No backward: d
 chunked kernel).
 
 TPU schedule only (the CPU interpreter runs it for the tests): a GPU decode keeps XLA's step
-(``k3jax.layers.backends.kda_step`` returns None there).
+(``k3jax.layers.backends.kda_decode_step`` returns None there).
 """
 
 from __future__ import annotations
