@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from k3jax.ops.grouped_matmul import varying_struct
+from k3jax.ops.kda.common import validate_inputs
 from pallas_kernels.mxfp4_matmul.api import interpret_mode
 
 BLOCK_HEADS = 8   # heads per block: [8, 128, 128] fp32 = 512 KiB of state a buffer (in and out double-buffered: 2 MiB)
@@ -60,13 +61,12 @@ def _kernel(layer_ref, q_ref, k_ref, kb_ref, v_ref, g_ref, s_ref, o_ref, s_out_r
 
 
 def _check(q, k, v, g, beta, states, block_heads, interpret):
+    """The jnp step's input checks (``k3jax.ops.kda.validate_inputs``), then the stack, its dtype and the tiling."""
+    validate_inputs(q, k, v, g, beta, None, has_time=False)
     B, N, K = q.shape
     V = v.shape[-1]
     if states.ndim != 5 or tuple(states.shape[1:]) != (B, N, K, V):
         raise ValueError(f"states must be stacked [L, B, N, K, V] = [L, {B}, {N}, {K}, {V}], got {tuple(states.shape)}")
-    if any(tuple(a.shape) != (B, N, K) for a in (k, g)) or tuple(v.shape) != (B, N, V) or tuple(beta.shape) != (B, N):
-        raise ValueError(f"q, k, g must be [B, N, K], v [B, N, V], beta [B, N]; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, g {tuple(g.shape)}, v {tuple(v.shape)}, beta {tuple(beta.shape)}")
     if states.dtype != jnp.float32:
         raise ValueError(f"the KDA decode kernel keeps an fp32 state; got {states.dtype}")
     if N % block_heads or (not interpret and ((block_heads % 8 and block_heads != N) or K % 128 or V % 128)):

@@ -89,9 +89,10 @@ def test_prefill_then_decode_on_a_mesh_equals_one_device(params, mesh_axes, mla,
     """The batch split over the token axes (data x expert: 8 rows, one per device; ep_tp: 4 ways, KDA heads and
     their state over ``tensor``): prefill's last logits, three decode steps' logits and the latent cache. MLA runs
     per device under the row split (k3jax/sharding/row_split.py): ``pallas``, its kernels (interpreted; the flash
-    kernel on the prefill piece, the split-KV decode kernel on each step) and KDA's decode-step kernel on each step's
-    rows and heads, against one device's XLA path. With 8 rows on expert 4 x tensor 2 the latent cache's rows take
-    ``tensor`` too (``latent_cache_rows``), with 4 not."""
+    kernel on the prefill piece, the split-KV decode kernel on each step), against one device's XLA path. KDA's
+    decode-step field is set too, and with the heads split over tensor XLA's step runs (``RowSplit.heads_whole``;
+    the kernel's own case is expert 8 in the serve test below). With 8 rows on expert 4 x tensor 2 the latent
+    cache's rows take ``tensor`` too (``latent_cache_rows``), with 4 not."""
     tokens = _tokens(batch, T, 0)
     run = RUN.replace(mla_impl=mla, kda_step_impl=mla)
     got, cache = _program(params, mesh_axes, "prefill", batch, run=run)(params, tokens,
@@ -121,10 +122,10 @@ def test_serve_decode_keeps_rows_whole_and_splits_the_caches(params, mesh_axes, 
     """The serve column at a batch that divides its token axis (8 rows on expert 4 x tensor 2, or expert 8; the
     width over expert): every row on every device for the projections and the experts (one psum), the caches split
     by rows — the KDA state over expert x heads, the latent over expert x tensor — and the attention per row shard
-    between ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the MLA decode kernel and KDA's
-    decode-step kernel, interpreted, the state advanced in its stack in place). On expert 8 (the heads whole) the
-    queries are up-projected per row and both output gates apply per row before the gather
-    (``RowSplit.heads_whole``)."""
+    between ``RowSplit.enter`` and ``leave`` (MLA's swap over tensor; ``pallas``: the MLA decode kernel,
+    interpreted). On expert 8 (every head on every device, ``RowSplit.heads_whole``) ``pallas`` runs KDA's
+    decode-step kernel too, the state advanced in its stack in place, and both output gates apply per row before
+    the gather; the queries are up-projected per row on both meshes."""
     tokens = _tokens(8, T, 2)
     last, cache = C.prefill(params, tokens, None, C.init_cache(TINY, 8, CONTEXT, RUN), TINY, RUN, last_only=True)
     sizes, _ = place.resolve_mesh(mesh_axes, devices=8, strategy="serve")
