@@ -85,6 +85,8 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
                  and the chosen weights gathered over the experts' axes (two all-reduces: 463 compiled against 454
                  counted on v5p-512 expert=64,tensor=8) —, else the dispatch and combine all-to-alls over the expert
                  axis (A latent rows per token)
+      embedding  with its rows split (``vocab``'s axes, where the vocabulary divides), the token gather is a
+                 masked local gather and one all-reduce of the gathered rows
       caches     where the caches' rows are split (``placement.kernel_rows``; not the small-batch rule) and the
                  latent's rows take the heads' axis too (``row_split.latent_cache_rows``): per MLA layer three
                  all-to-alls over that axis (the queries' two parts, the output) and W_UK / W_UV gathered whole over
@@ -105,7 +107,7 @@ def layer_collectives(cfg: K3Config, spec: PlanSpec, sizes: dict, strategy: str)
     act = tokens * cfg.hidden_size * ACTIVATION_BYTES
     union = lambda *a: tuple(dict.fromkeys(x for t in a for x in t))  # noqa: E731
     norms = 2 if cfg.uses_attn_res and spec.seq_len > GRAM_POSITIONS else 1   # reductions before a projection
-    out = []
+    out = [("all-reduce", vocab, act)] if (vocab := mesh_axes_of("vocab", strategy, sizes, cfg.vocab_size)) else []
     w_ukv = cfg.kv_lora_rank * cfg.mla_num_heads * ACTIVATION_BYTES   # W_UK / W_UV per head dim, gathered whole
     for layer in range(cfg.num_layers):
         moe = cfg.is_moe(layer)

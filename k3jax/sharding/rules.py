@@ -34,7 +34,8 @@ Rules of the game:
   the FIRST dimension (left to right) keeps it and the later one is left unsharded (e.g. ``moe.down [embed, latent]``
   under ``fsdp``: embed → fsdp, latent → replicated). ``param_specs`` never emits a spec naming an axis twice;
 - a dimension that is not divisible by the product of its mesh-axis sizes is a ValueError naming the parameter, the
-  dimension, its logical axis and the mesh axes. Size-1 mesh axes are dropped from specs.
+  dimension, its logical axis and the mesh axes — except over a row's trailing ``IfDivides`` axes, which a
+  dimension takes only where it divides (serve's vocab over expert). Size-1 mesh axes are dropped from specs.
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ from k3jax.notation import LOGICAL_AXES
 from k3jax.pytree import get_path, key_names, path_str
 from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 
+
+class IfDivides(str):
+    """A mesh axis that a rules row takes only where the dimension divides by it (with the row's axes before it);
+    elsewhere the dimension is left unsplit over it, instead of the ValueError an indivisible dimension raises. For
+    splits that are a layout choice the model runs either way, on sizes a user's config may not divide (a
+    vocabulary of 97 over 8 chips). Only a row's trailing axes may be ``IfDivides``."""
+
+
 # --------------------------------------------------------------------------------------------------------------
 # logical axis → mesh axes, one column per strategy. Value: None (replicated), a mesh axis, or a tuple of axes.
 #
@@ -61,11 +70,12 @@ from k3jax.sharding.mesh import MESH_AXES, axis_sizes
 _TOK = ("data", "fsdp", "expert")  # tokens are sharded over every non-tensor axis (EP: the expert axis doubles as DP)
 _Z3 = ("fsdp", "expert")  # zero3_ep_tp: non-expert weights split over fsdp x expert, not fsdp alone
 _C, _E, _T = "context", "expert", "tensor"
+_SERVE_VOCAB = (_T, IfDivides(_E))  # the serve column's vocab row (comment below the table)
 _TABLE = {
     "batch":      (None,  ("data", "fsdp"), _TOK,     _TOK,     _TOK,       _TOK,        _TOK),
     "seq":        (None,  _C,               _C,       _C,       _C,         _C,          _C),
     "embed":      (None,  "fsdp",           None,     None,     "fsdp",     _Z3,         _E),
-    "vocab":      (None,  None,             None,     _T,       _T,         _T,          _T),
+    "vocab":      (None,  None,             None,     _T,       _T,         _T,          _SERVE_VOCAB),
     "heads":      (None,  None,             None,     _T,       _T,         _T,          _T),
     "head_dim":   (None,  None,             None,     None,     None,       None,        None),
     "q_lora":     (None,  None,             None,     None,     None,       _Z3,         None),
@@ -98,8 +108,12 @@ _TABLE = {
 #   MLA layer to save ~14 MB of reads per MLA layer and chip. kv_lora also places the latent cache's last dimension
 #   (cache.CACHE_AXES), which decode reads whole per head.
 # - head_dim, kda_rank, conv_tap, norm, layers, lora_rank: small or contracted inside a head; replicated as in ep_tp.
-# - vocab over tensor and embed over expert: the embedding [vocab, embed] and lm_head [embed, vocab] split over all
-#   chips (vocab 163840 / 8, d / 64).
+# - vocab over tensor, then over expert where the vocabulary divides: the embedding [vocab, embed] has its rows split
+#   over all chips, lm_head [embed, vocab] its width over expert and vocab over tensor (its embed takes expert first).
+#   With the embedding's width split instead, each chip's [163840, 112] slice is stored column-major by the TPU
+#   compiler (a minor dimension under 128 lanes) and the token gather relaid the whole slice out every step: 73 MB
+#   per chip of the B = 64 decode on v5p-64 expert=64. Split by rows, the gather is a masked local one and one
+#   all-reduce of the gathered [tokens, d] (experiments/LOG.md, 2026-12-07 session 36).
 STRATEGIES = ("single", "fsdp", "ep", "ep_tp", "fsdp_ep_tp", "zero3_ep_tp", "serve")
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
     s: {name: col[i] for name, col in _TABLE.items()} for i, s in enumerate(STRATEGIES)
@@ -148,10 +162,10 @@ def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "a
             continue
         if lax_name not in table:
             raise ValueError(f"{name}: unknown logical axis {lax_name!r}; known: {LOGICAL_AXES}")
-        axes = tuple(a for a in table[lax_name] if a not in used and sizes.get(a, 1) > 1)
         for a in table[lax_name]:
             if a not in sizes:
                 raise ValueError(f"{name}: rules map {lax_name!r} to mesh axis {a!r}, absent from the mesh {sizes}")
+        axes = _dividing(tuple(a for a in table[lax_name] if a not in used and sizes.get(a, 1) > 1), n, sizes)
         k = math.prod(sizes[a] for a in axes)
         if n % k and lenient:
             out.append(None)
@@ -164,6 +178,13 @@ def logical_to_spec(logical: tuple, shape: tuple, rules, mesh, *, name: str = "a
     while out and out[-1] is None:
         out.pop()
     return PartitionSpec(*out)
+
+
+def _dividing(axes: tuple, n: int, sizes: dict) -> tuple[str, ...]:
+    """``axes`` less its trailing ``IfDivides`` axes until their product divides ``n``, as plain names."""
+    while axes and isinstance(axes[-1], IfDivides) and n % math.prod(sizes[a] for a in axes):
+        axes = axes[:-1]
+    return tuple(str(a) for a in axes)
 
 
 def param_specs(cfg: K3Config, rules, mesh, params=None):
@@ -213,7 +234,9 @@ def param_shardings(cfg: K3Config, rules, mesh: jax.sharding.Mesh, params=None):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
-def mesh_axes_of(logical: str, rules, mesh) -> tuple[str, ...]:
-    """Mesh axes (size > 1 ones only) that ``logical`` maps to under ``rules`` on ``mesh``."""
+def mesh_axes_of(logical: str, rules, mesh, size: int | None = None) -> tuple[str, ...]:
+    """Mesh axes (size > 1 ones only) that ``logical`` maps to under ``rules`` on ``mesh``; with ``size``, those a
+    dimension of that size takes (its ``IfDivides`` axes where they divide it)."""
     sizes = axis_sizes(mesh)
-    return tuple(a for a in get_rules(rules)[logical] if sizes.get(a, 1) > 1)
+    axes = tuple(a for a in get_rules(rules)[logical] if sizes.get(a, 1) > 1)
+    return tuple(map(str, axes)) if size is None else _dividing(axes, size, sizes)

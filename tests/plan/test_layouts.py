@@ -45,9 +45,10 @@ def test_kimi_k3_decode_on_v5p_64_ranks_the_serve_column_first():
     assert layouts.relaid_bytes(cfg, t8, "ep_tp") == 2 * w2 * (cfg.num_layers - cfg.first_k_dense_replace)
     assert layouts.relaid_bytes(cfg, {**t8, "expert": 16, "tensor": 4}, "ep_tp") == 0
     # ep_tp at B = 1: per MoE layer the routed psum and the router's scores and chosen weights gathered over the
-    # experts' axis (its width is whole, its experts split): 3 + 2 per MoE layer, 2 per dense one (heads, FFN hidden)
+    # experts' axis (its width is whole, its experts split): 3 + 2 per MoE layer, 2 per dense one (heads, FFN hidden);
+    # + 1: the embedding's rows split over tensor, its gathered rows all-reduced
     moe = cfg.num_layers - cfg.first_k_dense_replace
-    assert today["collectives_per_step"] == 2 * cfg.num_layers + 3 * moe
+    assert today["collectives_per_step"] == 2 * cfg.num_layers + 3 * moe + 1
     assert "ms" in choice["why"]
 
 
@@ -67,10 +68,11 @@ def test_kimi_k3_decode_at_64_rows_ranks_serve_with_whole_rows_and_split_caches(
     assert serve["bytes_per_device"] < ep_tp["bytes_per_device"] - 25e9    # 36 GB of weights over 64 chips, not 4
     moe = cfg.num_layers - cfg.first_k_dense_replace
     mla = len(cfg.full_attn_layers)
-    # serve at B = 1 (the small-batch rule): 7 per MoE layer, 6 per dense one; at B = 64 + the per-row attention's
-    assert serve["collectives_per_step"] == 7 * moe + 6 * (cfg.num_layers - moe) + cfg.num_layers + 5 * mla
+    # serve at B = 1 (the small-batch rule): 7 per MoE layer, 6 per dense one; at B = 64 + the per-row attention's;
+    # + 1: the embedding's rows split over tensor x expert (163840 divides by 64), its gathered rows all-reduced
+    assert serve["collectives_per_step"] == 7 * moe + 6 * (cfg.num_layers - moe) + cfg.num_layers + 5 * mla + 1
     # expert=64: no heads' or hidden's axis (no swap, no output or FFN all-reduce over tensor)
-    assert e64["collectives_per_step"] == 5 * moe + 4 * (cfg.num_layers - moe) + cfg.num_layers
+    assert e64["collectives_per_step"] == 5 * moe + 4 * (cfg.num_layers - moe) + cfg.num_layers + 1
     with pytest.raises(InputError, match="--mode prefill"):
         layouts.estimate_layout(cfg, V5P_64, PlanSpec(mode="prefill", mesh="expert=16,tensor=4", strategy="serve",
                                                       batch=16, seq_len=8192, context=8192))

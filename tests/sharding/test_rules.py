@@ -199,3 +199,20 @@ def test_serve_cannot_place_heads_over_64_tensor_ways_and_says_which_axis():
     cfg, params = _abstract("kimi-k3")
     with pytest.raises(InputError, match=r"'heads'.*'tensor'"):
         param_specs(cfg, "serve", {"tensor": 64}, params)
+
+
+def test_serve_splits_the_embedding_rows_over_expert_only_where_the_vocabulary_divides():
+    """Serve's vocab row is tensor, then expert where the vocabulary divides (``IfDivides``): kimi-k3's embedding on
+    expert=64 has its rows split (its width slice [163840, 112] would be relaid out per step for the token gather)
+    and lm_head keeps its width on expert; k3-tiny's 97 rows stay whole on expert=8 and its width takes the axis.
+    A plain mesh axis on an indivisible dimension is still an error."""
+    cfg, params = _abstract("kimi-k3")
+    specs = param_specs(cfg, "serve", {"expert": 64}, params)
+    assert specs["embed"] == PartitionSpec("expert") and specs["lm_head"] == PartitionSpec("expert")
+    assert param_specs(cfg, "serve", {"expert": 16, "tensor": 4}, params)["embed"] == PartitionSpec(
+        ("tensor", "expert"))
+    tiny, tiny_params = _abstract("k3-tiny")
+    assert param_specs(tiny, "serve", {"expert": 8}, tiny_params)["embed"] == PartitionSpec(None, "expert")
+    rules = {**RULES["serve"], "vocab": ("expert",)}
+    with pytest.raises(InputError, match=r"'vocab', size 97"):
+        param_specs(tiny, rules, {"expert": 8}, tiny_params)
