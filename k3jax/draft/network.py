@@ -171,11 +171,13 @@ class DraftModel(nnx.Module):
             z = z + jnp.einsum("...r,r->...", self.markov_w1[...][prev_ids].astype(acc), w[D:])
         return jax.nn.sigmoid(z + self.conf_b[...][0].astype(acc))
 
-    def _block(self, tokens, positions, keys, ctx_mask, blk_mask, embed):
+    def _block(self, tokens, positions, keys, ctx_mask, blk_mask, embed, pin=None):
         """Block tokens [B, Q] at positions [B, Q] over context keys (per layer (c_kv [B, S, R], k_rope [B, S, Hr]))
-        with masks [B, Q, S] / [B, Q, Q] → final-normed h [B, Q, D] in the compute dtype."""
+        with masks [B, Q, S] / [B, Q, Q] → final-normed h [B, Q, D] in the compute dtype. ``pin``: a sharding
+        constraint for the embedded tokens [B, Q, D] (``propose``)."""
         d, cdt = self.dcfg, self.compute_dtype
         h = embed[tokens].astype(acc_dtype(cdt))
+        h = h if pin is None else pin(h)
         mask = jnp.concatenate([ctx_mask, blk_mask], axis=-1)
         for layer, kv in zip(self.layers, keys, strict=True):
             h = layer(h, positions, kv, mask, rope=self.rope, eps=d.rms_norm_eps, act=d.hidden_act, cdt=cdt)
@@ -207,12 +209,13 @@ class DraftModel(nnx.Module):
                            "k_rope": lc["k_rope"].at[rows, dest].set(kr.astype(lc["k_rope"].dtype), mode="drop")})
         return {"layers": layers, "lengths": start + lengths}
 
-    def propose(self, cache: dict, anchor_ids, *, embed, head):
+    def propose(self, cache: dict, anchor_ids, *, embed, head, pin=None):
         """One block per row: [anchor, mask x K] at positions cache["lengths"] + 0..K over the row's context.
 
         anchor_ids [B] int; embed [W, Dt] and head [Dt, W]: the target's. Returns (base_logits [B, K, W] fp32, the
         slots' final-normed hidden states h [B, K, D]); slot k predicts the token at position lengths + k + 1 (add
-        ``markov_bias`` of the token before it)."""
+        ``markov_bias`` of the token before it). ``pin`` (on a mesh): h [B, K + 1, D] constrained to a sharding
+        after the embedding's gather, which otherwise leaves it as the table's split makes it."""
         d = self.dcfg
         K = d.block_size
         anchor_ids = jnp.asarray(anchor_ids, jnp.int32)
@@ -223,7 +226,7 @@ class DraftModel(nnx.Module):
         S = cache["layers"][0]["c_kv"].shape[1]
         ctx_mask = jnp.broadcast_to(jnp.arange(S)[None, None, :] < start[:, None, None], (B, K + 1, S))
         keys = [(lc["c_kv"], lc["k_rope"]) for lc in cache["layers"]]
-        h = self._block(tokens, pos, keys, ctx_mask, jnp.ones((B, K + 1, K + 1), bool), embed)[:, 1:]
+        h = self._block(tokens, pos, keys, ctx_mask, jnp.ones((B, K + 1, K + 1), bool), embed, pin)[:, 1:]
         return self._logits(h, head), h
 
     # --------------------------------------------------------------------------------------------- training
