@@ -10,8 +10,9 @@ plain stack. On the expert-sorted rows
 with every product grouped by expert: the base one by ``_base`` (GPU/TPU: ``lax.ragged_dot``, or the grouped MXFP4
 kernel ``gmm`` from the packed bytes; CPU: a loop over per-expert row tiles, ``grouped_matmul.tile_rows``, that
 decodes one expert's bytes for its tile and multiplies, under ``jax.checkpoint`` so nothing decoded is kept for the
-backward — never a dequantized stack), the adapter's by gathering each tile's factors (r columns: small) into one
-batched product. Gradients reach the rows and A, B (and a float base when it is differentiated); the packed bytes
+backward — never a dequantized stack), the adapter's grouped the same way (``adapter_grouped``: two
+``lax.ragged_dot`` over the sorted rows) or, on the tile loop's path and under dropout, by gathering each tile's
+factors (r columns: small) into one batched product (``adapter_tiles``). Gradients reach the rows and A, B (and a float base when it is differentiated); the packed bytes
 have none. The base products are the frozen weights' own, so with B = 0 the outputs equal the unadapted experts'
 to the summation order of the FFN (the fused paths of grouped_matmul / packed_experts add the same products in
 another order).
@@ -103,10 +104,40 @@ def adapter_tiles(tiled, a, b, acc, dropout: LoraDropout | None = None):
     return d.reshape(-1, d.shape[-1])[back]
 
 
+def adapter_grouped(xs, group_sizes, a, b, acc):
+    """xs [R, in] sorted by expert → [R, out] (acc) = (x A_e) B_e as two grouped products over the sorted rows
+    (``lax.ragged_dot``; a shared A [in, r]: one plain product), the values of ``adapter_tiles`` without its
+    tiling: the rows are never gathered into tiles and the [R, out] result never gathered back. Under the QLoRA
+    step those gathers of float32 rows were the largest HBM traffic the adapters added (experiments/LOG.md,
+    2026-12-07 session 36)."""
+    cdt = xs.dtype
+    if a.ndim == 2:
+        xa = jnp.dot(xs, a.astype(cdt), preferred_element_type=acc)
+    else:
+        xa = lax.ragged_dot(xs, a.astype(cdt), group_sizes, preferred_element_type=acc)
+    return lax.ragged_dot(xa.astype(cdt), b.astype(cdt), group_sizes, preferred_element_type=acc)
+
+
+def _adapter(xs, group_sizes, tiled, w: LoraWeight, acc, impl):
+    """(x A_e) B_e on the sorted rows: ``adapter_grouped`` where the base products are grouped, ``adapter_tiles``
+    on the CPU tile loop's path and wherever the adapter drops its input (the masks are drawn over the tiles)."""
+    def tiles(xs, group_sizes):
+        return adapter_tiles(tiled, w.a, w.b, acc, w.dropout)
+
+    def grouped(xs, group_sizes):
+        return adapter_grouped(xs, group_sizes, w.a, w.b, acc)
+
+    if impl == "tiles" or w.dropout is not None:
+        return tiles(xs, group_sizes)
+    if impl == "grouped":
+        return grouped(xs, group_sizes)
+    return lax.platform_dependent(xs, group_sizes, cpu=tiles, default=grouped)
+
+
 def _product(xs, group_sizes, tiled, w, acc, gmm, impl):
     if not isinstance(w, LoraWeight):
         return _base(xs, group_sizes, tiled, w, acc, gmm, impl)
-    return _base(xs, group_sizes, tiled, w.base, acc, gmm, impl) + adapter_tiles(tiled, w.a, w.b, acc, w.dropout)
+    return _base(xs, group_sizes, tiled, w.base, acc, gmm, impl) + _adapter(xs, group_sizes, tiled, w, acc, impl)
 
 
 def _lora_ffn(xs, group_sizes, w1, w3, w2, act, act_quant, acc, *, gmm, tile, impl="auto"):
@@ -135,4 +166,4 @@ def experts_lora(z_mp, ids_ma, weights_ma, w1, w3, w2, act: Act, *, act_quant: C
                            quantized_input=quantized_input)
 
 
-__all__ = ["LORA_IMPLS", "adapter_tiles", "experts_lora"]
+__all__ = ["LORA_IMPLS", "adapter_grouped", "adapter_tiles", "experts_lora"]

@@ -154,13 +154,16 @@ def test_packed_base_equals_dequantized_base(problem, ct, act_quant):
 def test_tile_loop_equals_grouped_path(problem, ct, base):
     """The base products by the CPU tile loop against the grouped path — ``lax.ragged_dot`` for a float base, the
     grouped MXFP4 kernel (``layers.backends.mxfp4_gmm``, the TPU schedule in its CPU interpreter) for a packed one,
-    which the program really runs — with MXFP8 activations: forward and gradients (fp32_shallow; seen ≤ 1.3e-7)."""
+    which the program really runs — with MXFP8 activations: forward and gradients (fp32_shallow; seen ≤ 1.3e-7). The
+    grouped path runs the adapters' products grouped as well (``adapter_grouped``: two ``ragged_dot`` per stack)
+    against the tile loop's gathered factors."""
     z, ids, wts, packed, floats, a, b = problem
     ws = packed if base == "packed" else floats
     gmm = partial(mxfp4_gmm, platform="tpu") if base == "packed" else None
     fn = lambda impl: partial(experts_lora, act_quant=AQ, gmm=gmm, impl=impl)  # noqa: E731
     jaxpr = str(jax.make_jaxpr(partial(fn("grouped"), act=ACT))(z, ids, wts, *_stacks(ws, a, b)))
     assert jaxpr.count("name=mxfp4_gmm_tpu_fwd" if base == "packed" else "ragged_dot") >= 3
+    assert jaxpr.count("ragged_dot") >= 6 + (3 if base == "float" else 0)
     _check(_fwd_grad(fn("grouped"), z, ids, wts, ws, a, b, ct), _fwd_grad(fn("tiles"), z, ids, wts, ws, a, b, ct),
            TOL["fp32_shallow"], f"{base} grouped vs tiles")
 
