@@ -12,10 +12,10 @@ kernel ``gmm`` from the packed bytes; CPU: a loop over per-expert row tiles, ``g
 decodes one expert's bytes for its tile and multiplies, under ``jax.checkpoint`` so nothing decoded is kept for the
 backward — never a dequantized stack), the adapter's grouped the same way (``adapter_grouped``: two
 ``lax.ragged_dot`` over the sorted rows) or, on the tile loop's path and under dropout, by gathering each tile's
-factors (r columns: small) into one batched product (``adapter_tiles``). Gradients reach the rows and A, B (and a float base when it is differentiated); the packed bytes
-have none. The base products are the frozen weights' own, so with B = 0 the outputs equal the unadapted experts'
-to the summation order of the FFN (the fused paths of grouped_matmul / packed_experts add the same products in
-another order).
+factors (r columns: small) into one batched product (``adapter_tiles``). Gradients reach the rows and A, B (and a
+float base when it is differentiated); the packed bytes have none. The base products are the frozen weights' own,
+so with B = 0 the outputs equal the unadapted experts' to the summation order of the FFN (the fused paths of
+grouped_matmul / packed_experts add the same products in another order).
 
 LoRA dropout (a stack's ``LoraWeight.dropout``, training only): the adapter's input rows are dropped before A, the
 base product reads them undropped. The masks are drawn on the rows each expert receives — one keep bit per (row,
