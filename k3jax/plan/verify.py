@@ -34,7 +34,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from k3jax.config import K3Config
 from k3jax.draft.speculative import accept_greedy
@@ -55,7 +55,7 @@ from k3jax.plan.layouts import estimate_layout
 from k3jax.plan.spec import PlanSpec, run_settings, with_defaults
 from k3jax.pytree import key_names, path_str
 from k3jax.sharding import placement as place
-from k3jax.sharding.rules import logical_to_spec, mesh_axes_of, param_shardings
+from k3jax.sharding.rules import logical_to_spec, param_shardings
 
 ACCEPTANCE_LENGTHS = (2.0, 3.0, 3.5, 4.0)  # tokens emitted per verify step (the K3 draft reports ~3.4-3.5)
 # A published serving figure: keeping a copy of the KDA state per verified position (a "copy" rollback) for K3 at
@@ -83,7 +83,8 @@ def verify_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, p
     p_sh = param_shardings(cfg, strategy, mesh, params)
     shapes = cache_shapes(cfg, B, spec.context, run, stacked=True)
     c_sh = place.cache_shardings(strategy, mesh, shapes, replicated=small)
-    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=small if whole is None else whole)
+    rows_whole = small if whole is None else whole
+    tok_sh = place.batch_sharding(strategy, mesh, 2, replicated=rows_whole)
     gdef, dparams, daxes = abstract_draft(dcfg, run.param_dtype)
     d_sh = jax.tree.map(lambda ps: NamedSharding(mesh, ps), draft_specs(dparams, daxes, strategy, mesh),
                         is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))
@@ -98,11 +99,9 @@ def verify_program(cfg: K3Config, spec: PlanSpec, mesh, strategy: str, *, run, p
     # the draft's embedded tokens: rows as the pieces' and the width split as the draft's weights, whatever split
     # the target's embedding has (serve's rows over every chip left them whole, and XLA then gathered every draft
     # weight and the lm_head whole on every chip: B = 64 verify on v5p-64 expert=64, 62.2 -> 67.9 ms of HBM time)
-    rows = tok_sh.spec[0] if len(tok_sh.spec) else None
-    taken = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
-    width = tuple(a for a in mesh_axes_of("embed", strategy, mesh) if a not in taken)
-    h_sh = NamedSharding(mesh, PartitionSpec(rows, None, width or None))
-    draft_pin = partial(jax.lax.with_sharding_constraint, shardings=h_sh)
+    h_spec = logical_to_spec((None if rows_whole else "batch", None, "embed"), (B, T, cfg.hidden_size), strategy,
+                             mesh, name="the draft's embedded tokens")
+    draft_pin = partial(jax.lax.with_sharding_constraint, shardings=NamedSharding(mesh, h_spec))
 
     def step(p, piece, cache, dp, dcache):
         start = cache["lengths"]

@@ -141,6 +141,8 @@ def get_rules(rules: str | Mapping) -> dict[str, tuple[str, ...]]:
             raise ValueError(f"rule table {name}: logical axis {logical!r} maps to unknown mesh axes {bad}")
         if len(set(t)) != len(t):
             raise ValueError(f"rule table {name}: logical axis {logical!r} names a mesh axis twice: {t}")
+        if any(isinstance(a, IfDivides) and not isinstance(b, IfDivides) for a, b in zip(t, t[1:])):
+            raise ValueError(f"rule table {name}: logical axis {logical!r} has an IfDivides axis before a plain one")
         out[logical] = t
     return out
 

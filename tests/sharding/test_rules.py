@@ -14,7 +14,15 @@ from k3jax.errors import InputError
 from k3jax.model import abstract_params, layout, param_axes
 from k3jax.notation import LOGICAL_AXES
 from k3jax.sharding.mesh import MESH_AXES, make_mesh
-from k3jax.sharding.rules import RULES, STRATEGIES, get_rules, logical_to_spec, param_shardings, param_specs
+from k3jax.sharding.rules import (
+    RULES,
+    STRATEGIES,
+    IfDivides,
+    get_rules,
+    logical_to_spec,
+    param_shardings,
+    param_specs,
+)
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "..", "golden", "sharding")
 BIG = {"data": 2, "fsdp": 4, "expert": 32, "tensor": 8}
@@ -205,7 +213,7 @@ def test_serve_splits_the_embedding_rows_over_expert_only_where_the_vocabulary_d
     """Serve's vocab row is tensor, then expert where the vocabulary divides (``IfDivides``): kimi-k3's embedding on
     expert=64 has its rows split (its width slice [163840, 112] would be relaid out per step for the token gather)
     and lm_head keeps its width on expert; k3-tiny's 97 rows stay whole on expert=8 and its width takes the axis.
-    A plain mesh axis on an indivisible dimension is still an error."""
+    A plain mesh axis on an indivisible dimension is still an error, and so is an IfDivides axis before a plain one."""
     cfg, params = _abstract("kimi-k3")
     specs = param_specs(cfg, "serve", {"expert": 64}, params)
     assert specs["embed"] == PartitionSpec("expert") and specs["lm_head"] == PartitionSpec("expert")
@@ -216,3 +224,5 @@ def test_serve_splits_the_embedding_rows_over_expert_only_where_the_vocabulary_d
     rules = {**RULES["serve"], "vocab": ("expert",)}
     with pytest.raises(InputError, match=r"'vocab', size 97"):
         param_specs(tiny, rules, {"expert": 8}, tiny_params)
+    with pytest.raises(ValueError, match="IfDivides axis before a plain one"):
+        get_rules({**RULES["serve"], "vocab": (IfDivides("expert"), "tensor")})
